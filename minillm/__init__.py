@@ -1,0 +1,23 @@
+"""minillm: a small GPT in plain array code, with its inference optimizations as readable modules.
+
+    >>> import minillm
+    >>> model, tok = minillm.load_model("target")
+    >>> out = minillm.generate(model, tok.encode("ROMEO:"), max_new_tokens=50, temperature=0)
+    >>> print(tok.decode(out.tokens))
+"""
+
+from .backend import is_gpu, to_numpy, xp
+from .checkpoint import CheckpointError, load_model, save_model
+from .config import GPTConfig
+from .generate import GenerationResult, GenerationStats, generate, generate_naive
+from .kv_cache import CacheFullError, GrowingKVCache, KVCache, PrefixCache, kv_cache_bytes
+from .model import GPT
+from .tokenizer import CharTokenizer
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "GPT", "GPTConfig", "CharTokenizer", "KVCache", "GrowingKVCache", "PrefixCache",
+    "CacheFullError", "CheckpointError", "GenerationResult", "GenerationStats", "generate",
+    "generate_naive", "kv_cache_bytes", "load_model", "save_model", "is_gpu", "to_numpy", "xp",
+]  # fmt: skip

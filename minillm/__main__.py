@@ -1,0 +1,5 @@
+"""``python -m minillm``: the command-line interface (see ``minillm.cli``)."""
+
+from .cli import main
+
+raise SystemExit(main())

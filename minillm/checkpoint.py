@@ -1,0 +1,107 @@
+"""Checkpoints: one ``.npz`` file holding the weights plus a JSON header (config, tokenizer, notes).
+
+Files are written atomically: to a temporary file in the same folder, flushed, then renamed over
+the destination, so a crash mid-write never leaves a half-written checkpoint behind.
+``load_model("target")`` and ``load_model("draft")`` load the models shipped in the package.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import zipfile
+from pathlib import Path
+
+import numpy as np
+
+from .config import GPTConfig
+from .tokenizer import CharTokenizer
+
+HEADER_KEY = "__header__.json"
+SHIPPED_DIR = Path(__file__).parent / "models"
+SHIPPED = ("target", "draft")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file is missing, corrupt or inconsistent."""
+
+
+def atomic_save_npz(path, arrays: dict) -> None:
+    """np.savez to a temp file beside ``path``, fsync, then os.replace: all or nothing."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            np.savez(f, **arrays)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def encode_header(header: dict) -> np.ndarray:
+    return np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
+
+
+def read_npz(path) -> tuple[dict, dict]:
+    """Read any minillm .npz -> (header dict, arrays dict); errors name the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"checkpoint not found: {path}")
+    try:
+        with np.load(path, allow_pickle=False) as f:
+            arrays = {k: f[k] for k in f.files}
+        header = json.loads(arrays.pop(HEADER_KEY).tobytes().decode())
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"corrupt checkpoint {path}: {type(exc).__name__}: {exc}") from exc
+    return header, arrays
+
+
+def save_model(path, model, tokenizer: CharTokenizer, dtype=np.float32, notes: dict | None = None):
+    """Write weights (as ``dtype``; float16 halves the file) + config + tokenizer to ``path``."""
+    header = {
+        "format": "minillm-checkpoint-1",
+        "config": model.config.to_dict(),
+        "tokenizer": tokenizer.to_dict(),
+        "notes": notes or {},
+    }
+    arrays = {k: v.astype(dtype) for k, v in model.numpy_params().items()}
+    atomic_save_npz(path, arrays | {HEADER_KEY: encode_header(header)})
+
+
+def shipped_path(name: str) -> Path:
+    return SHIPPED_DIR / f"{name}.npz"
+
+
+def load_model(name_or_path, attention: str = "naive"):
+    """'target', 'draft' or a path -> (GPT, CharTokenizer); weights come back as float32."""
+    from .model import GPT
+
+    name = str(name_or_path)
+    path = shipped_path(name) if name in SHIPPED else Path(name)
+    if name in SHIPPED and not path.is_file():
+        raise CheckpointError(
+            f"shipped model {name!r} not found at {path}; "
+            f"train it with: python -m minillm train --preset {name} --out {path}"
+        )
+    header, arrays = read_npz(path)
+    if header.get("format") != "minillm-checkpoint-1":
+        raise CheckpointError(f"{path} is not a minillm model checkpoint")
+    try:
+        config = GPTConfig.from_dict(header["config"])
+        tokenizer = CharTokenizer.from_dict(header["tokenizer"])
+        model = GPT(config, arrays, attention=attention)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"inconsistent checkpoint {path}: {exc}") from exc
+    return model, tokenizer
+
+
+def model_notes(name_or_path) -> dict:
+    """The notes saved with a checkpoint (training command, losses, ...)."""
+    name = str(name_or_path)
+    header, _ = read_npz(shipped_path(name) if name in SHIPPED else name)
+    return header.get("notes", {})

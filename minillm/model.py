@@ -1,0 +1,160 @@
+"""A GPT-2 forward pass in plain array code (NumPy or CuPy).
+
+    x = wte[idx] + wpe[pos]
+    for each block:  x = x + attn(ln_1(x));  x = x + mlp(ln_2(x))
+    logits = ln_f(x) @ wte^T                                   (the LM head is tied to wte)
+
+Parameters are a flat dict named and laid out like Hugging Face GPT-2's state dict without the
+``transformer.`` prefix (see ``GPTConfig.param_shapes``), so GPT-2 weights map on without renaming.
+
+``forward(idx, cache=None)`` is the only entry point. Without a cache it runs the whole sequence
+(training, and the naive "recompute everything" generation). With a cache it runs only the new
+positions and attends over everything cached: prefill (T tokens), decode (1 token) and speculative
+verification (K tokens) are the same call. A cache object provides three methods:
+
+    positions(T)                  -> absolute positions of the T new tokens, (T,) or (B, T);
+                                     raises before anything is written if they do not fit
+    attend(layer, q, k, v, attn)  -> stores the new k, v and returns attention over all cached keys
+    advance(T)                    -> the T new positions are now part of the cache
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from .attention import get_attention
+from .backend import to_numpy, xp
+from .config import GPTConfig
+
+LN_EPS = 1e-5  # GPT-2's LayerNorm epsilon
+GELU_C = math.sqrt(2.0 / math.pi)  # a Python float: a NumPy float64 scalar would upcast float32
+INIT_STD = 0.02  # GPT-2 initialization
+
+
+def layer_norm(x, w, b):
+    """(x - mean) / sqrt(var + eps) * w + b over the last axis.  [..., C] -> [..., C]"""
+    mean = x.mean(axis=-1, keepdims=True)
+    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
+    return (x - mean) / xp.sqrt(var + LN_EPS) * w + b
+
+
+def gelu(x):
+    """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), GPT-2's tanh approximation."""
+    return 0.5 * x * (1.0 + xp.tanh(GELU_C * (x + 0.044715 * x * x * x)))  # x*x*x: pow is slow
+
+
+def linear(x, w, b):
+    """x @ w + b with w stored [in, out].  [..., in] -> [..., out]"""
+    return x @ w + b
+
+
+def split_heads(x, n_head):
+    """(B, T, C) -> (B, nh, T, hs)"""
+    B, T, C = x.shape
+    return x.reshape(B, T, n_head, C // n_head).transpose(0, 2, 1, 3)
+
+
+def merge_heads(y):
+    """(B, nh, T, hs) -> (B, T, C)"""
+    B, nh, T, hs = y.shape
+    return y.transpose(0, 2, 1, 3).reshape(B, T, nh * hs)
+
+
+class GPT:
+    """GPT-2 with a selectable attention implementation ('naive', 'flash' or 'cuda')."""
+
+    def __init__(self, config: GPTConfig, params: dict, attention: str = "naive"):
+        expected = config.param_shapes()
+        missing = sorted(expected.keys() - params.keys())
+        extra = sorted(params.keys() - expected.keys())
+        if missing or extra:
+            raise ValueError(f"GPT params do not match the config: missing {missing}, extra {extra}")
+        for name, shape in expected.items():
+            if tuple(params[name].shape) != shape:
+                raise ValueError(f"GPT param {name}: shape {tuple(params[name].shape)} != {shape}")
+        self.config = config
+        self.params = {name: xp.asarray(p, dtype=xp.float32) for name, p in params.items()}
+        self.set_attention(attention)
+
+    @classmethod
+    def init(cls, config: GPTConfig, seed: int = 0, attention: str = "naive") -> GPT:
+        """GPT-2 initialization: weights ~ N(0, 0.02), biases 0, LayerNorm gains 1, and the two
+        residual projections (attn.c_proj, mlp.c_proj) scaled by 1/sqrt(2 n_layer)."""
+        rng = np.random.default_rng(seed)
+        residual_std = INIT_STD / math.sqrt(2 * config.n_layer)
+        params = {}
+        for name, shape in config.param_shapes().items():
+            if name.endswith("c_proj.weight"):
+                params[name] = rng.normal(0.0, residual_std, shape)
+            elif name.endswith(".weight") and len(shape) == 2:
+                params[name] = rng.normal(0.0, INIT_STD, shape)
+            elif "ln_" in name and name.endswith(".weight"):
+                params[name] = np.ones(shape)
+            else:
+                params[name] = np.zeros(shape)
+        return cls(config, {k: v.astype(np.float32) for k, v in params.items()}, attention)
+
+    def set_attention(self, name: str) -> None:
+        """Switch the attention implementation; every choice gives the same logits."""
+        self.attention_name = name
+        self.attention = get_attention(name)
+
+    def num_params(self) -> int:
+        return self.config.num_params()
+
+    def forward(self, idx, cache=None):
+        """Token ids (B, T) -> logits (B, T, V) float32.
+
+        Without a cache the T tokens sit at positions 0..T-1 (T <= block_size). With a cache they
+        sit at positions cache.positions(T), usually cache.length + t, and attend over the cache.
+        """
+        cfg, p = self.config, self.params
+        idx = xp.asarray(idx)
+        if idx.ndim != 2:
+            raise ValueError(f"forward expects token ids of shape (B, T), got {idx.shape}")
+        B, T = idx.shape
+        if T == 0:
+            raise ValueError("forward needs at least one token")
+        if int(idx.min()) < 0 or int(idx.max()) >= cfg.vocab_size:
+            raise ValueError(f"token ids must lie in 0..{cfg.vocab_size - 1}")
+        if cache is None:
+            if T > cfg.block_size:
+                raise ValueError(f"{T} tokens exceed the context length block_size={cfg.block_size}")
+            pos = xp.arange(T)
+        else:
+            pos = xp.asarray(cache.positions(T))
+        x = p["wte.weight"][idx] + p["wpe.weight"][pos]  # (B, T, C)
+        for layer in range(cfg.n_layer):
+            h = f"h.{layer}."
+            ln_1 = layer_norm(x, p[h + "ln_1.weight"], p[h + "ln_1.bias"])
+            x = x + self._attention_block(layer, ln_1, cache)  # (B, T, C)
+            ln_2 = layer_norm(x, p[h + "ln_2.weight"], p[h + "ln_2.bias"])
+            x = x + self._mlp_block(layer, ln_2)  # (B, T, C)
+        x = layer_norm(x, p["ln_f.weight"], p["ln_f.bias"])
+        logits = x @ p["wte.weight"].T  # (B, T, C) @ (C, V) -> (B, T, V), the tied LM head
+        if cache is not None:
+            cache.advance(T)
+        return logits
+
+    def _attention_block(self, layer, x, cache):
+        """Causal multi-head self-attention.  (B, T, C) -> (B, T, C)"""
+        p, h = self.params, f"h.{layer}.attn."
+        qkv = linear(x, p[h + "c_attn.weight"], p[h + "c_attn.bias"])  # (B, T, 3C)
+        q, k, v = (split_heads(t, self.config.n_head) for t in xp.split(qkv, 3, axis=-1))
+        if cache is None:
+            y = self.attention(q, k, v, causal=True)  # (B, nh, T, hs)
+        else:
+            y = cache.attend(layer, q, k, v, self.attention)  # (B, nh, T, hs)
+        return linear(merge_heads(y), p[h + "c_proj.weight"], p[h + "c_proj.bias"])
+
+    def _mlp_block(self, layer, x):
+        """Position-wise MLP with a 4x hidden layer.  (B, T, C) -> (B, T, 4C) -> (B, T, C)"""
+        p, h = self.params, f"h.{layer}.mlp."
+        x = gelu(linear(x, p[h + "c_fc.weight"], p[h + "c_fc.bias"]))
+        return linear(x, p[h + "c_proj.weight"], p[h + "c_proj.bias"])
+
+    def numpy_params(self) -> dict:
+        """The parameters as NumPy arrays (for saving)."""
+        return {name: to_numpy(a) for name, a in self.params.items()}

@@ -1,0 +1,69 @@
+"""From logits to a token, in two separate steps.
+
+1. ``logits_to_probs``: logits -> a probability vector, shaped by temperature, top-k and top-p.
+   Temperature 0 means greedy: all mass on the argmax.
+2. ``sample``: probabilities -> token ids, using an explicit ``numpy.random.Generator``.
+
+Keeping them apart matters for speculative decoding, which compares the draft's and the target's
+probability vectors *after* the same transform. Sampling runs on the host in float64: the vectors
+are small (V entries per row) and float64 keeps the statistical tests honest.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .backend import to_numpy
+
+
+def logits_to_probs(logits, temperature=1.0, top_k=None, top_p=None):
+    """(..., V) logits -> (..., V) float64 probabilities on the host.
+
+    - temperature: divide logits by it; 0 puts all mass on the argmax (greedy).
+    - top_k: keep the k most likely tokens (ties with the k-th are kept too).
+    - top_p: keep the smallest set of most likely tokens whose mass reaches top_p (nucleus);
+      the most likely token is always kept.
+
+    Example: logits [2, 1, 0], top_k=2 -> [0.731, 0.269, 0].
+    """
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    logits = to_numpy(logits).astype(np.float64)
+    if temperature == 0:
+        return np.eye(logits.shape[-1])[logits.argmax(axis=-1)]  # one-hot at the argmax
+    logits = logits / temperature
+    if top_k is not None and top_k < logits.shape[-1]:
+        kth = np.sort(logits, axis=-1)[..., -top_k, None]  # the k-th largest logit per row
+        logits = np.where(logits >= kth, logits, -np.inf)
+    probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+    probs /= probs.sum(axis=-1, keepdims=True)
+    if top_p is not None and top_p < 1:
+        order = np.argsort(-probs, axis=-1, kind="stable")  # most likely first
+        sorted_probs = np.take_along_axis(probs, order, axis=-1)
+        mass_before = np.cumsum(sorted_probs, axis=-1) - sorted_probs
+        keep_sorted = mass_before < top_p  # keep a token while the mass before it is short of p
+        keep = np.zeros_like(keep_sorted)
+        np.put_along_axis(keep, order, keep_sorted, axis=-1)
+        probs = np.where(keep, probs, 0.0)
+        probs /= probs.sum(axis=-1, keepdims=True)
+    return probs
+
+
+def sample(probs, rng: np.random.Generator):
+    """Draw one token per row by inverting the CDF with one uniform number per row.
+
+    (V,) -> int, or (..., V) -> (...) int array. Never returns a zero-probability token.
+    """
+    if not isinstance(rng, np.random.Generator):
+        raise TypeError("sample needs an explicit numpy.random.Generator")
+    probs = np.asarray(probs, dtype=np.float64)
+    cdf = np.cumsum(probs, axis=-1)
+    u = rng.random(probs.shape[:-1] + (1,)) * cdf[..., -1:]  # uniform in [0, total mass)
+    idx = (cdf <= u).sum(axis=-1)  # the first index whose CDF exceeds u
+    last_nonzero = probs.shape[-1] - 1 - np.argmax(probs[..., ::-1] > 0, axis=-1)
+    idx = np.minimum(idx, last_nonzero)  # guard against u landing on a rounding sliver
+    return int(idx) if idx.ndim == 0 else idx

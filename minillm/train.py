@@ -1,0 +1,403 @@
+"""Training GPT from scratch: a hand-written backward pass, AdamW and a cosine schedule.
+
+In the spirit of llm.c's train_gpt2.c every layer is a forward/backward pair. The forward pass
+reuses the model's own functions (``layer_norm``, ``gelu``, ``linear``, ``attention_weights``) and
+keeps the activations the backward pass needs; each ``*_backward`` restates its forward as a
+docstring and returns the gradient for every input.
+
+    python -m minillm train --preset target --out minillm/models/target.npz [--steps N] [--resume]
+
+Training state (weights, AdamW moments, step, the data generator's state, loss history) is saved
+atomically every ``ckpt_every`` steps to ``<out>.train.npz``; ``--resume`` continues from it and
+draws exactly the batches an uninterrupted run would have drawn.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from .attention import attention_weights, softmax
+from .backend import to_numpy, xp
+from .checkpoint import HEADER_KEY, atomic_save_npz, encode_header, read_npz, save_model
+from .config import GPTConfig
+from .data import corpus_tokenizer, train_val_split
+from .model import GPT, gelu, layer_norm, linear, merge_heads, split_heads
+
+# ----------------------------------------------------------------------------------------------
+# forward/backward pairs
+
+
+def one_hot(idx, n, dtype):
+    """(...) int -> (..., n) with a 1 at each index."""
+    return xp.eye(n, dtype=dtype)[idx]
+
+
+def embedding_backward(dout, idx, vocab_size, block_size):
+    """forward: x = wte[idx] + wpe[t].  (B, T, C) -> d wte (V, C), d wpe (block_size, C)"""
+    B, T, C = dout.shape
+    dout2d = dout.reshape(B * T, C)  # (B*T, C)
+    dwte = one_hot(idx.reshape(-1), vocab_size, dout.dtype).T @ dout2d  # scatter-add as a matmul
+    dwpe = xp.zeros((block_size, C), dtype=dout.dtype)
+    dwpe[:T] = dout.sum(axis=0)
+    return dwte, dwpe
+
+
+def layernorm_backward(dout, x, w):
+    """forward: y = xhat * w + b with xhat = (x - mean) * rstd, rstd = 1 / sqrt(var + eps).
+
+    -> dx, dw, db. dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dout * w.
+    """
+    C = x.shape[-1]
+    xc = x - x.mean(axis=-1, keepdims=True)
+    rstd = 1.0 / xp.sqrt((xc**2).mean(axis=-1, keepdims=True) + 1e-5)
+    xhat = xc * rstd
+    dw = (dout * xhat).reshape(-1, C).sum(axis=0)
+    db = dout.reshape(-1, C).sum(axis=0)
+    dxhat = dout * w
+    dx = rstd * (
+        dxhat - dxhat.mean(axis=-1, keepdims=True) - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)
+    )
+    return dx, dw, db
+
+
+def linear_backward(dout, x, w):
+    """forward: y = x @ w + b.  -> dx = dout @ w^T, dw = x^T @ dout, db = sum(dout)."""
+    dx = dout @ w.T  # (..., out) @ (out, in) -> (..., in)
+    dout2d = dout.reshape(-1, dout.shape[-1])  # (N, out)
+    dw = x.reshape(-1, x.shape[-1]).T @ dout2d  # (in, N) @ (N, out) -> (in, out)
+    return dx, dw, dout2d.sum(axis=0)
+
+
+def gelu_backward(dout, x):
+    """forward: y = 0.5 x (1 + tanh(u)), u = c (x + 0.044715 x^3).
+
+    dy/dx = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) c (1 + 3 * 0.044715 x^2).
+    """
+    c = math.sqrt(2.0 / math.pi)
+    t = xp.tanh(c * (x + 0.044715 * x * x * x))
+    return dout * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3 * 0.044715 * x * x))
+
+
+def attention_backward(dy, q, k, v, att):
+    """forward: att = softmax(q k^T / sqrt(hs) + mask), y = att @ v.  -> dq, dk, dv.
+
+    Softmax backward: ds = att * (datt - sum_j(datt * att)); masked entries have att = 0.
+    """
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    dv = att.swapaxes(-1, -2) @ dy  # (B, nh, Tk, Tq) @ (B, nh, Tq, hs) -> (B, nh, Tk, hs)
+    datt = dy @ v.swapaxes(-1, -2)  # (B, nh, Tq, hs) @ (B, nh, hs, Tk) -> (B, nh, Tq, Tk)
+    ds = att * (datt - (datt * att).sum(axis=-1, keepdims=True)) * scale
+    dq = ds @ k  # (B, nh, Tq, Tk) @ (B, nh, Tk, hs)
+    dk = ds.swapaxes(-1, -2) @ q  # (B, nh, Tk, Tq) @ (B, nh, Tq, hs)
+    return dq, dk, dv
+
+
+def cross_entropy_forward(logits, targets):
+    """loss = mean over positions of logsumexp(logits) - logits[target].  -> loss, probs"""
+    probs = softmax(logits)  # (B, T, V)
+    picked = (probs * one_hot(targets, logits.shape[-1], probs.dtype)).sum(axis=-1)  # (B, T)
+    return float(-xp.log(picked).mean()), probs
+
+
+def cross_entropy_backward(probs, targets):
+    """d loss / d logits = (probs - one_hot(target)) / number of positions."""
+    return (probs - one_hot(targets, probs.shape[-1], probs.dtype)) / targets.size
+
+
+def forward_backward(params: dict, config: GPTConfig, idx, targets):
+    """Loss and the gradient of every parameter for one batch.  idx, targets (B, T) -> (loss, grads)
+
+    Works in the dtype of ``params`` (float32 for training, float64 for gradient checks).
+    """
+    p, nh = params, config.n_head
+    B, T = idx.shape
+    # forward, keeping what the backward pass needs ----------------------------------------
+    x = p["wte.weight"][idx] + p["wpe.weight"][:T]  # (B, T, C)
+    acts = []
+    for i in range(config.n_layer):
+        h, a = f"h.{i}.", {"x": x}
+        a["ln1"] = layer_norm(x, p[h + "ln_1.weight"], p[h + "ln_1.bias"])
+        qkv = linear(a["ln1"], p[h + "attn.c_attn.weight"], p[h + "attn.c_attn.bias"])  # (B, T, 3C)
+        a["q"], a["k"], a["v"] = (split_heads(t, nh) for t in xp.split(qkv, 3, axis=-1))
+        a["att"] = attention_weights(a["q"], a["k"], causal=True)  # (B, nh, T, T)
+        a["y"] = merge_heads(a["att"] @ a["v"])  # (B, T, C)
+        x = x + linear(a["y"], p[h + "attn.c_proj.weight"], p[h + "attn.c_proj.bias"])
+        a["x_mid"] = x
+        a["ln2"] = layer_norm(x, p[h + "ln_2.weight"], p[h + "ln_2.bias"])
+        a["fc"] = linear(a["ln2"], p[h + "mlp.c_fc.weight"], p[h + "mlp.c_fc.bias"])  # (B, T, 4C)
+        a["gelu"] = gelu(a["fc"])
+        x = x + linear(a["gelu"], p[h + "mlp.c_proj.weight"], p[h + "mlp.c_proj.bias"])
+        acts.append(a)
+    x_final = x
+    xf = layer_norm(x, p["ln_f.weight"], p["ln_f.bias"])
+    logits = xf @ p["wte.weight"].T  # (B, T, V)
+    loss, probs = cross_entropy_forward(logits, targets)
+
+    # backward, the same steps in reverse -----------------------------------------------------
+    g = {}
+    dlogits = cross_entropy_backward(probs, targets)  # (B, T, V)
+    dxf = dlogits @ p["wte.weight"]  # (B, T, C)
+    dwte_head = dlogits.reshape(-1, config.vocab_size).T @ xf.reshape(-1, config.n_embd)  # (V, C)
+    dx, g["ln_f.weight"], g["ln_f.bias"] = layernorm_backward(dxf, x_final, p["ln_f.weight"])
+    for i in reversed(range(config.n_layer)):
+        h, a = f"h.{i}.", acts[i]
+        # MLP residual: x_out = x_mid + c_proj(gelu(c_fc(ln_2(x_mid))))
+        dgelu, g[h + "mlp.c_proj.weight"], g[h + "mlp.c_proj.bias"] = linear_backward(
+            dx, a["gelu"], p[h + "mlp.c_proj.weight"]
+        )
+        dfc = gelu_backward(dgelu, a["fc"])
+        dln2, g[h + "mlp.c_fc.weight"], g[h + "mlp.c_fc.bias"] = linear_backward(
+            dfc, a["ln2"], p[h + "mlp.c_fc.weight"]
+        )
+        dx_mid, g[h + "ln_2.weight"], g[h + "ln_2.bias"] = layernorm_backward(
+            dln2, a["x_mid"], p[h + "ln_2.weight"]
+        )
+        dx = dx + dx_mid
+        # attention residual: x_mid = x + c_proj(attention(c_attn(ln_1(x))))
+        dy, g[h + "attn.c_proj.weight"], g[h + "attn.c_proj.bias"] = linear_backward(
+            dx, a["y"], p[h + "attn.c_proj.weight"]
+        )
+        dq, dk, dv = attention_backward(split_heads(dy, nh), a["q"], a["k"], a["v"], a["att"])
+        dqkv = xp.concatenate([merge_heads(dq), merge_heads(dk), merge_heads(dv)], axis=-1)
+        dln1, g[h + "attn.c_attn.weight"], g[h + "attn.c_attn.bias"] = linear_backward(
+            dqkv, a["ln1"], p[h + "attn.c_attn.weight"]
+        )
+        dx_in, g[h + "ln_1.weight"], g[h + "ln_1.bias"] = layernorm_backward(
+            dln1, a["x"], p[h + "ln_1.weight"]
+        )
+        dx = dx + dx_in
+    dwte_emb, g["wpe.weight"] = embedding_backward(dx, idx, config.vocab_size, config.block_size)
+    g["wte.weight"] = dwte_head + dwte_emb  # the tied weight collects both gradients
+    return loss, g
+
+
+# ----------------------------------------------------------------------------------------------
+# optimizer and schedule
+
+
+class AdamW:
+    """Adam with decoupled weight decay (Loshchilov & Hutter 2019), decay on matrices only."""
+
+    def __init__(self, params: dict, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.1):
+        self.betas, self.eps, self.weight_decay = betas, eps, weight_decay
+        self.m = {k: xp.zeros_like(v) for k, v in params.items()}
+        self.v = {k: xp.zeros_like(v) for k, v in params.items()}
+        self.t = 0
+
+    def step(self, params: dict, grads: dict, lr: float) -> None:
+        """m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;  p -= lr (m_hat / (sqrt(v_hat) + eps) + wd p)"""
+        b1, b2 = self.betas
+        self.t += 1
+        c1, c2 = 1.0 - b1**self.t, 1.0 - b2**self.t  # bias corrections
+        for name, param in params.items():
+            grad, m, v = grads[name], self.m[name], self.v[name]
+            m *= b1
+            m += (1.0 - b1) * grad
+            v *= b2
+            v += (1.0 - b2) * grad * grad
+            if param.ndim >= 2:
+                param -= (lr * self.weight_decay) * param
+            param -= lr * (m / c1) / (xp.sqrt(v / c2) + self.eps)
+
+
+def clip_grad_norm(grads: dict, max_norm: float) -> float:
+    """Scale all gradients together so their global L2 norm is at most max_norm; -> the norm."""
+    norm = math.sqrt(sum(float((g * g).sum()) for g in grads.values()))
+    if norm > max_norm:
+        for g in grads.values():
+            g *= max_norm / norm
+    return norm
+
+
+def lr_at(step: int, tc: TrainConfig) -> float:
+    """Linear warm-up over warmup_steps, then cosine decay from lr to min_lr at max_steps."""
+    if step < tc.warmup_steps:
+        return tc.lr * (step + 1) / tc.warmup_steps
+    progress = min(1.0, (step - tc.warmup_steps) / max(1, tc.max_steps - tc.warmup_steps))
+    return tc.min_lr + 0.5 * (tc.lr - tc.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+# ----------------------------------------------------------------------------------------------
+# data and evaluation
+
+
+def get_batch(data: np.ndarray, batch_size: int, block_size: int, rng: np.random.Generator):
+    """B random windows of the token stream -> inputs and next-token targets, (B, T) each."""
+    offsets = rng.integers(0, len(data) - block_size, size=batch_size)
+    rows = offsets[:, None] + np.arange(block_size)  # (B, T)
+    return xp.asarray(data[rows].astype(np.int64)), xp.asarray(data[rows + 1].astype(np.int64))
+
+
+def batch_loss(model: GPT, idx, targets) -> float:
+    return cross_entropy_forward(model.forward(idx), targets)[0]
+
+
+def estimate_loss(model: GPT, data, batch_size, n_batches, seed) -> float:
+    """Mean loss over n_batches random windows, always the same windows for a given seed."""
+    rng = np.random.default_rng(seed)
+    T = model.config.block_size
+    return float(np.mean([batch_loss(model, *get_batch(data, batch_size, T, rng)) for _ in range(n_batches)]))
+
+
+def evaluate(model: GPT, data: np.ndarray, batch_size: int = 16) -> float:
+    """Mean next-character loss (nats) over every non-overlapping full window of ``data``."""
+    T = model.config.block_size
+    n = (len(data) - 1) // T
+    inputs = data[: n * T].reshape(n, T).astype(np.int64)
+    targets = data[1 : n * T + 1].reshape(n, T).astype(np.int64)
+    total = 0.0
+    for s in range(0, n, batch_size):
+        x, y = xp.asarray(inputs[s : s + batch_size]), xp.asarray(targets[s : s + batch_size])
+        total += batch_loss(model, x, y) * len(x)
+    return total / n
+
+
+# ----------------------------------------------------------------------------------------------
+# the training loop
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    batch_size: int = 16  # sequences per step, each block_size tokens
+    max_steps: int = 2000
+    lr: float = 2e-3  # peak learning rate
+    min_lr: float = 2e-4  # end of the cosine decay
+    warmup_steps: int = 100
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.99
+    grad_clip: float = 1.0
+    eval_every: int = 200  # steps between validation estimates
+    eval_batches: int = 8
+    ckpt_every: int = 100  # steps between atomic training-state checkpoints
+    seed: int = 1337
+
+
+def preset(name: str, vocab_size: int) -> tuple[GPTConfig, TrainConfig]:
+    """The two shipped models: a 6-layer target and a 1-layer draft 1/20 its size."""
+    if name == "target":
+        return GPTConfig(vocab_size, block_size=256, n_layer=6, n_head=4, n_embd=256), TrainConfig(
+            max_steps=2000, lr=1.5e-3, min_lr=1.5e-4
+        )
+    if name == "draft":
+        return GPTConfig(vocab_size, block_size=256, n_layer=1, n_head=4, n_embd=128), TrainConfig(
+            max_steps=2400, lr=3e-3, min_lr=3e-4
+        )
+    raise ValueError(f"unknown preset {name!r}: use 'target' or 'draft'")
+
+
+def state_path(out) -> Path:
+    out = Path(out)
+    return out.with_name(out.stem + ".train.npz")
+
+
+def save_state(path, model, opt, tc, step, rng, history, elapsed):
+    header = {
+        "format": "minillm-train-state-1",
+        "config": model.config.to_dict(),
+        "train_config": asdict(tc),
+        "step": step,
+        "adam_t": opt.t,
+        "rng_state": rng.bit_generator.state,
+        "history": history,
+        "elapsed_s": elapsed,
+    }
+    arrays = {f"param/{k}": to_numpy(v) for k, v in model.params.items()}
+    arrays |= {f"m/{k}": to_numpy(v) for k, v in opt.m.items()}
+    arrays |= {f"v/{k}": to_numpy(v) for k, v in opt.v.items()}
+    atomic_save_npz(path, arrays | {HEADER_KEY: encode_header(header)})
+
+
+def train(
+    preset_name: str,
+    out,
+    steps: int | None = None,
+    resume: bool = False,
+    train_config: TrainConfig | None = None,
+    model_config: GPTConfig | None = None,
+    progress: bool = True,
+) -> dict:
+    """Train a preset (or explicit configs) and write the model to ``out``; -> summary dict."""
+    from tqdm import tqdm
+
+    tokenizer = corpus_tokenizer()
+    train_data, val_data = train_val_split(tokenizer)
+    cfg, tc = preset(preset_name, tokenizer.vocab_size)
+    cfg, tc = model_config or cfg, train_config or tc
+    spath = state_path(out)
+    if resume:
+        header, arrays = read_npz(spath)
+        cfg, tc = GPTConfig.from_dict(header["config"]), TrainConfig(**header["train_config"])
+        model = GPT(cfg, {k[6:]: v for k, v in arrays.items() if k.startswith("param/")})
+        opt = AdamW(model.params, (tc.beta1, tc.beta2), weight_decay=tc.weight_decay)
+        for name in model.params:
+            opt.m[name][...] = xp.asarray(arrays[f"m/{name}"])
+            opt.v[name][...] = xp.asarray(arrays[f"v/{name}"])
+        opt.t, start, history = header["adam_t"], header["step"], header["history"]
+        elapsed0 = header["elapsed_s"]
+        rng = np.random.default_rng()
+        rng.bit_generator.state = header["rng_state"]
+    else:
+        model = GPT.init(cfg, seed=tc.seed)
+        opt = AdamW(model.params, (tc.beta1, tc.beta2), weight_decay=tc.weight_decay)
+        start, history, elapsed0 = 0, [], 0.0
+        rng = np.random.default_rng(tc.seed)
+    if steps is not None:
+        tc = replace(tc, max_steps=steps)
+
+    t0 = time.perf_counter()
+    bar = tqdm(range(start, tc.max_steps), initial=start, total=tc.max_steps, disable=not progress,
+               desc=f"train {preset_name}", mininterval=2.0)  # fmt: skip
+    for step in bar:
+        lr = lr_at(step, tc)
+        idx, targets = get_batch(train_data, tc.batch_size, cfg.block_size, rng)
+        loss, grads = forward_backward(model.params, cfg, idx, targets)
+        norm = clip_grad_norm(grads, tc.grad_clip)
+        opt.step(model.params, grads, lr)
+        record = {"step": step + 1, "loss": round(loss, 4), "lr": lr, "grad_norm": round(norm, 3)}
+        last = step + 1 == tc.max_steps
+        if (step + 1) % tc.eval_every == 0 or last:
+            val = estimate_loss(model, val_data, tc.batch_size, tc.eval_batches, tc.seed + 1)
+            record["val_loss"] = round(val, 4)
+        record["elapsed_s"] = round(elapsed0 + time.perf_counter() - t0, 1)
+        history.append(record)
+        bar.set_postfix(loss=f"{loss:.3f}", val=history_val(history))
+        if (step + 1) % tc.ckpt_every == 0 or last:
+            save_state(spath, model, opt, tc, step + 1, rng, history, record["elapsed_s"])
+    bar.close()
+    return export(model, tokenizer, out, preset_name, tc, history, val_data)
+
+
+def history_val(history) -> str:
+    vals = [r["val_loss"] for r in history if "val_loss" in r]
+    return f"{vals[-1]:.3f}" if vals else "-"
+
+
+def export(model, tokenizer, out, preset_name, tc, history, val_data) -> dict:
+    """Save the model in float16 and measure its val loss *as shipped* (after rounding)."""
+    save_model(out, model, tokenizer, dtype=np.float16)
+    from .checkpoint import load_model
+
+    shipped, _ = load_model(out)
+    val_loss = evaluate(shipped, val_data)
+    summary = {
+        "preset": preset_name,
+        "params": model.num_params(),
+        "steps": history[-1]["step"] if history else 0,
+        "tokens_seen": (history[-1]["step"] if history else 0) * tc.batch_size * model.config.block_size,
+        "train_loss_last50": float(np.mean([r["loss"] for r in history[-50:]])) if history else None,
+        "val_loss": round(val_loss, 4),
+        "wall_time_s": history[-1]["elapsed_s"] if history else 0.0,
+        "train_config": asdict(tc),
+        "history": history,
+    }
+    save_model(out, model, tokenizer, dtype=np.float16, notes=summary)
+    log_path = Path(out).with_suffix(".log.json")
+    log_path.write_text(json.dumps(summary, indent=1))
+    return summary
