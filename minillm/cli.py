@@ -24,6 +24,12 @@ def cmd_train(args) -> int:
     return 0
 
 
+def cmd_bench(args) -> int:
+    from .bench import run
+
+    return run(args.topic, args.rest)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m minillm", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command")
@@ -35,6 +41,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--resume", action="store_true", help="continue from <out>.train.npz")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
+
+    from .bench import TOPICS
+
+    p = sub.add_parser("bench", help="run a benchmark and print its table (and save plots)")
+    p.add_argument("topic", choices=list(TOPICS))
+    p.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the benchmark")
+    p.set_defaults(func=cmd_bench)
     return parser
 
 
