@@ -1,0 +1,611 @@
+"""PagedAttention: the KV cache in fixed-size blocks, found through a per-sequence block table.
+
+A contiguous cache (``KVCache``) reserves ``max_len`` positions per sequence up front; a sequence
+that stops after 40 tokens leaves the rest of its reservation empty. PagedAttention (Kwon et al.,
+"Efficient Memory Management for Large Language Model Serving with PagedAttention", SOSP 2023,
+the vLLM paper) does what an operating system does with virtual memory:
+
+    one pool per layer:  K, V  (num_blocks, nh, block_size, hs)     the physical "pages"
+    per sequence:        block table [7, 2, 9]                      logical block i -> physical block
+                         token at position p  ->  block table[p // block_size], slot p % block_size
+
+A sequence holds ceil(length / block_size) blocks, so at most block_size - 1 slots are wasted per
+sequence (paper section 4.2). Because blocks are found by indirection, two sequences can point at the
+same physical block (section 4.4):
+
+- ``fork``: a child sequence shares all of its parent's blocks (reference counts go up); the first
+  write into a shared block copies it (copy-on-write), so neither sequence ever sees the other's
+  later tokens. Parallel sampling and beam search rely on this.
+- prefix caching: a full block of a prompt is identified by hash(parent block's hash, its token ids);
+  a later prompt that starts with the same tokens points at the same blocks instead of recomputing
+  them (vLLM's automatic prefix caching). The last prompt token is always computed: its logits give
+  the first output token.
+
+The pieces, bottom-up:
+
+- ``BlockAllocator``: a free list and a reference count per block.
+- ``PagedKVCache``: the pools, the block tables and lengths, ``add_sequence``, ``append``, ``fork``,
+  ``truncate`` (speculative rollback), ``free``, and the prefix cache.
+- ``gather_kv`` / ``paged_attention``: read K and V through the block tables; the reference is
+  ``naive_attention`` on the same keys laid out contiguously.
+- ``BatchView`` / ``SequenceView``: what ``GPT.forward`` is given as its ``cache``. A batch view runs
+  sequences of *different* lengths in one forward: positions are per sequence (B, T), and each
+  query only sees its own sequence's keys.
+
+Invariants (checked by ``PagedKVCache.check``; the tests drive them with random operations):
+every block's reference count equals the number of block tables holding it plus one if the prefix
+cache holds it; the free list holds exactly the blocks with count 0, each once; a block whose count
+is above 1 is never written.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import OrderedDict, deque
+
+import numpy as np
+
+from .attention import softmax
+from .backend import xp
+from .kv_cache import CacheFullError
+
+
+class OutOfBlocksError(CacheFullError):
+    """The block pool has no free (or evictable) block left; nothing was changed."""
+
+
+def num_blocks_for(n_tokens: int, block_size: int) -> int:
+    """Blocks that hold n_tokens: ceil(n_tokens / block_size).  (0, 16) -> 0, (16, 16) -> 1, (17, 16) -> 2"""
+    return -(-n_tokens // block_size)
+
+
+# --- the allocator --------------------------------------------------------------------------------
+
+
+class BlockAllocator:
+    """Hands out block ids 0..num_blocks-1 from a free list and counts the holders of each block.
+
+    ``allocate`` -> a block with reference count 1; ``incref`` adds a holder (a forked sequence, the
+    prefix cache); ``free`` removes one holder and returns the block to the free list when none is
+    left. Example with 2 blocks: allocate() -> 0, incref(0), free(0) (count 1, still in use),
+    free(0) (count 0, free again), free(0) -> ValueError (double free).
+    """
+
+    def __init__(self, num_blocks: int, block_size: int):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_blocks, self.block_size = num_blocks, block_size
+        self.free_blocks = deque(range(num_blocks))  # handed out from the left, returned on the right
+        self.ref_counts = [0] * num_blocks
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free_blocks)
+
+    def allocate(self) -> int:
+        """A free block, now held once. Raises OutOfBlocksError when none is free."""
+        if not self.free_blocks:
+            raise OutOfBlocksError(f"out of KV blocks: all {self.num_blocks} blocks are in use")
+        block = self.free_blocks.popleft()
+        self.ref_counts[block] = 1
+        return block
+
+    def incref(self, block: int) -> None:
+        """One more holder of an allocated block."""
+        if self.ref_counts[block] < 1:
+            raise ValueError(f"block {block} is free: it cannot be shared")
+        self.ref_counts[block] += 1
+
+    def free(self, block: int) -> None:
+        """One holder fewer; the last one returns the block to the free list."""
+        if self.ref_counts[block] < 1:
+            raise ValueError(f"double free of block {block}: its reference count is already 0")
+        self.ref_counts[block] -= 1
+        if self.ref_counts[block] == 0:
+            self.free_blocks.append(block)
+
+
+# --- prefix hashing -------------------------------------------------------------------------------
+
+
+def block_hash(parent_hash: str | None, token_ids) -> str:
+    """sha256 of (the parent block's hash, this block's token ids): names a block by its whole prefix.
+
+    Two blocks with the same tokens but different prefixes get different hashes (their keys and
+    values differ: attention saw different earlier tokens). A cryptographic hash rather than Python's
+    ``hash`` because a collision would silently hand one prompt another prompt's keys.
+    Example: block_hash(None, [1, 2]) != block_hash(block_hash(None, [0, 0]), [1, 2]).
+    """
+    # EXERCISE 6.4 BEGIN: hash the parent's hash together with this block's token ids
+    payload = f"{parent_hash}|{','.join(str(int(t)) for t in token_ids)}"
+    return hashlib.sha256(payload.encode()).hexdigest()
+    # EXERCISE 6.4 END
+
+
+def prefix_block_hashes(token_ids, block_size: int) -> list[str]:
+    """The chained hashes of the *full* blocks of a prompt (a partial last block has none).
+
+    Example, block_size 2: [5, 6, 7, 8, 9] -> [h0 = block_hash(None, [5, 6]), block_hash(h0, [7, 8])]
+    """
+    hashes, parent = [], None
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = block_hash(parent, token_ids[start : start + block_size])
+        hashes.append(parent)
+    return hashes
+
+
+# --- reading K/V through the block tables --------------------------------------------------------
+
+
+def gather_kv(cache: PagedKVCache, seq_ids, layer: int, kv_lens=None):
+    """K and V of a batch of sequences laid out contiguously, read through their block tables.
+
+    -> k, v (B, nh, L, hs) with L = max(kv_lens), and kv_lens (B,). Sequence b's keys are valid
+    at positions 0..kv_lens[b]-1; past that (shorter sequences) the values are padding to be masked.
+    ``kv_lens`` defaults to the sequences' lengths; forward passes length + T (the T new keys are
+    written before the lengths advance).
+    """
+    bs = cache.block_size
+    kv_lens = [cache.lengths[s] for s in seq_ids] if kv_lens is None else [int(n) for n in kv_lens]
+    L = max(kv_lens)
+    nb = num_blocks_for(L, bs)  # blocks per row of the padded table
+    rows = []
+    for s, n in zip(seq_ids, kv_lens):
+        table = cache.block_tables[s][: num_blocks_for(n, bs)]
+        rows.append(table + [0] * (nb - len(table)))  # pad short tables with block 0 (masked later)
+    tables = xp.asarray(rows, dtype=xp.int64).reshape(len(rows), nb)  # (B, nb)
+    k_pool, v_pool = cache.k[layer], cache.v[layer]  # (num_blocks, nh, bs, hs) each
+    # EXERCISE 6.1 BEGIN: gather the blocks named by `tables` and lay them out as (B, nh, L, hs)
+    B, nh, hs = len(rows), k_pool.shape[1], k_pool.shape[3]
+    k = k_pool[tables]  # (B, nb, nh, bs, hs): row b holds sequence b's blocks in logical order
+    v = v_pool[tables]
+    k = k.transpose(0, 2, 1, 3, 4).reshape(B, nh, nb * bs, hs)[:, :, :L]  # (B, nh, L, hs)
+    v = v.transpose(0, 2, 1, 3, 4).reshape(B, nh, nb * bs, hs)[:, :, :L]
+    # EXERCISE 6.1 END
+    return k, v, xp.asarray(kv_lens)
+
+
+def paged_attention(q, cache: PagedKVCache, seq_ids, layer: int, kv_lens=None):
+    """softmax(q k^T / sqrt(hs) + M) v with k, v read through the block tables (``gather_kv``).
+
+    q (B, nh, Tq, hs) -> (B, nh, Tq, hs). The Tq queries of sequence b are its last Tq positions:
+    query t sits at absolute position kv_lens[b] - Tq + t and sees keys 0..that position, so
+    sequences of different lengths run together (shorter ones simply see fewer keys). For one
+    sequence this is ``naive_attention`` on the gathered K/V, term for term (the reference).
+    A serving engine fuses the gather into the attention kernel instead of materializing K and V.
+    """
+    k, v, kv_lens = gather_kv(cache, seq_ids, layer, kv_lens)  # (B, nh, L, hs) x 2, (B,)
+    Tq, hs, L = q.shape[2], q.shape[3], k.shape[2]
+    if int(kv_lens.min()) < Tq:
+        raise ValueError(f"paged_attention: {Tq} queries but a sequence holds only {int(kv_lens.min())} keys")
+    q_pos = kv_lens[:, None] - Tq + xp.arange(Tq)[None, :]  # (B, Tq) absolute query positions
+    visible = xp.arange(L)[None, None, :] <= q_pos[:, :, None]  # (B, Tq, L): causal, own keys only
+    att = (q @ k.swapaxes(-1, -2)) * (1.0 / math.sqrt(hs))  # (B, nh, Tq, L)
+    att = xp.where(visible[:, None], att, -xp.inf)  # mask broadcast over heads
+    return softmax(att) @ v  # (B, nh, Tq, L) @ (B, nh, L, hs) -> (B, nh, Tq, hs)
+
+
+# --- the cache ------------------------------------------------------------------------------------
+
+
+class PagedKVCache:
+    """K and V pools of fixed-size blocks shared by many sequences, each with its own block table.
+
+    ``k[layer]``, ``v[layer]``: (num_blocks, nh, block_size, hs). ``block_tables[seq]``: the physical
+    blocks of a sequence in logical order; ``lengths[seq]``: its number of cached tokens. Positions
+    past ``config.block_size`` have no embedding, so a sequence holds at most that many tokens.
+
+    With ``prefix_caching=True`` the full blocks of every prompt prefilled through ``prefill`` stay
+    findable by their ``block_hash`` chain after the sequence is freed. Eviction policy: a cached
+    block that no sequence holds is evicted only when a block is needed and the free list is empty,
+    least recently used first; a prompt's chain is touched leaf first, so within a chain the deepest
+    block goes before its parents (a cached block whose parent is gone could never be matched).
+    """
+
+    def __init__(self, config, num_blocks: int, block_size: int = 16, prefix_caching: bool = False,
+                 dtype=None):  # fmt: skip
+        self.config, self.block_size, self.num_blocks = config, block_size, num_blocks
+        self.allocator = BlockAllocator(num_blocks, block_size)
+        shape = (num_blocks, config.n_head, block_size, config.head_size)  # (num_blocks, nh, bs, hs)
+        dtype = xp.float32 if dtype is None else dtype
+        self.k = [xp.zeros(shape, dtype=dtype) for _ in range(config.n_layer)]
+        self.v = [xp.zeros(shape, dtype=dtype) for _ in range(config.n_layer)]
+        self.max_len = config.block_size  # tokens per sequence (the model's context)
+        self.block_tables: dict[int, list[int]] = {}
+        self.lengths: dict[int, int] = {}
+        self._next_seq_id = 0
+        self.prefix_caching = prefix_caching
+        self.cached_blocks: OrderedDict[str, int] = OrderedDict()  # hash -> block, LRU first
+        self.block_hashes: dict[int, str] = {}  # block -> its hash, for the blocks in cached_blocks
+        self.copies = self.evictions = self.reused_tokens = 0  # counters for the notebook and bench
+
+    # -- sizes --
+    @property
+    def block_bytes(self) -> int:
+        """Bytes of one block across all layers, K and V: 2 * n_layer * nh * block_size * hs * itemsize."""
+        return 2 * len(self.k) * self.k[0][0].nbytes
+
+    @property
+    def token_bytes(self) -> int:
+        return self.block_bytes // self.block_size
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the whole pool (allocated once, whatever is in use)."""
+        return self.num_blocks * self.block_bytes
+
+    @property
+    def bytes_used(self) -> int:
+        """Bytes of the blocks held by a sequence or the prefix cache."""
+        return (self.num_blocks - self.allocator.num_free) * self.block_bytes
+
+    @property
+    def num_free_blocks(self) -> int:
+        """Blocks an allocation can get: the free list plus cached blocks no sequence holds."""
+        return self.allocator.num_free + sum(1 for b in self.cached_blocks.values() if self._evictable(b))
+
+    # -- sequences --
+    def add_sequence(self) -> int:
+        """A new, empty sequence -> its id."""
+        seq = self._next_seq_id
+        self._next_seq_id += 1
+        self.block_tables[seq], self.lengths[seq] = [], 0
+        return seq
+
+    def sequence(self, seq_id: int | None = None) -> SequenceView:
+        """A one-sequence view (a new sequence when seq_id is None) that ``generate`` can use as its cache."""
+        return SequenceView(self, self.add_sequence() if seq_id is None else seq_id)
+
+    def view(self, seq_ids) -> BatchView:
+        """The cache ``GPT.forward`` uses to run the sequences ``seq_ids`` (possibly of different lengths)."""
+        return BatchView(self, seq_ids)
+
+    def _check_seq(self, seq_id: int) -> None:
+        if seq_id not in self.block_tables:
+            raise KeyError(f"unknown sequence {seq_id} (freed, or never added)")
+
+    def fork(self, seq_id: int) -> int:
+        """A new sequence sharing all of seq_id's blocks (no copy): -> the child's id.
+
+        Both sequences keep appending independently: the first write into a shared block copies
+        it (see ``_copy_on_write``).
+        """
+        self._check_seq(seq_id)
+        child = self.add_sequence()
+        for block in self.block_tables[seq_id]:
+            self.allocator.incref(block)
+        self.block_tables[child] = list(self.block_tables[seq_id])  # a copy of the table, not of data
+        self.lengths[child] = self.lengths[seq_id]
+        return child
+
+    def truncate(self, seq_id: int, n: int) -> None:
+        """Keep the first n tokens of a sequence and release the blocks past them (speculative rollback).
+
+        Example, block_size 4, length 10 (3 blocks): truncate to 8 keeps 2 blocks, to 5 keeps 2,
+        to 4 keeps 1, to 0 keeps none. A kept block that is shared stays shared; the next write into
+        it is copied first, so the other holders keep their tokens.
+        """
+        self._check_seq(seq_id)
+        # EXERCISE 6.3 BEGIN: refuse n outside 0..length; free the blocks past ceil(n / block_size)
+        if not 0 <= n <= self.lengths[seq_id]:
+            raise ValueError(f"cannot truncate sequence {seq_id} of length {self.lengths[seq_id]} to {n}")
+        table = self.block_tables[seq_id]
+        keep = num_blocks_for(n, self.block_size)
+        for block in table[keep:]:
+            self.allocator.free(block)
+        del table[keep:]
+        self.lengths[seq_id] = n
+        # EXERCISE 6.3 END
+
+    def reset_sequence(self, seq_id: int) -> None:
+        """Release all blocks of a sequence; it stays registered, empty."""
+        self._check_seq(seq_id)
+        for block in self.block_tables[seq_id]:
+            self.allocator.free(block)
+        self.block_tables[seq_id], self.lengths[seq_id] = [], 0
+
+    def free(self, seq_id: int) -> None:
+        """Release all blocks of a sequence and forget it."""
+        self.reset_sequence(seq_id)
+        del self.block_tables[seq_id], self.lengths[seq_id]
+
+    # -- writing --
+    def _new_blocks_needed(self, seq_ids, T: int) -> int:
+        """Blocks an append of T tokens to each sequence must allocate: blocks past the tables, plus
+        copies of shared blocks. A block shared by r holders, m of them writing now, is copied
+        min(m, r - 1) times: once r copies are down to one holder, the last writer writes in place."""
+        needed, writers = 0, {}
+        for s in seq_ids:
+            table, length = self.block_tables[s], self.lengths[s]
+            for i in range(length // self.block_size, num_blocks_for(length + T, self.block_size)):
+                if i >= len(table):
+                    needed += 1
+                else:
+                    writers[table[i]] = writers.get(table[i], 0) + 1
+        return needed + sum(min(m, self.allocator.ref_counts[b] - 1) for b, m in writers.items())
+
+    def reserve(self, seq_ids, T: int):
+        """Make room for T more tokens in each sequence -> their absolute positions (B, T).
+
+        Pass 1 checks everything and changes nothing: the positions fit the context, and the pool
+        has a block for every new block and every copy. Pass 2 allocates: each block the new tokens
+        land in is then present and held by this sequence alone (copy-on-write), so writes are safe.
+        """
+        if len(set(seq_ids)) != len(seq_ids):
+            raise ValueError(f"a batch cannot hold the same sequence twice: {list(seq_ids)}")
+        for s in seq_ids:  # pass 1
+            self._check_seq(s)
+            if self.lengths[s] + T > self.max_len:
+                raise CacheFullError(
+                    f"sequence {s}: {self.lengths[s]} cached + {T} new tokens > max_len={self.max_len}"
+                )
+        needed = self._new_blocks_needed(seq_ids, T)
+        if needed > self.num_free_blocks:
+            raise OutOfBlocksError(
+                f"out of KV blocks: appending {T} tokens to {len(seq_ids)} sequence(s) needs {needed} "
+                f"blocks, {self.num_free_blocks} of {self.num_blocks} are free"
+            )
+        for s in seq_ids:  # pass 2
+            table, length = self.block_tables[s], self.lengths[s]
+            for i in range(length // self.block_size, num_blocks_for(length + T, self.block_size)):
+                if i == len(table):
+                    table.append(self._allocate_block())
+                elif self.allocator.ref_counts[table[i]] > 1:
+                    self._copy_on_write(s, i)
+        return np.array([[self.lengths[s] + t for t in range(T)] for s in seq_ids])  # (B, T)
+
+    def _copy_on_write(self, seq_id: int, i: int) -> None:
+        """Give seq_id a private copy of its i-th block, which other holders share."""
+        # EXERCISE 6.2 BEGIN: copy the shared block table[i] into a new block; drop the shared one
+        table = self.block_tables[seq_id]
+        shared, private = table[i], self._allocate_block()
+        for layer in range(len(self.k)):
+            self.k[layer][private] = self.k[layer][shared]  # (nh, bs, hs)
+            self.v[layer][private] = self.v[layer][shared]
+        self.allocator.free(shared)  # one holder fewer; the others keep it
+        table[i] = private
+        self.copies += 1
+        # EXERCISE 6.2 END
+
+    def slot_mapping(self, seq_ids, positions):
+        """Absolute positions (B, T) -> (blocks, slots), each (B*T,): where each new token is written."""
+        positions = np.asarray(positions).reshape(len(seq_ids), -1)  # (B, T)
+        blocks = [
+            [self.block_tables[s][p // self.block_size] for p in row] for s, row in zip(seq_ids, positions)
+        ]
+        return xp.asarray(blocks).reshape(-1), xp.asarray(positions % self.block_size).reshape(-1)
+
+    def write(self, layer: int, slots, k, v) -> None:
+        """Store new k, v (B, nh, T, hs) at the (blocks, slots) of ``slot_mapping``."""
+        blocks, offsets = slots
+        B, nh, T, hs = k.shape
+        self.k[layer][blocks, :, offsets] = k.transpose(0, 2, 1, 3).reshape(B * T, nh, hs)  # token-major
+        self.v[layer][blocks, :, offsets] = v.transpose(0, 2, 1, 3).reshape(B * T, nh, hs)
+
+    def append(self, seq_id: int, k, v) -> None:
+        """Append T tokens' keys and values for every layer: k, v (n_layer, nh, T, hs).
+
+        The same path forward takes (reserve, write per layer, advance), without a model; the
+        tests and the notebook use it. Raises before changing anything if the blocks do not fit.
+        """
+        view = self.view([seq_id])
+        view.positions(k.shape[2])
+        for layer in range(len(self.k)):
+            self.write(layer, view.slots, xp.asarray(k[layer])[None], xp.asarray(v[layer])[None])
+        view.advance(k.shape[2])
+
+    def read(self, seq_id: int, layer: int):
+        """A sequence's cached K and V, contiguous: (nh, length, hs) each."""
+        if self.lengths[seq_id] == 0:
+            shape = (self.config.n_head, 0, self.config.head_size)
+            return xp.zeros(shape, self.k[0].dtype), xp.zeros(shape, self.k[0].dtype)
+        k, v, _ = gather_kv(self, [seq_id], layer)
+        return k[0], v[0]
+
+    # -- prefix caching --
+    def _evictable(self, block: int) -> bool:
+        return self.allocator.ref_counts[block] == 1  # the prefix cache is its only holder
+
+    def _allocate_block(self) -> int:
+        """A free block; when the free list is empty, evict the least recently used cached block."""
+        if self.allocator.num_free == 0:
+            for h, block in self.cached_blocks.items():  # least recently used first
+                if self._evictable(block):
+                    del self.cached_blocks[h], self.block_hashes[block]
+                    self.allocator.free(block)
+                    self.evictions += 1
+                    break
+        return self.allocator.allocate()
+
+    def _touch(self, hashes) -> None:
+        """Mark a chain most recently used, leaf first so the parents end up the most recent."""
+        for h in reversed(hashes):
+            self.cached_blocks.move_to_end(h)
+
+    def match_prefix(self, token_ids) -> list[int]:
+        """The cached blocks holding the longest run of full leading blocks of ``token_ids``."""
+        blocks = []
+        for h in prefix_block_hashes(token_ids, self.block_size):
+            if h not in self.cached_blocks:
+                break
+            blocks.append(self.cached_blocks[h])
+        return blocks
+
+    def share_prefix(self, seq_id: int, token_ids) -> int:
+        """Point an empty sequence at the cached blocks of its prompt -> number of tokens reused.
+
+        At most len(token_ids) - 1 tokens are reused: the last prompt token must be computed, since
+        its logits give the first output token (a prompt entirely in cache would otherwise leave
+        nothing to prefill). Reusing a partial block is fine: the write of the first computed token
+        copies it first, because the prefix cache still holds it.
+        """
+        self._check_seq(seq_id)
+        if self.lengths[seq_id] or self.block_tables[seq_id]:
+            raise ValueError(f"share_prefix needs an empty sequence; {seq_id} holds {self.lengths[seq_id]}")
+        blocks = self.match_prefix(token_ids)
+        reused = min(len(blocks) * self.block_size, len(token_ids) - 1)
+        blocks = blocks[: num_blocks_for(reused, self.block_size)]
+        for block in blocks:
+            self.allocator.incref(block)
+        self.block_tables[seq_id], self.lengths[seq_id] = list(blocks), reused
+        self._touch([self.block_hashes[b] for b in blocks])
+        self.reused_tokens += reused
+        return reused
+
+    def cache_prefix(self, seq_id: int, token_ids) -> int:
+        """Make the full blocks of a prefilled prompt findable by later prompts -> blocks added.
+
+        ``token_ids`` are the tokens the sequence holds (its prompt). The prefix cache takes one
+        reference on each newly cached block, so it outlives the sequence until evicted.
+        """
+        n_full = min(len(token_ids), self.lengths[seq_id]) // self.block_size
+        hashes = prefix_block_hashes(token_ids[: n_full * self.block_size], self.block_size)
+        added = 0
+        for h, block in zip(hashes, self.block_tables[seq_id]):
+            if h in self.cached_blocks or block in self.block_hashes:
+                continue  # already cached (perhaps as another physical block with the same content)
+            self.allocator.incref(block)
+            self.cached_blocks[h], self.block_hashes[block] = block, h
+            added += 1
+        self._touch([h for h in hashes if h in self.cached_blocks])
+        return added
+
+    def clear_prefix_cache(self) -> None:
+        """Drop the prefix cache's references; blocks no sequence holds return to the free list."""
+        for block in self.cached_blocks.values():
+            self.allocator.free(block)
+        self.cached_blocks.clear()
+        self.block_hashes.clear()
+
+    def prefill(self, model, prompt_ids, view: SequenceView):
+        """Prefill a prompt reusing cached prefix blocks -> (last logits (V,), tokens reused).
+
+        Resets the view's sequence, points it at the cached blocks of the prompt's prefix, runs the
+        rest of the prompt (at least its last token) and caches the prompt's full blocks.
+
+        The same call as ``PrefixCache.prefill``, so ``generate(model, prompt, cache=view,
+        prefix_cache=paged_cache)`` uses prefix caching with an unchanged ``generate``.
+        """
+        prompt_ids = [int(t) for t in prompt_ids]
+        view.reset()
+        reused = self.share_prefix(view.seq_id, prompt_ids) if self.prefix_caching else 0
+        logits = model.forward(xp.asarray([prompt_ids[reused:]]), view)[0, -1]  # at least one token
+        if self.prefix_caching:
+            self.cache_prefix(view.seq_id, prompt_ids)
+        return logits, reused
+
+    # -- inspection --
+    def check(self) -> None:
+        """Raise AssertionError if a reference count, the free list or a table is inconsistent."""
+        expected = [0] * self.num_blocks
+        for seq, table in self.block_tables.items():
+            assert len(set(table)) == len(table), f"sequence {seq} holds a block twice: {table}"
+            assert len(table) == num_blocks_for(self.lengths[seq], self.block_size), (
+                f"sequence {seq}: {len(table)} blocks for {self.lengths[seq]} tokens"
+            )
+            for block in table:
+                expected[block] += 1
+        for block in self.cached_blocks.values():
+            expected[block] += 1
+        assert self.allocator.ref_counts == expected, "reference counts != holders (tables + prefix cache)"
+        free = list(self.allocator.free_blocks)
+        assert len(set(free)) == len(free), "a block is on the free list twice (double free)"
+        assert set(free) == {b for b, n in enumerate(expected) if n == 0}, "free list != unheld blocks (leak)"
+
+    def describe(self) -> str:
+        """The block tables as text, one line per sequence: 'seq 0 (len 5): [3, 1] (refcounts 2, 1)'."""
+        lines = []
+        for seq, table in self.block_tables.items():
+            counts = ", ".join(str(self.allocator.ref_counts[b]) for b in table)
+            lines.append(f"seq {seq} (len {self.lengths[seq]}): {table} (refcounts {counts})")
+        free, cached = self.allocator.num_free, len(self.cached_blocks)
+        lines.append(f"free blocks: {free}/{self.num_blocks}, cached for reuse: {cached}")
+        return "\n".join(lines)
+
+
+# --- the views GPT.forward uses -------------------------------------------------------------------
+
+
+class BatchView:
+    """A batch of sequences of a PagedKVCache seen as one cache by ``GPT.forward``.
+
+    forward(idx (B, T), view) runs B sequences together, each at its own length:
+    ``positions(T)`` -> (B, T) with row b = lengths[b] .. lengths[b]+T-1 (reserving the blocks first),
+    ``attend`` writes the new k, v into each sequence's blocks and runs ``paged_attention``,
+    ``advance(T)`` adds T to every length. The model's attention choice is not used: attention
+    reads through the block tables here.
+    """
+
+    def __init__(self, cache: PagedKVCache, seq_ids):
+        self.cache, self.seq_ids = cache, [int(s) for s in seq_ids]
+        self.slots = None  # (blocks, slots) of the tokens being written, set by positions()
+
+    @property
+    def lengths(self) -> list[int]:
+        return [self.cache.lengths[s] for s in self.seq_ids]
+
+    def positions(self, T: int):
+        positions = self.cache.reserve(self.seq_ids, T)  # (B, T); raises before anything is written
+        self.slots = self.cache.slot_mapping(self.seq_ids, positions)
+        return positions
+
+    def attend(self, layer: int, q, k, v, attention=None):
+        """Store k, v (B, nh, T, hs); attend q over each sequence's own keys -> (B, nh, T, hs)."""
+        if k.shape[0] != len(self.seq_ids):
+            raise ValueError(f"the view holds {len(self.seq_ids)} sequences, got batch {k.shape[0]}")
+        if self.slots is None:
+            raise RuntimeError("attend before positions(): forward reserves the blocks first")
+        self.cache.write(layer, self.slots, k, v)
+        kv_lens = [n + k.shape[2] for n in self.lengths]  # the new keys are written, not yet counted
+        return paged_attention(q, self.cache, self.seq_ids, layer, kv_lens)
+
+    def advance(self, T: int) -> None:
+        for s in self.seq_ids:
+            self.cache.lengths[s] += T
+        self.slots = None
+
+
+class SequenceView(BatchView):
+    """One sequence of a PagedKVCache with the interface of a ``KVCache`` (for ``generate``).
+
+    ``length``, ``max_len``, ``reset()`` (release its blocks), ``truncate(n)``, ``nbytes`` (its
+    blocks) and ``bytes_used`` (its tokens), ``fork()`` -> a view of a child sharing its blocks.
+    """
+
+    def __init__(self, cache: PagedKVCache, seq_id: int):
+        cache._check_seq(seq_id)
+        super().__init__(cache, [seq_id])
+        self.seq_id = seq_id
+
+    @property
+    def length(self) -> int:
+        return self.cache.lengths[self.seq_id]
+
+    @property
+    def max_len(self) -> int:
+        return self.cache.max_len
+
+    @property
+    def block_table(self) -> list[int]:
+        return self.cache.block_tables[self.seq_id]
+
+    def reset(self) -> None:
+        self.cache.reset_sequence(self.seq_id)
+
+    def truncate(self, n: int) -> None:
+        self.cache.truncate(self.seq_id, n)
+
+    def free(self) -> None:
+        self.cache.free(self.seq_id)
+
+    def fork(self) -> SequenceView:
+        return SequenceView(self.cache, self.cache.fork(self.seq_id))
+
+    @property
+    def nbytes(self) -> int:
+        return len(self.block_table) * self.cache.block_bytes
+
+    @property
+    def bytes_used(self) -> int:
+        return self.length * self.cache.token_bytes
