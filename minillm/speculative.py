@@ -1,0 +1,423 @@
+"""Speculative decoding: a cheap draft proposes K tokens, the target checks them all in one forward.
+
+    round:  draft proposes x_0..x_{K-1} ~ q          (K cheap draft steps)
+            target computes p_0..p_K in ONE forward   (over pending token + the K drafts)
+            accept x_i with probability min(1, p_i(x_i) / q_i(x_i)), in order
+            at the first rejection emit y ~ norm(max(0, p_i - q_i)) and drop the rest,
+            if all K are accepted emit a bonus y ~ p_K
+            roll both KV caches back past the rejected position (KVCache.truncate, O(1))
+
+Every emitted token is distributed exactly as the target would have sampled it (Leviathan et al.
+2023, "Fast Inference from Transformers via Speculative Decoding", Theorem 3.5; Chen et al. 2023),
+so the draft changes only the speed. At temperature 0 the check is exact: accept while the draft
+token is the target's argmax, so the output is the target's own greedy output, token for token.
+
+The pieces, smallest first:
+
+- ``residual_distribution(p, q)``: norm(max(0, p - q)), the distribution of a token drawn after a
+  rejection (falls back to p when p == q up to rounding leaves nothing: no NaN).
+- ``verify``: the rejection-sampling core, a pure function of (drafts, q, p, rng).
+- ``verify_greedy``: the temperature-0 check on target logits.
+- ``speculative_generate``: the decoding loop with two KV caches. Its naive reference,
+  ``speculative_generate_naive``, makes the same random draws without caches (every forward runs
+  the whole sequence), so the two must agree token for token.
+- ``expected_tokens_per_call`` and ``expected_speedup``: Leviathan et al. Eq. 1 and Theorem 3.8.
+
+Acceptance rate. ``SpecStats.alpha`` is the fraction of *checked* draft tokens that were accepted
+(accepted / (accepted + rejections)): draft tokens after the first rejection are never checked, so
+dividing by all proposed tokens would underestimate alpha (at alpha = 0.8, K = 8 by half).
+
+Context policy (the same as ``minillm.generate``). When the target's pending tokens no longer fit
+its cache, the cache is reset and the last ``block_size // 2`` tokens are prefilled again; near the
+limit a round proposes fewer drafts so that verification never crosses it. Because the window
+moves exactly when ``generate`` moves it, greedy speculative decoding equals ``generate`` token for
+token even past the context length. The draft's window is its own business (any draft is lossless).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from .backend import synchronize, to_numpy, xp
+from .kv_cache import KVCache
+from .sampling import logits_to_probs, sample
+
+# ----------------------------------------------------------------------------------------------
+# the rejection-sampling core (pure functions of probability vectors)
+
+
+def residual_distribution(p, q):
+    """norm(max(0, p - q)): where a token is drawn after a rejection.  (V,), (V,) -> (V,) float64
+
+    Tokens the target likes more than the draft get the mass the draft over-proposed elsewhere.
+    When p <= q everywhere (p == q up to rounding) nothing is left; a rejection then only happens
+    through rounding, and p itself is returned instead of 0/0 = NaN.
+
+    Example: p = [0.5, 0.5, 0, 0], q = [0.25, 0.25, 0.25, 0.25] -> [0.5, 0.5, 0, 0].
+    """
+    p, q = np.asarray(p, dtype=np.float64), np.asarray(q, dtype=np.float64)
+    # EXERCISE 5.3 BEGIN: clip p - q at zero and normalize; return p when nothing is left
+    residual = np.maximum(p - q, 0.0)
+    total = residual.sum()
+    if not total > 0.0:
+        return p / p.sum()
+    return residual / total
+    # EXERCISE 5.3 END
+
+
+def _check_verify_shapes(draft_tokens, draft_probs, target_probs):
+    K = len(draft_tokens)
+    if draft_probs.shape[:1] != (K,) or draft_probs.ndim != 2:
+        raise ValueError(f"draft_probs must be (K, V) = ({K}, V), got {draft_probs.shape}")
+    if target_probs.shape != (K + 1, draft_probs.shape[1]):
+        raise ValueError(
+            f"target_probs must be (K + 1, V) = ({K + 1}, {draft_probs.shape[1]}), "
+            f"got {target_probs.shape}"
+        )
+
+
+def verify(draft_tokens, draft_probs, target_probs, rng: np.random.Generator) -> tuple[list[int], int]:
+    """Speculative sampling (Leviathan et al. 2023, Algorithm 1): -> (emitted tokens, number accepted).
+
+    draft_tokens (K,) were drawn from draft_probs q (K, V); target_probs p (K + 1, V), row K being
+    the bonus position. In order, x_i is accepted with probability min(1, p_i(x_i) / q_i(x_i)); at
+    the first rejection a token drawn from ``residual_distribution(p_i, q_i)`` is emitted and the
+    rest are dropped; when all K are accepted a bonus token drawn from p_K is emitted. So 1..K+1
+    tokens come out, and each is distributed exactly as the target would have drawn it:
+        P(y) = q(y) min(1, p(y)/q(y)) + (1 - sum_x min(p(x), q(x))) * residual(y) = p(y).
+    Randomness: one uniform per checked draft token, one draw for the final token, all from ``rng``.
+
+    Example: p == q -> every x_i is accepted and K + 1 tokens come out.
+    """
+    draft_probs = np.asarray(draft_probs, dtype=np.float64)
+    target_probs = np.asarray(target_probs, dtype=np.float64)
+    _check_verify_shapes(draft_tokens, draft_probs, target_probs)
+    # EXERCISE 5.1 BEGIN: accept x_i w.p. min(1, p_i(x_i)/q_i(x_i)); residual at a rejection; bonus
+    emitted = []
+    for i, x in enumerate(draft_tokens):
+        x = int(x)
+        p_x, q_x = target_probs[i, x], draft_probs[i, x]
+        if not q_x > 0:
+            raise ValueError(f"draft token {x} at position {i} has draft probability {q_x}")
+        if rng.random() < min(1.0, p_x / q_x):
+            emitted.append(x)
+            continue
+        emitted.append(sample(residual_distribution(target_probs[i], draft_probs[i]), rng))
+        return emitted, i
+    emitted.append(sample(target_probs[len(draft_tokens)], rng))  # all accepted: the bonus token
+    return emitted, len(draft_tokens)
+    # EXERCISE 5.1 END
+
+
+def verify_greedy(draft_tokens, target_logits) -> tuple[list[int], int]:
+    """Temperature 0: accept while x_i is the target's argmax. -> (emitted tokens, number accepted)
+
+    target_logits (K + 1, V) are the target's logits at the K draft positions plus the bonus one.
+    At the first mismatch the target's argmax is emitted instead; when all K match, the argmax of
+    row K is the bonus. The output is exactly the target's own greedy continuation.
+    (Accepting by the ratio p(x)/q(x) of softmax probabilities instead would not be: the draft's
+    one-hot q makes that "accept with probability p(x)", a sample, not the argmax.)
+
+    Example: drafts [3, 5], argmaxes [3, 7, 1] -> ([3, 7], 1).
+    """
+    target_logits = to_numpy(target_logits)
+    if target_logits.ndim != 2 or target_logits.shape[0] != len(draft_tokens) + 1:
+        raise ValueError(
+            f"target_logits must be (K + 1, V) with K = {len(draft_tokens)}, got {target_logits.shape}"
+        )
+    # EXERCISE 5.2 BEGIN: accept while draft == target argmax; then the target's argmax (or bonus)
+    best = target_logits.argmax(axis=-1)  # (K + 1,) the target's greedy choice at each position
+    emitted = []
+    for i, x in enumerate(draft_tokens):
+        if int(x) != int(best[i]):
+            emitted.append(int(best[i]))
+            return emitted, i
+        emitted.append(int(x))
+    emitted.append(int(best[len(draft_tokens)]))
+    return emitted, len(draft_tokens)
+    # EXERCISE 5.2 END
+
+
+# ----------------------------------------------------------------------------------------------
+# theory (Leviathan et al. 2023, section 3)
+
+
+def expected_tokens_per_call(alpha: float, k: int) -> float:
+    """E[tokens per target call] = (1 - alpha^(k+1)) / (1 - alpha)   (Leviathan et al. Eq. 1).
+
+    Each draft token is accepted with probability alpha until the first rejection; the round emits
+    the accepted ones plus one (the residual or bonus token): 1 + alpha + ... + alpha^k.
+    Example: alpha = 0.8, k = 4 -> 3.3616; alpha = 1 -> k + 1; alpha = 0 -> 1.
+    """
+    if not 0.0 <= alpha <= 1.0:
+        raise ValueError(f"alpha must be in [0, 1], got {alpha}")
+    if k < 0:
+        raise ValueError(f"k must be >= 0, got {k}")
+    # EXERCISE 5.4 BEGIN: the geometric series 1 + alpha + ... + alpha^k in closed form
+    if alpha == 1.0:
+        return float(k + 1)
+    return (1.0 - alpha ** (k + 1)) / (1.0 - alpha)
+    # EXERCISE 5.4 END
+
+
+def expected_speedup(alpha: float, k: int, c: float) -> float:
+    """Walltime improvement (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1))   (Leviathan et al. Thm 3.8).
+
+    A round costs k draft steps (c target steps each) plus one target verification, assumed to
+    cost one target decode step; it yields ``expected_tokens_per_call(alpha, k)`` tokens.
+    Example: alpha = 0.8, k = 4, c = 0.1 -> 3.3616 / 1.4 = 2.401.
+    """
+    if c < 0:
+        raise ValueError(f"c must be >= 0, got {c}")
+    return expected_tokens_per_call(alpha, k) / (k * c + 1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# statistics of a run
+
+
+@dataclass
+class SpecStats:
+    """Counters of one speculative generation.
+
+    Per draft position i (0..k-1): ``reached_at[i]`` counts rounds whose check got to x_i (all
+    earlier drafts accepted), ``accepted_at[i]`` those where x_i was accepted.
+    """
+
+    k: int
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    rounds: int = 0
+    target_calls: int = 0  # target forward passes (one per round)
+    draft_calls: int = 0  # draft forward passes
+    proposed: int = 0  # draft tokens proposed
+    accepted: int = 0  # draft tokens accepted
+    rejected: int = 0  # rounds that ended at a rejection (the others ended with a bonus token)
+    accepted_at: list = field(default_factory=list)
+    reached_at: list = field(default_factory=list)
+    reprefills: int = 0  # times the target's context window was prefilled again
+    first_round_tokens: int = 0  # tokens the first round emitted (all available at the TTFT)
+    ttft_s: float = 0.0  # prompt in -> first round's tokens out (includes both prefills)
+    total_s: float = 0.0
+    round_times_s: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.accepted_at = self.accepted_at or [0] * self.k
+        self.reached_at = self.reached_at or [0] * self.k
+
+    def record_round(self, k_round: int, n_accepted: int) -> None:
+        """One round proposed k_round drafts and accepted the first n_accepted of them."""
+        if self.rounds == 0:
+            self.first_round_tokens = n_accepted + 1
+        self.rounds += 1
+        self.proposed += k_round
+        self.accepted += n_accepted
+        self.rejected += n_accepted < k_round
+        for i in range(min(n_accepted + 1, k_round)):
+            self.reached_at[i] += 1
+            self.accepted_at[i] += i < n_accepted
+
+    @property
+    def checked(self) -> int:
+        """Draft tokens the target actually judged (those after a rejection never are)."""
+        return self.accepted + self.rejected
+
+    @property
+    def alpha(self) -> float:
+        """Acceptance rate: P(a checked draft token is accepted) = accepted / checked."""
+        return self.accepted / self.checked if self.checked else float("nan")
+
+    @property
+    def accepted_per_proposed(self) -> float:
+        """Accepted / proposed: the share of the draft's work that was kept (<= alpha)."""
+        return self.accepted / self.proposed if self.proposed else float("nan")
+
+    @property
+    def tokens_per_call(self) -> float:
+        """New tokens per target forward pass (plain decoding: 1)."""
+        return self.new_tokens / self.target_calls if self.target_calls else float("nan")
+
+    @property
+    def acceptance_by_position(self) -> list:
+        """P(x_i accepted | x_i checked) for each draft position i (NaN where never checked)."""
+        return [a / r if r else float("nan") for a, r in zip(self.accepted_at, self.reached_at)]
+
+    @property
+    def tpot_s(self) -> float:
+        """Mean time per output token after the first round's tokens."""
+        n = self.new_tokens - self.first_round_tokens
+        return (self.total_s - self.ttft_s) / n if n > 0 else 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.total_s if self.total_s > 0 else float("inf")
+
+
+# ----------------------------------------------------------------------------------------------
+# one round's random choices, shared by the fast loop and its naive reference
+
+
+def _propose(logits, temperature, top_k, top_p, rng):
+    """Draft logits (V,) -> (token, q row or None). Greedy needs no probabilities."""
+    if temperature == 0:
+        return int(logits.argmax()), None
+    q = logits_to_probs(logits, temperature, top_k, top_p)
+    return sample(q, rng), q
+
+
+def _judge(drafts, q_rows, target_logits, temperature, top_k, top_p, rng):
+    """Target logits (k + 1, V) for the k drafts -> (emitted tokens, number accepted)."""
+    if temperature == 0:
+        return verify_greedy(drafts, target_logits)
+    p = logits_to_probs(target_logits, temperature, top_k, top_p)  # the same transform as q
+    q = np.array(q_rows).reshape(len(drafts), p.shape[-1])  # (k, V)
+    return verify(drafts, q, p, rng)
+
+
+def _check_args(target, draft, prompt_ids, max_new_tokens, k):
+    prompt_ids = [int(t) for t in prompt_ids]
+    if not prompt_ids:
+        raise ValueError("the prompt must contain at least one token")
+    if not isinstance(k, (int, np.integer)) or k < 1:
+        raise ValueError(f"k (draft tokens per round) must be an int >= 1, got {k!r}")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if draft.config.vocab_size != target.config.vocab_size:
+        raise ValueError(
+            f"draft vocabulary ({draft.config.vocab_size}) != target vocabulary "
+            f"({target.config.vocab_size}): speculative decoding needs the same tokenizer"
+        )
+    return prompt_ids
+
+
+# ----------------------------------------------------------------------------------------------
+# the decoding loop
+
+
+def speculative_generate(target, draft, prompt_ids, max_new_tokens, k=4, temperature=1.0, top_k=None,
+                         top_p=None, seed=0) -> tuple[list[int], SpecStats]:  # fmt: skip
+    """Generate with the target's distribution, drafting k tokens per target forward pass.
+
+    ``target`` and ``draft``: anything with ``config`` (vocab_size, block_size) and
+    ``forward(idx (1, T), cache) -> logits (1, T, V)`` (a GPT, or a ``drafts.BigramDraft``).
+    Sampling options are those of ``minillm.generate``; temperature 0 is greedy and gives exactly
+    ``generate(target, ...)``'s tokens. Returns (new tokens, SpecStats).
+
+    Each model keeps a KVCache plus a list of *pending* tokens it has not seen yet; a forward call
+    feeds only those (the first round's pending list is the prompt, so the target's prefill and
+    first verification are one call). Per round: the draft runs k times (pending, then its own
+    proposals x_0..x_{k-2}), the target runs once over pending + x_0..x_{k-1}, and both caches are
+    truncated to keep only accepted tokens. The reference that makes the same random draws without
+    caches is ``speculative_generate_naive``.
+    """
+    prompt_ids = _check_args(target, draft, prompt_ids, max_new_tokens, k)
+    rng = np.random.default_rng(seed)
+    stats = SpecStats(k=k, prompt_tokens=len(prompt_ids))
+    tcache, dcache = KVCache(target.config), KVCache(draft.config)
+    t_keep, d_keep = max(1, tcache.max_len // 2), max(1, dcache.max_len // 2)  # re-prefill windows
+    seq = list(prompt_ids)  # prompt + every token emitted so far
+    t_pending, d_pending = seq[-tcache.max_len :], seq[-dcache.max_len :]
+    stop = len(seq) + max_new_tokens
+    t0 = time.perf_counter()
+    while len(seq) < stop:
+        # pass 1: make room. Like generate(): when the pending tokens do not fit, re-prefill a window
+        if tcache.length + len(t_pending) > tcache.max_len:
+            tcache.reset()
+            t_pending = seq[-t_keep:]
+            stats.reprefills += 1
+        room = tcache.max_len - tcache.length - len(t_pending)  # target positions left after pending
+        k_round = min(k, stop - len(seq) - 1, room)  # never draft past max_new_tokens or the room
+        if dcache.length + len(d_pending) + k_round - 1 > dcache.max_len:  # the draft's own window
+            dcache.reset()
+            d_pending = seq[-d_keep:]
+        k_round = min(k_round, dcache.max_len - dcache.length - len(d_pending) + 1)
+
+        # pass 2: the draft proposes k_round tokens, one forward each (it never re-reads its cache)
+        drafts, q_rows = [], []
+        if k_round > 0:
+            logits = draft.forward(xp.asarray([d_pending]), dcache)[0, -1]  # (V,)
+            stats.draft_calls += 1
+            d_base = dcache.length  # the draft's cache now holds seq: proposals start here
+            for i in range(k_round):
+                token, q = _propose(logits, temperature, top_k, top_p, rng)
+                drafts.append(token)
+                q_rows.append(q)
+                if i < k_round - 1:  # the last proposal's logits are not needed this round
+                    logits = draft.forward(xp.asarray([[token]]), dcache)[0, -1]
+                    stats.draft_calls += 1
+
+        # pass 3: the target scores pending + drafts in ONE forward: rows for positions x_0..x_k
+        t_base = tcache.length + len(t_pending)  # the target's cache will hold seq up to here
+        logits = target.forward(xp.asarray([t_pending + drafts]), tcache)[0, -(k_round + 1) :]
+        stats.target_calls += 1
+        emitted, n = _judge(drafts, q_rows, logits, temperature, top_k, top_p, rng)
+
+        # pass 4: roll back past the first rejected draft; the emitted last token is pending
+        tcache.truncate(t_base + n)  # keeps x_0..x_{n-1}
+        t_pending = [emitted[-1]]
+        if k_round == 0:
+            d_pending = d_pending + emitted
+        elif n < k_round:  # the draft saw x_0..x_{k-2}; keep x_0..x_{n-1}
+            dcache.truncate(d_base + n)
+            d_pending = [emitted[-1]]
+        else:  # all accepted: the draft has not seen x_{k-1} nor the bonus token yet
+            d_pending = [drafts[-1], emitted[-1]]
+
+        seq += emitted
+        stats.record_round(k_round, n)
+        synchronize()
+        t1 = time.perf_counter()
+        stats.round_times_s.append(t1 - t0)
+        t0 = t1
+    return _finish(stats, seq, len(prompt_ids))
+
+
+def _finish(stats, seq, n_prompt):
+    new = seq[n_prompt:]
+    stats.new_tokens = len(new)
+    stats.total_s = float(sum(stats.round_times_s))
+    stats.ttft_s = stats.round_times_s[0] if stats.round_times_s else 0.0
+    return new, stats
+
+
+def speculative_generate_naive(target, draft, prompt_ids, max_new_tokens, k=4, temperature=1.0,
+                               top_k=None, top_p=None, seed=0) -> tuple[list[int], SpecStats]:  # fmt: skip
+    """The reference for ``speculative_generate``: the same rounds and random draws, no caches.
+
+    Every forward runs the whole sequence, so there is nothing to roll back; the fast loop must
+    give the same tokens at the same seed. Contexts must fit: len(prompt) + max_new_tokens <=
+    block_size of both models.
+    """
+    prompt_ids = _check_args(target, draft, prompt_ids, max_new_tokens, k)
+    limit = min(target.config.block_size, draft.config.block_size)
+    if len(prompt_ids) + max_new_tokens > limit:
+        raise ValueError(
+            f"prompt ({len(prompt_ids)}) + max_new_tokens ({max_new_tokens}) exceed the context "
+            f"length {limit}; the naive reference does not slide a window"
+        )
+    rng = np.random.default_rng(seed)
+    stats = SpecStats(k=k, prompt_tokens=len(prompt_ids))
+    seq = list(prompt_ids)
+    stop = len(seq) + max_new_tokens
+    t0 = time.perf_counter()
+    while len(seq) < stop:
+        k_round = min(k, stop - len(seq) - 1)
+        drafts, q_rows = [], []
+        for _ in range(k_round):
+            token, q = _propose(draft.forward(xp.asarray([seq + drafts]))[0, -1], temperature, top_k,
+                                top_p, rng)  # fmt: skip
+            drafts.append(token)
+            q_rows.append(q)
+            stats.draft_calls += 1
+        logits = target.forward(xp.asarray([seq + drafts]))[0, -(k_round + 1) :]  # (k + 1, V)
+        stats.target_calls += 1
+        emitted, n = _judge(drafts, q_rows, logits, temperature, top_k, top_p, rng)
+        seq += emitted
+        stats.record_round(k_round, n)
+        t1 = time.perf_counter()
+        stats.round_times_s.append(t1 - t0)
+        t0 = t1
+    return _finish(stats, seq, len(prompt_ids))

@@ -1,0 +1,653 @@
+"""Speculative decoding (chapter 5): lossless by test, and each classic mistake caught by a test.
+
+Test names map to the chapter's exercises:
+    test_rejection_*  verify (5.1)          test_greedy_*  verify_greedy (5.2)
+    test_residual_*   the residual (5.3)    test_theory_*  the speed-up formulas (5.4)
+    test_loop_*       speculative_generate  test_shipped_* the trained target/draft pair
+
+Statistical tests run at a fixed seed (deterministic) and reject at level P_MIN = 1e-3. Every
+check that guards against a classic mistake is also run on a deliberately wrong version defined
+in this file, and the test asserts that the check rejects it: a check that cannot fail proves
+nothing.
+"""
+
+import numpy as np
+import pytest
+from scipy.stats import chi2, chisquare, ncx2
+
+from minillm import GPT, GPTConfig, generate
+from minillm import speculative as spec
+from minillm.checkpoint import shipped_path
+from minillm.drafts import BigramDraft, quantize_tensor, quantize_weights
+from minillm.kv_cache import KVCache
+from minillm.sampling import logits_to_probs, sample
+from minillm.speculative import (
+    SpecStats,
+    expected_speedup,
+    expected_tokens_per_call,
+    residual_distribution,
+    speculative_generate,
+    speculative_generate_naive,
+    verify,
+    verify_greedy,
+)
+
+P_MIN = 1e-3  # a check fails when a chi-square p-value falls below this
+N_TRIALS = 50_000  # verify calls per statistical case (see test_rejection_sample_size_...)
+MIN_EXPECTED = 5  # chi-square cells expecting fewer counts are pooled into one
+
+
+# ----------------------------------------------------------------------------------------------
+# the statistical harness
+
+
+def chi2_pvalue(samples, probs) -> float:
+    """p-value of "samples were drawn from probs" (Pearson chi-square, small cells pooled).
+
+    A sample of a zero-probability token gives 0.0 at once: no amount of data excuses it.
+    """
+    samples, probs = np.asarray(samples, dtype=np.int64), np.asarray(probs, dtype=np.float64)
+    counts = np.bincount(samples, minlength=len(probs)).astype(np.float64)
+    if counts[probs <= 0].sum() > 0:
+        return 0.0
+    expected = probs * len(samples)
+    big = expected >= MIN_EXPECTED
+    obs = np.append(counts[big], counts[~big].sum())
+    exp = np.append(expected[big], expected[~big].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    if len(obs) < 2:
+        return 1.0
+    return float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
+
+
+def accepted_count_law(p, q):
+    """Exact P(n accepted = i), i = 0..K: beta_j = sum min(p_j, q_j) is P(accept at j)."""
+    beta = np.minimum(p[:-1], q).sum(axis=-1)  # (K,)
+    K = len(beta)
+    law = np.array([np.prod(beta[:i]) * (1 - beta[i]) for i in range(K)] + [np.prod(beta)])
+    return law
+
+
+def run_verify(verify_fn, p, q, n_trials=N_TRIALS, seed=0, reseed=False):
+    """Draft x_i ~ q_i then call verify_fn n_trials times -> (emitted lists, accepted counts).
+
+    reseed=True is the classic loop mistake: a fresh generator per draw, seeded per trial, for the
+    draft's draw and for verify alike, so both take the same uniform numbers.
+    """
+    rng = np.random.default_rng(seed)
+    K, V = q.shape
+    if not reseed:  # all drafts at once (fast); verify keeps drawing from the same generator
+        drafts = np.stack([rng.choice(V, size=n_trials, p=q[i]) for i in range(K)], axis=1)
+    emitted, accepted = [], []
+    for t in range(n_trials):
+        if reseed:
+            x = [sample(q[i], np.random.default_rng(t)) for i in range(K)]
+            out, n = verify_fn(x, q, p, np.random.default_rng(t))
+        else:
+            out, n = verify_fn(drafts[t], q, p, rng)
+        emitted.append(out)
+        accepted.append(n)
+    return emitted, np.array(accepted)
+
+
+def check_verify(verify_fn, p, q, **kw) -> tuple[bool, str]:
+    """The specification of verify, as one check -> (passed, reason).
+
+    1. shape: 1..K+1 tokens, n accepted = tokens - 1, the accepted ones are the drafts;
+    2. position i, given x_0..x_{i-1} were accepted, is distributed as p_i (i = 0..K, K = bonus);
+    3. the number accepted follows its exact law (truncated geometric with beta_j = sum min(p_j, q_j)).
+    """
+    emitted, accepted = run_verify(verify_fn, p, q, **kw)
+    K = q.shape[0]
+    if any(len(out) != n + 1 for out, n in zip(emitted, accepted)) or accepted.max() > K:
+        return False, "shape: expected n accepted + 1 tokens"
+    for i in range(K + 1):
+        rows = np.flatnonzero(accepted >= i)  # trials whose check got past position i - 1
+        if len(rows) < 50:
+            continue
+        pv = chi2_pvalue([emitted[r][i] for r in rows], p[i])
+        if pv < P_MIN:
+            return False, f"position {i}: chi-square p-value {pv:.2g}"
+    pv = chi2_pvalue(accepted, accepted_count_law(p, q))
+    if pv < P_MIN:
+        return False, f"accepted-count law: chi-square p-value {pv:.2g}"
+    return True, "ok"
+
+
+def random_rows(rng, n, V, support=None, concentration=1.0):
+    """n random probability rows over V tokens (optionally only on ``support``)."""
+    rows = np.zeros((n, V))
+    support = np.arange(V) if support is None else np.asarray(support)
+    rows[:, support] = rng.dirichlet(np.full(len(support), concentration), size=n)
+    return rows
+
+
+def case(name):
+    """(p (K+1, V), q (K, V)) for the statistical cases; tiny vocabularies, fixed seeds."""
+    rng = np.random.default_rng(42)
+    V = 4
+    if name == "random":
+        return random_rows(rng, 4, V), random_rows(rng, 3, V)
+    if name == "k1":
+        return random_rows(rng, 2, V), random_rows(rng, 1, V)
+    if name == "p_equals_q":
+        p = random_rows(rng, 3, V)
+        return p, p[:2].copy()
+    if name == "disjoint":  # every draft is rejected; the residual is p itself
+        return random_rows(rng, 3, V, support=[0, 1]), random_rows(rng, 2, V, support=[2, 3])
+    if name == "p_mass_where_q_none":  # token 3 can only come from the residual
+        return random_rows(rng, 3, V, support=[1, 2, 3]), random_rows(rng, 2, V, support=[0, 1, 2])
+    if name == "q_mass_where_p_none":  # the draft proposes tokens the target never would
+        return random_rows(rng, 3, V, support=[0, 1]), random_rows(rng, 2, V)
+    raise KeyError(name)
+
+
+CASES = ["random", "k1", "p_equals_q", "disjoint", "p_mass_where_q_none", "q_mass_where_p_none"]
+
+
+# ----------------------------------------------------------------------------------------------
+# deliberately wrong versions of verify (the classic mistakes)
+
+
+def verify_missing_bonus(draft_tokens, q, p, rng):
+    """Wrong: when all K drafts are accepted, forgets the bonus token from p_K."""
+    for i, x in enumerate(draft_tokens):
+        if rng.random() >= min(1.0, p[i, x] / q[i, x]):
+            return list(draft_tokens[:i]) + [sample(residual_distribution(p[i], q[i]), rng)], i
+    return list(draft_tokens), len(draft_tokens)
+
+
+def verify_resample_from_p(draft_tokens, q, p, rng):
+    """Wrong: after a rejection, draws from p instead of the residual max(0, p - q)."""
+    for i, x in enumerate(draft_tokens):
+        if rng.random() >= min(1.0, p[i, x] / q[i, x]):
+            return list(draft_tokens[:i]) + [sample(p[i], rng)], i
+    return list(draft_tokens) + [sample(p[-1], rng)], len(draft_tokens)
+
+
+def verify_unnormalized_residual(draft_tokens, q, p, rng):
+    """Wrong: inverts the CDF of max(0, p - q) without dividing by its total mass."""
+    for i, x in enumerate(draft_tokens):
+        if rng.random() >= min(1.0, p[i, x] / q[i, x]):
+            cdf = np.cumsum(np.maximum(p[i] - q[i], 0.0))  # ends below 1
+            y = min(int(np.searchsorted(cdf, rng.random(), side="right")), len(cdf) - 1)
+            return list(draft_tokens[:i]) + [y], i
+    return list(draft_tokens) + [sample(p[-1], rng)], len(draft_tokens)
+
+
+def verify_reseeded(draft_tokens, q, p, rng):
+    """Wrong: makes its own generator with a fixed seed at every call (correlated draws)."""
+    return verify(draft_tokens, q, p, np.random.default_rng(1234))
+
+
+def residual_unguarded(p, q):
+    """Wrong: max(0, p - q) / sum, which is 0/0 = NaN when p <= q everywhere."""
+    r = np.maximum(np.asarray(p) - np.asarray(q), 0.0)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return r / r.sum()
+
+
+def verify_greedy_by_ratio(draft_tokens, target_logits):
+    """Wrong: the sampling rule at temperature 0, accepting x with probability p(x)/q(x), where
+    q is the one-hot greedy draft and p the target's softmax; a rejection draws from the residual."""
+    rng = np.random.default_rng(len(draft_tokens))
+    p = logits_to_probs(target_logits, temperature=1.0)
+    for i, x in enumerate(draft_tokens):
+        if rng.random() >= p[i, x]:
+            q = np.eye(p.shape[1])[x]
+            return list(draft_tokens[:i]) + [sample(residual_distribution(p[i], q), rng)], i
+    return list(draft_tokens) + [int(p[-1].argmax())], len(draft_tokens)
+
+
+# ----------------------------------------------------------------------------------------------
+# 5.1 verify: rejection sampling
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_rejection_each_position_matches_target(name):
+    """Every emitted position is distributed as p (chi-square, 50k calls), and the number of
+    accepted drafts follows its exact law, for random p and q, p == q, disjoint supports, K = 1,
+    p with mass where q has none and q with mass where p has none."""
+    p, q = case(name)
+    ok, why = check_verify(verify, p, q)
+    assert ok, f"{name}: {why}"
+
+
+@pytest.mark.parametrize(
+    "wrong",
+    [verify_missing_bonus, verify_resample_from_p, verify_unnormalized_residual, verify_reseeded],
+    ids=["missing_bonus", "resample_from_p", "unnormalized_residual", "reseeded_generator"],
+)
+def test_rejection_check_catches_classic_mistakes(wrong):
+    """The check above rejects each classic wrong verify (so passing it means something)."""
+    p, q = case("random")
+    ok, why = check_verify(wrong, p, q, n_trials=10_000)
+    assert not ok, f"{wrong.__name__} passed the check"
+
+
+def test_rejection_check_catches_reseeding_in_the_loop():
+    """Re-seeding a generator per draw (here per trial, for the draft's draw and for verify) makes
+    the acceptance test reuse the uniform number that chose the draft: the output is biased."""
+    p, q = case("random")
+    assert check_verify(verify, p, q, n_trials=5_000, reseed=False)[0]
+    assert not check_verify(verify, p, q, n_trials=5_000, reseed=True)[0]
+
+
+def test_rejection_sample_size_detects_one_percent_error():
+    """N_TRIALS is enough: moving 1% of probability between two tokens (total variation 0.01) is
+    detected with power >= 0.9 at position 0 (noncentral chi-square), and in practice: real verify
+    output checked against a p shifted by 1% fails the check."""
+    p, q = case("random")
+    shifted = p[0].copy()
+    shifted[0] += 0.01
+    shifted[1] -= 0.01
+    lam = N_TRIALS * np.sum((shifted - p[0]) ** 2 / p[0])  # noncentrality of the shift
+    df = len(p[0]) - 1
+    assert ncx2.sf(chi2.isf(P_MIN, df), df, lam) >= 0.9
+    emitted, _ = run_verify(verify, p, q)
+    first = [out[0] for out in emitted]
+    assert chi2_pvalue(first, p[0]) >= P_MIN
+    assert chi2_pvalue(first, shifted) < P_MIN
+
+
+def test_rejection_all_accepted_when_p_equals_q():
+    """p == q: every draft is accepted and the bonus comes from the last row."""
+    p = np.array([[0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1.0]])
+    out, n = verify([1, 2], p[:2], p, np.random.default_rng(0))
+    assert (out, n) == ([1, 2, 3], 2)
+
+
+def test_rejection_impossible_draft_is_always_rejected():
+    """p(x) = 0: x is rejected every time and the replacement comes from p's support."""
+    p = np.array([[0.5, 0.5, 0, 0], [0.25] * 4])
+    q = np.array([[0, 0, 0, 1.0]])
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        out, n = verify([3], q, p, rng)
+        assert n == 0 and out[0] in (0, 1)
+
+
+class LargestUniform(np.random.Generator):
+    """A Generator whose uniforms are all the largest double below 1: forces every rejection
+    that has any probability at all, however small."""
+
+    def random(self, size=None, dtype=np.float64, out=None):
+        u = np.nextafter(1.0, 0.0)
+        return u if size is None else np.full(size, u)
+
+
+def test_rejection_no_nan_when_p_equals_q_up_to_rounding():
+    """p = q except 1e-16 less on the draft token: the ratio is just below 1, so a rejection is
+    possible (forced here), and max(0, p - q) is all zero; verify still emits a valid token from
+    p (an unguarded 0/0 would give NaN probabilities)."""
+    q = np.array([[0.3, 0.7]])
+    p = np.array([[0.3 - 1e-16, 0.7], [0.5, 0.5]])
+    assert p[0, 0] / q[0, 0] < 1 and np.maximum(p[0] - q[0], 0).sum() == 0
+    out, n = verify([0], q, p, LargestUniform(np.random.PCG64(0)))
+    assert n == 0 and len(out) == 1 and out[0] in (0, 1)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        dict(draft_tokens=[0, 1], draft_probs=np.full((1, 4), 0.25), target_probs=np.full((3, 4), 0.25)),
+        dict(draft_tokens=[0], draft_probs=np.full((1, 4), 0.25), target_probs=np.full((1, 4), 0.25)),
+        dict(draft_tokens=[0], draft_probs=np.array([[0, 1.0]]), target_probs=np.full((2, 2), 0.5)),
+    ],
+    ids=["q_rows_not_K", "p_rows_not_K_plus_1", "draft_token_with_zero_q"],
+)
+def test_rejection_bad_input_raises(bad):
+    """Inconsistent shapes, or a draft token its own q calls impossible, raise ValueError."""
+    with pytest.raises(ValueError):
+        verify(rng=np.random.default_rng(0), **bad)
+
+
+# ----------------------------------------------------------------------------------------------
+# 5.3 the residual distribution
+
+
+def test_residual_worked_example():
+    """p = [.5, .5, 0, 0], q uniform -> [.5, .5, 0, 0]; and a case where only part is left."""
+    np.testing.assert_allclose(residual_distribution([0.5, 0.5, 0, 0], [0.25] * 4), [0.5, 0.5, 0, 0])
+    np.testing.assert_allclose(residual_distribution([0.6, 0.4], [0.2, 0.8]), [1.0, 0.0])
+
+
+def test_residual_is_a_distribution():
+    """Non-negative, sums to 1, zero where q >= p, for random p and q (an unnormalized
+    max(0, p - q) sums to less than one and fails)."""
+    rng = np.random.default_rng(1)
+    for p, q in zip(random_rows(rng, 50, 7, concentration=0.5), random_rows(rng, 50, 7)):
+        r = residual_distribution(p, q)
+        assert np.all(r >= 0) and r.sum() == pytest.approx(1.0)
+        assert np.all(r[q >= p] == 0)
+    assert np.maximum(p - q, 0).sum() < 1  # the unnormalized version is not a distribution
+
+
+@pytest.mark.parametrize("p_minus", [0.0, 1e-16], ids=["equal", "rounding"])
+def test_residual_no_nan_when_nothing_is_left(p_minus):
+    """p == q (or p below q by rounding) leaves an all-zero residual: the result is p, finite,
+    summing to one; the unguarded division gives NaN."""
+    q = np.array([0.3, 0.7])
+    p = np.array([0.3 - p_minus, 0.7])
+    r = residual_distribution(p, q)
+    assert np.all(np.isfinite(r)) and r.sum() == pytest.approx(1.0)
+    np.testing.assert_allclose(r, p / p.sum())
+    assert np.isnan(residual_unguarded(p, q)).all()
+
+
+# ----------------------------------------------------------------------------------------------
+# 5.4 theory
+
+
+def test_theory_worked_examples():
+    """Eq. 1 and Theorem 3.8 of Leviathan et al. at a few points, including the limits."""
+    assert expected_tokens_per_call(0.8, 4) == pytest.approx(3.3616)
+    assert expected_tokens_per_call(1.0, 4) == 5.0
+    assert expected_tokens_per_call(0.0, 7) == 1.0
+    assert expected_speedup(0.8, 4, 0.1) == pytest.approx(3.3616 / 1.4)
+    assert expected_speedup(0.0, 3, 0.5) == pytest.approx(1 / 2.5)  # a useless draft costs time
+
+
+@pytest.mark.parametrize("alpha", [0.0, 0.3, 0.75, 0.999, 1.0])
+@pytest.mark.parametrize("k", [0, 1, 4, 8])
+def test_theory_is_the_geometric_series(alpha, k):
+    """(1 - a^(k+1)) / (1 - a) == 1 + a + ... + a^k, continuous up to a = 1."""
+    assert expected_tokens_per_call(alpha, k) == pytest.approx(sum(alpha**i for i in range(k + 1)))
+
+
+def test_theory_matches_simulated_verify():
+    """With every row having acceptance probability beta = sum min(p, q) = alpha, the mean
+    number of tokens per verify call matches (1 - alpha^(k+1)) / (1 - alpha)."""
+    k, alpha = 4, 0.7
+    base = np.array([0.5, 0.3, 0.2, 0.0])
+    q = np.tile(base, (k, 1))
+    p = np.tile(alpha * base + (1 - alpha) * np.array([0, 0, 0, 1.0]), (k + 1, 1))
+    assert np.minimum(p[:-1], q).sum(axis=1) == pytest.approx([alpha] * k)
+    emitted, _ = run_verify(verify, p, q, n_trials=20_000)
+    mean = np.mean([len(e) for e in emitted])
+    assert mean == pytest.approx(expected_tokens_per_call(alpha, k), rel=0.02)
+
+
+def test_theory_rejects_bad_arguments():
+    with pytest.raises(ValueError):
+        expected_tokens_per_call(1.5, 3)
+    with pytest.raises(ValueError):
+        expected_speedup(0.5, 3, -0.1)
+
+
+# ----------------------------------------------------------------------------------------------
+# models for the loop tests: a target with a peaked distribution and a noisy copy as its draft
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """(target, draft) on a 13-token vocabulary, block_size 32: greedy alpha around 0.3-0.5,
+    so rounds end both ways (rejections and bonus tokens)."""
+    cfg = GPTConfig(vocab_size=13, block_size=32, n_layer=2, n_head=2, n_embd=16)
+    params = {k: v * 20 if v.ndim == 2 else v for k, v in GPT.init(cfg, seed=0).numpy_params().items()}
+    rng = np.random.default_rng(1)
+    noisy = {
+        k: v + rng.normal(0, 0.2 * float(v.std()), v.shape).astype(np.float32) if v.ndim == 2 else v
+        for k, v in params.items()
+    }
+    draft_cfg = GPTConfig(**cfg.to_dict())  # equal, but a distinct object (see the rollback test)
+    return GPT(cfg, params), GPT(draft_cfg, noisy)
+
+
+PROMPTS = [[0], [1, 2, 3], [5, 5, 5, 5], [12, 0, 7], list(range(13)), [4, 8] * 6]
+
+
+def greedy_matches(target, draft, prompts, ks, n_new) -> bool:
+    """The greedy check: speculative output == the target's own greedy output, for every case."""
+    for prompt in prompts:
+        ref = generate(target, prompt, n_new, temperature=0).tokens
+        for k in ks:
+            out, _ = speculative_generate(target, draft, prompt, n_new, k=k, temperature=0)
+            if out != ref:
+                return False
+    return True
+
+
+# ----------------------------------------------------------------------------------------------
+# 5.2 verify_greedy
+
+
+def test_greedy_worked_example():
+    """drafts [3, 5], argmaxes [3, 7, 1] -> accept 3, emit 7; all match -> the bonus argmax."""
+    logits = np.full((3, 8), -1.0)
+    logits[0, 3] = logits[1, 7] = logits[2, 1] = 1.0
+    assert verify_greedy([3, 5], logits) == ([3, 7], 1)
+    assert verify_greedy([3, 7], logits) == ([3, 7, 1], 2)
+    assert verify_greedy([0, 7], logits) == ([3], 0)
+    with pytest.raises(ValueError):
+        verify_greedy([3], logits)
+
+
+def test_greedy_identical_to_target_greedy(pair):
+    """Greedy speculative decoding reproduces generate(target, temperature=0) token for token,
+    for 6 prompts and every K from 1 to 8, over 48 new tokens: past the 32-token context, where
+    both re-prefill the same half window."""
+    target, draft = pair
+    for k in range(1, 9):
+        _, stats = speculative_generate(target, draft, PROMPTS[1], 48, k=k, temperature=0)
+        assert stats.rejected > 0 and stats.accepted > 0 and stats.reprefills > 0
+    assert greedy_matches(target, draft, PROMPTS, range(1, 9), 48)
+
+
+def test_greedy_check_catches_ratio_acceptance(pair, monkeypatch):
+    """Accepting a greedy draft by the probability ratio (a sample) instead of by argmax
+    equality does not reproduce the target's greedy output: the check above fails."""
+    target, draft = pair
+    monkeypatch.setattr(spec, "verify_greedy", verify_greedy_by_ratio)
+    assert not greedy_matches(target, draft, PROMPTS[:3], [2, 4], 24)
+
+
+def test_greedy_with_the_target_as_its_own_draft(pair):
+    """draft == target: every proposal is accepted, alpha = 1, K + 1 tokens per target call."""
+    target, _ = pair
+    out, stats = speculative_generate(target, target, [1, 2], 25, k=4, temperature=0)
+    assert out == generate(target, [1, 2], 25, temperature=0).tokens
+    assert stats.alpha == 1.0 and stats.target_calls == 5 and stats.tokens_per_call == 5.0
+
+
+# ----------------------------------------------------------------------------------------------
+# the loop: caches, rollback, statistics
+
+
+@pytest.mark.parametrize(
+    "temperature,top_k,top_p", [(1.0, None, None), (0.8, 5, None), (1.2, None, 0.9), (0, None, None)]
+)
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_loop_matches_naive_reference(pair, k, temperature, top_k, top_p):
+    """With caches (truncated on rejection) the loop makes exactly the same draws as the cache-free
+    reference: same tokens, same number of accepted drafts and draft calls, at a fixed seed.
+    Top-k/top-p produce q with zeros where p has mass (and vice versa)."""
+    target, draft = pair
+    for seed in range(3):
+        kw = dict(k=k, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
+        fast, fs = speculative_generate(target, draft, [3, 1, 4], 26, **kw)
+        ref, rs = speculative_generate_naive(target, draft, [3, 1, 4], 26, **kw)
+        assert fast == ref
+        assert (fs.accepted, fs.rejected, fs.target_calls) == (rs.accepted, rs.rejected, rs.target_calls)
+
+
+def rollback_check(target, draft) -> bool:
+    """The rollback check: the cached loop agrees with the naive reference (tokens and accepted
+    counts) at temperature 1 and at temperature 0."""
+    for temperature in (1.0, 0.0):
+        fast, fs = speculative_generate(target, draft, [3, 1, 4], 26, k=4, temperature=temperature)
+        ref, rs = speculative_generate_naive(target, draft, [3, 1, 4], 26, k=4, temperature=temperature)
+        if fast != ref or fs.accepted != rs.accepted:
+            return False
+    return True
+
+
+@pytest.mark.parametrize("which", ["both", "target", "draft", "off_by_one"])
+def test_loop_check_catches_missing_rollback(pair, monkeypatch, which):
+    """Caches not rolled back (both, only the target's, only the draft's) or rolled back one
+    position short are caught by the rollback check. A draft that is not rolled back still gives
+    the target's greedy output (lossless) but proposes from a wrong context: fewer accepted."""
+    target, draft = pair
+    assert rollback_check(target, draft)
+    real = KVCache.truncate
+
+    def wrong_truncate(cache, n):
+        if which == "off_by_one":
+            return real(cache, min(n + 1, cache.length))
+        is_target = cache.config is target.config
+        if which == "both" or (which == "target") == is_target:
+            return None  # forgot to roll back
+        return real(cache, n)
+
+    monkeypatch.setattr(KVCache, "truncate", wrong_truncate)
+    try:
+        assert not rollback_check(target, draft)
+    except Exception as exc:  # a cache that is never rolled back may also overflow
+        assert "KV cache full" in str(exc)
+
+
+def test_loop_stats_are_consistent(pair):
+    """Counters add up: tokens = accepted + rounds, proposed = sum of k per round, one target call
+    per round, alpha = accepted / checked and per-position counts sum to the totals."""
+    target, draft = pair
+    out, s = speculative_generate(target, draft, [1, 2, 3], 20, k=4, temperature=1.0, seed=3)
+    assert len(out) == s.new_tokens == 20 == s.accepted + s.rounds
+    assert s.target_calls == s.rounds and s.checked == s.accepted + s.rejected
+    assert sum(s.accepted_at) == s.accepted and sum(s.reached_at) == s.checked
+    assert s.alpha == pytest.approx(s.accepted / s.checked)
+    assert s.accepted_per_proposed <= s.alpha and s.tokens_per_call == 20 / s.target_calls
+    assert s.total_s >= s.ttft_s > 0 and len(s.round_times_s) == s.rounds
+
+
+def test_loop_alpha_counts_checked_tokens_only():
+    """alpha divides by the checked drafts, not the proposed ones: K = 8, every round accepting 4
+    then rejecting one, gives alpha = 4/5 (accepted / proposed would say 1/2)."""
+    s = SpecStats(k=8)
+    for _ in range(10):
+        s.record_round(8, 4)
+    assert s.alpha == pytest.approx(0.8) and s.accepted_per_proposed == pytest.approx(0.5)
+    assert s.acceptance_by_position[:5] == [1, 1, 1, 1, 0] and np.isnan(s.acceptance_by_position[5])
+
+
+def test_loop_edge_cases(pair):
+    """max_new_tokens 0 and 1, k larger than the output, and bad arguments."""
+    target, draft = pair
+    assert speculative_generate(target, draft, [1], 0, k=4)[0] == []
+    out, s = speculative_generate(target, draft, [1], 1, k=4, temperature=0)
+    assert out == generate(target, [1], 1, temperature=0).tokens and s.proposed == 0
+    out, s = speculative_generate(target, draft, [1], 3, k=8, temperature=0)
+    assert len(out) == 3 and s.proposed <= 3  # rounds never draft past the last token
+    with pytest.raises(ValueError, match="prompt"):
+        speculative_generate(target, draft, [], 5)
+    with pytest.raises(ValueError, match="k"):
+        speculative_generate(target, draft, [1], 5, k=0)
+    other = GPT.init(GPTConfig(vocab_size=7, block_size=32, n_layer=1, n_head=1, n_embd=8))
+    with pytest.raises(ValueError, match="vocabulary"):
+        speculative_generate(target, other, [1], 5)
+
+
+def test_loop_logits_stay_float32(pair):
+    """The loop hands the models int token arrays and gets float32 logits (no float64 upcast)."""
+    target, draft = pair
+    seen = []
+
+    class Spy:
+        def __init__(self, model):
+            self.model, self.config = model, model.config
+
+        def forward(self, idx, cache=None):
+            out = self.model.forward(idx, cache)
+            seen.append(out.dtype)
+            return out
+
+    speculative_generate(Spy(target), Spy(draft), [1, 2], 10, k=3, temperature=1.0)
+    assert seen and all(d == np.float32 for d in seen)
+
+
+# ----------------------------------------------------------------------------------------------
+# the weak drafts
+
+
+def test_bigram_draft_is_lossless_and_counts_pairs(pair):
+    """A bigram draft from counts: its logits are log frequencies, it plugs into the loop, and
+    greedy output is still exactly the target's."""
+    target, _ = pair
+    ids = np.array([1, 2, 1, 2, 1, 3] * 20)
+    bigram = BigramDraft.from_ids(ids, vocab_size=13, block_size=32)
+    probs = np.exp(bigram.forward(np.array([[1]]))[0, 0])
+    assert probs.sum() == pytest.approx(1.0, abs=1e-5) and probs[2] > probs[3] > probs[4]
+    assert greedy_matches(target, bigram, PROMPTS[:3], [1, 4, 8], 40)
+
+
+def test_quantized_draft_rounds_every_matrix(pair):
+    """int8 per-tensor quantization: error at most half a step, biases untouched, and the
+    quantized model is a usable (lossless) draft."""
+    target, draft = pair
+    w = draft.numpy_params()["h.0.attn.c_attn.weight"]
+    ints, scale = quantize_tensor(w, 8)
+    assert ints.dtype == np.int8 and np.abs(ints).max() == 127
+    assert np.abs(ints * scale - w).max() <= scale / 2 + 1e-7
+    q8 = quantize_weights(draft, bits=8)
+    qp, dp = q8.numpy_params(), draft.numpy_params()
+    assert not np.array_equal(qp["wte.weight"], dp["wte.weight"])
+    assert np.array_equal(qp["h.0.ln_1.bias"], dp["h.0.ln_1.bias"])
+    assert greedy_matches(target, q8, PROMPTS[:2], [3], 30)
+
+
+# ----------------------------------------------------------------------------------------------
+# the shipped target and draft (present in CI; skipped only when the files are missing)
+
+shipped = pytest.mark.skipif(
+    not (shipped_path("target").is_file() and shipped_path("draft").is_file()),
+    reason="shipped models not trained yet (python -m minillm train --preset target/draft)",
+)
+
+
+@pytest.fixture(scope="module")
+def shipped_pair():
+    from minillm.checkpoint import load_model
+
+    target, tok = load_model("target")
+    draft, _ = load_model("draft")
+    return target, draft, tok
+
+
+@shipped
+def test_shipped_greedy_identical(shipped_pair):
+    """With the trained pair, greedy speculative output is the target's greedy output for K 1..8."""
+    target, draft, tok = shipped_pair
+    prompts = [tok.encode(s) for s in ["ROMEO:\n", "First Citizen:\nWe are", "KING RICHARD II:\nNo"]]
+    assert greedy_matches(target, draft, prompts, range(1, 9), 40)
+
+
+@shipped
+def test_shipped_sampling_matches_target_distribution(shipped_pair):
+    """At temperature 1 the first two tokens of speculative generation (k = 2, so the first round
+    goes through accept, residual and bonus) have the target's joint distribution
+    p(a | prompt) p(b | prompt + a), and the first token alone the target's softmax (chi-square,
+    N = 3000 runs; detects a shift of 0.05 of mass between two likely tokens)."""
+    target, draft, tok = shipped_pair
+    prompt = tok.encode("DUKE VINCENTIO:\nAnd the")
+    V, n = target.config.vocab_size, 3000
+    p_first = logits_to_probs(target.forward(np.array([prompt]))[0, -1])  # (V,)
+    both = np.array([prompt + [a] for a in range(V)])  # (V, T + 1): every first token at once
+    p_second = logits_to_probs(target.forward(both)[:, -1])  # (V, V): p(b | prompt + a)
+    joint = (p_first[:, None] * p_second).ravel()
+    firsts, pairs = [], []
+    for seed in range(n):
+        out, _ = speculative_generate(target, draft, prompt, 3, k=2, temperature=1.0, seed=seed)
+        firsts.append(out[0])
+        pairs.append(out[0] * V + out[1])
+    assert chi2_pvalue(firsts, p_first) >= P_MIN
+    assert chi2_pvalue(pairs, joint) >= P_MIN
+
+
+@shipped
+def test_shipped_demo_runs(capsys):
+    """The main demo prints both passages, says they are identical, and a stats table."""
+    from minillm.demo import main
+
+    assert main(["--max-new-tokens", "60", "--k", "4"]) == 0
+    out = capsys.readouterr().out
+    assert "identical" in out and "speculative" in out and "tokens/s" in out
