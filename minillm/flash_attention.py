@@ -170,14 +170,16 @@ def flash_attention(q, k, v, causal=True, block_q: int = 64, block_k: int = 64):
 # ------------------------------------------------------------------------------------------------
 
 
-def sram_tile_rows(M: int, d: int, dtype_bytes: int = FLOAT_BYTES) -> int:
-    """Largest square tile B (Br = Bc = B) whose Q_i, O_i, K_j, V_j (B x d each) and S (B x B) fit in M bytes.
+def io_model_tiles(M: int, d: int, dtype_bytes: int = FLOAT_BYTES) -> tuple[int, int]:
+    """(Br, Bc) tile sizes for an SRAM of M bytes, the FlashAttention paper's rule with the loops swapped.
 
-    4 B d + B^2 <= M / dtype_bytes  ->  B = floor(sqrt(4 d^2 + M') - 2 d), at least 1.
-    Example: M = 48 KiB, d = 64, float32 -> B = 41.
+    Paper (Algorithm 1, outer loop over K/V): Bc = ceil(M / 4d), Br = min(Bc, d). Here the outer loop
+    walks query tiles (FlashAttention-2 order, like our kernel), so the big tile is Q_i:
+    Br = M' // 4d and Bc = min(Br, d), with M' = M / dtype_bytes elements.
+    Example: M = 48 KiB, d = 64, float32 -> (48, 48); M = 192 KiB -> (192, 64).
     """
-    M_elems = M // dtype_bytes
-    return max(1, int(math.isqrt(4 * d * d + M_elems) - 2 * d))
+    Br = max(1, (M // dtype_bytes) // (4 * d))
+    return Br, max(1, min(Br, d))
 
 
 def attention_io_bytes(N: int, d: int, M: int, causal: bool = False, dtype_bytes: int = FLOAT_BYTES) -> dict:
@@ -187,21 +189,21 @@ def attention_io_bytes(N: int, d: int, M: int, causal: bool = False, dtype_bytes
     head size d, SRAM of M bytes, elements of dtype_bytes):
       standard (naive_attention): read Q, K (2Nd), write S (N^2), read S and write P for the softmax
         (2 N^2), read P and V (N^2 + Nd), write O (Nd)           -> 4 N d + 4 N^2 elements.
-      tiled (flash_attention, FlashAttention-2 loop order, tiles of B = sram_tile_rows(M, d)):
-        read Q and write O once (2 N d), write L (N), and for each of the ceil(N/B) query tiles read
-        the K and V rows it visits (2 d per key; causal visits only keys up to the tile's last row).
-        With N/B query tiles each reading all of K, V that is ~2 N^2 d / B = Theta(N^2 d^2 / M).
-    Returns {"standard": bytes, "flash": bytes, "tile": B}.
-    Example: N=1024, d=64, M=48 KiB -> standard 17.8 MB, flash 13.6 MB, tile 41.
+      tiled (flash_attention, FlashAttention-2 loop order, tiles from io_model_tiles(M, d)): read Q and
+        write O once (2 N d), write L (N), and for each of the ceil(N / Br) query tiles read the K and V
+        rows it visits (2 d per key; causal visits only keys up to the tile's last row). With
+        Br = M / 4d that is about 2 N d * N / Br = 8 N^2 d^2 / M elements: Theta(N^2 d^2 / M).
+    Returns {"standard": bytes, "flash": bytes, "Br": Br, "Bc": Bc}.
+    Example: N=8, d=2, M=64 bytes (Br = Bc = 2) -> standard 1280 bytes, flash 672 (causal: 480).
     """
     # EXERCISE 4.3 BEGIN: count the elements each algorithm reads and writes, times dtype_bytes
-    standard = 4 * N * d + 4 * N * N
-    B = sram_tile_rows(M, d, dtype_bytes)
+    standard = 4 * N * d + 4 * N * N  # Q, K in; S out, in; P out, in; V in; O out
+    Br, Bc = io_model_tiles(M, d, dtype_bytes)
     keys_read = 0  # sum over query tiles of the number of key rows that tile reads
-    for i0 in range(0, N, B):
-        keys_read += min(N, i0 + B) if causal else N
-    flash = 2 * N * d + N + 2 * d * keys_read
-    return {"standard": standard * dtype_bytes, "flash": flash * dtype_bytes, "tile": B}
+    for i0 in range(0, N, Br):
+        keys_read += min(N, i0 + Br) if causal else N
+    flash = 2 * N * d + N + 2 * d * keys_read  # Q in, O out, L out, K and V rows in
+    return {"standard": standard * dtype_bytes, "flash": flash * dtype_bytes, "Br": Br, "Bc": Bc}
     # EXERCISE 4.3 END
 
 
@@ -448,6 +450,55 @@ def flash_attention_emulated(q, k, v, causal=True, block_k: int | None = None, r
     out, lse, status = launch_emulated(q, k, v, causal, Br, Bc, source=source, sanitize=sanitize)
     _raise_status(status)
     return (out, lse) if return_lse else out
+
+
+# --- what the compiler made of it: nvcc's resource report -----------------------------------------
+
+_PTXAS_PATTERNS = {
+    "registers": r"Used (\d+) registers",
+    "stack_frame": r"(\d+) bytes stack frame",
+    "spill_stores": r"(\d+) bytes spill stores",
+    "spill_loads": r"(\d+) bytes spill loads",
+}
+
+
+def parse_ptxas_report(text: str) -> dict:
+    """The numbers in `nvcc -Xptxas -v` output -> {registers, stack_frame, spill_stores, spill_loads}.
+
+    Example: "0 bytes stack frame, 8 bytes spill stores, 8 bytes spill loads ... Used 255 registers"
+    -> {"registers": 255, "stack_frame": 0, "spill_stores": 8, "spill_loads": 8}. Raises ValueError
+    when a number is missing (an unexpected report must not pass as "no spills").
+    """
+    import re
+
+    out = {}
+    for key, pattern in _PTXAS_PATTERNS.items():
+        found = re.search(pattern, text)
+        if found is None:
+            raise ValueError(f"no '{key}' in the ptxas report:\n{text}")
+        out[key] = int(found.group(1))
+    return out
+
+
+def nvcc_resource_report(arch: str = "sm_90", source: Path = KERNEL_SOURCE, nvcc: str = "nvcc",
+                         extra_flags: tuple[str, ...] = ()) -> dict:
+    """Compile the kernel for one GPU architecture with nvcc (device code only) and read ptxas's report.
+
+    nvcc -arch=<arch> -cubin -Xptxas -v [extra_flags] <source>. Returns parse_ptxas_report(...) plus
+    "arch" and the raw "report". Spills (registers that did not fit, moved to slow local memory) should be 0.
+    Raises KernelError when nvcc is missing or the compile fails.
+    """
+    exe = shutil.which(nvcc)
+    if exe is None:
+        raise KernelError(f"{nvcc} not found: install the CUDA toolkit to see the resource report")
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = str(Path(tmp) / "k.cubin")
+        cmd = [exe, f"-arch={arch}", "-cubin", "-Xptxas", "-v", *extra_flags, str(source), "-o", cubin]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise KernelError(f"nvcc could not compile {Path(source).name} for {arch}:\n{proc.stderr}")
+    report = proc.stdout + proc.stderr
+    return {"arch": arch, **parse_ptxas_report(report), "report": report.strip()}
 
 
 # ------------------------------------------------------------------------------------------------

@@ -15,8 +15,9 @@
 //   - threadIdx, blockIdx, blockDim, gridDim are thread_local;
 //   - `extern __shared__` storage is one static array, used by the one block being run and
 //     filled with NaN before each block (uninitialized shared memory shows up as NaN);
-//   - __syncthreads() is a barrier that checks what CUDA leaves undefined: every thread of the
-//     block must reach the *same* __syncthreads() (same source line), and no thread may leave
+//   - __syncthreads() is a barrier (atomics, no mutex: see BlockBarrier) that checks what CUDA
+//     leaves undefined: every thread of the block must reach the *same* __syncthreads() (same
+//     source line), and no thread may leave
 //     the kernel while others wait at one. A violation (divergence) breaks the barrier: all
 //     waiters are released and the launch returns an error that names the line and the threads.
 //   - launches are serialized by a global lock.
@@ -25,10 +26,10 @@
 #pragma once
 #define CUDA_EMU 1
 
+#include <atomic>
 #include <bit>
 #include <chrono>
 #include <cmath>
-#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -87,74 +88,90 @@ inline double barrier_timeout_s() {
 }
 
 // __syncthreads() for the threads of one block, with divergence checks.
+//
+// Built on atomics and polling rather than a mutex + condition variable, on purpose: a mutex shared by
+// all threads would order a fast thread's work *after* barrier k before a slow thread's wake-up from
+// barrier k (both take the same lock), and ThreadSanitizer would then miss exactly the race a missing
+// __syncthreads() causes. Here the only synchronization is CUDA's: everything a thread did before
+// barrier k happens-before everything any thread does after barrier k -- and nothing else.
 class BlockBarrier {
   public:
-    void reset(int expected) {
-        std::lock_guard<std::mutex> lk(mu_);
+    void reset(int expected) {  // called between blocks, while no thread of a block runs
         expected_ = expected;
-        arrived_ = exited_ = 0;
-        line_ = -1;
-        generation_ = 0;
-        broken_ = false;
+        arrived_.store(0);
+        exited_.store(0);
+        line_.store(-1);
+        generation_.store(0);
+        broken_.store(false);
+        std::lock_guard<std::mutex> lk(error_mu_);
         error_.clear();
     }
 
     void sync(int line, int tid) {
-        std::unique_lock<std::mutex> lk(mu_);
-        if (broken_) return;
-        if (exited_ > 0) {
-            fail(lk, "thread " + std::to_string(tid) + " waits at __syncthreads() (line " + std::to_string(line) +
-                         ") but " + std::to_string(exited_) + " thread(s) of the block already left the kernel");
+        if (broken_.load(std::memory_order_acquire)) return;
+        const unsigned long gen = generation_.load(std::memory_order_acquire);
+        int first_line = -1;  // the first thread to arrive records its line; the others must match it
+        if (!line_.compare_exchange_strong(first_line, line) && first_line != line) {
+            fail("thread " + std::to_string(tid) + " reached __syncthreads() at line " + std::to_string(line) +
+                 " while other threads wait at line " + std::to_string(first_line));
             return;
         }
-        if (arrived_ == 0) {
-            line_ = line;
-        } else if (line != line_) {
-            fail(lk, "thread " + std::to_string(tid) + " reached __syncthreads() at line " + std::to_string(line) +
-                         " while " + std::to_string(arrived_) + " thread(s) wait at line " + std::to_string(line_));
+        if (arrived_.fetch_add(1, std::memory_order_acq_rel) + 1 == expected_) {  // the last one releases all
+            arrived_.store(0, std::memory_order_relaxed);
+            line_.store(-1, std::memory_order_relaxed);
+            generation_.fetch_add(1, std::memory_order_acq_rel);
             return;
         }
-        if (++arrived_ == expected_) {  // the last one in releases everybody
-            arrived_ = 0;
-            ++generation_;
-            cv_.notify_all();
+        if (exited_.load() > 0) {  // checked after arriving: thread_exit checks arrived_ after exiting
+            fail("thread " + std::to_string(tid) + " waits at __syncthreads() (line " + std::to_string(line) +
+                 ") but " + std::to_string(exited_.load()) + " thread(s) of the block already left the kernel");
             return;
         }
-        const unsigned long gen = generation_;
-        const auto timeout = std::chrono::duration<double>(barrier_timeout_s());
-        if (!cv_.wait_for(lk, timeout, [&] { return generation_ != gen || broken_; })) {
-            fail(lk, "only " + std::to_string(arrived_) + " of " + std::to_string(expected_) +
-                         " threads reached __syncthreads() at line " + std::to_string(line_) + " within " +
-                         std::to_string(barrier_timeout_s()) + " s");
+        const auto start = std::chrono::steady_clock::now();
+        const double timeout = barrier_timeout_s();
+        for (int spin = 0; generation_.load(std::memory_order_acquire) == gen; ++spin) {
+            if (broken_.load(std::memory_order_acquire)) return;
+            if (spin < 64) {
+                std::this_thread::yield();
+                continue;
+            }
+            std::this_thread::sleep_for(std::chrono::microseconds(20));
+            if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > timeout) {
+                fail("only " + std::to_string(arrived_.load()) + " of " + std::to_string(expected_) +
+                     " threads reached __syncthreads() at line " + std::to_string(line) + " within " +
+                     std::to_string(timeout) + " s");
+                return;
+            }
         }
     }
 
     void thread_exit(int tid) {
-        std::unique_lock<std::mutex> lk(mu_);
-        ++exited_;
-        if (!broken_ && arrived_ > 0) {
-            fail(lk, "thread " + std::to_string(tid) + " left the kernel while " + std::to_string(arrived_) +
-                         " thread(s) wait at __syncthreads() (line " + std::to_string(line_) + ")");
+        exited_.fetch_add(1);
+        if (arrived_.load() > 0) {
+            fail("thread " + std::to_string(tid) + " left the kernel while " + std::to_string(arrived_.load()) +
+                 " thread(s) wait at __syncthreads() (line " + std::to_string(line_.load()) + ")");
         }
     }
 
     std::string error() {
-        std::lock_guard<std::mutex> lk(mu_);
+        std::lock_guard<std::mutex> lk(error_mu_);
         return error_;
     }
 
   private:
-    void fail(std::unique_lock<std::mutex>&, const std::string& msg) {
-        broken_ = true;
-        error_ = "threads of a block diverged at a barrier: " + msg;
-        cv_.notify_all();
+    void fail(const std::string& msg) {  // record the first divergence and release every waiter
+        {
+            std::lock_guard<std::mutex> lk(error_mu_);
+            if (error_.empty()) error_ = "threads of a block diverged at a barrier: " + msg;
+        }
+        broken_.store(true, std::memory_order_release);
     }
 
-    std::mutex mu_;
-    std::condition_variable cv_;
-    int expected_ = 0, arrived_ = 0, exited_ = 0, line_ = -1;
-    unsigned long generation_ = 0;
-    bool broken_ = false;
+    int expected_ = 0;
+    std::atomic<int> arrived_{0}, exited_{0}, line_{-1};
+    std::atomic<unsigned long> generation_{0};
+    std::atomic<bool> broken_{false};
+    std::mutex error_mu_;  // only taken on the error path
     std::string error_;
 };
 

@@ -1,0 +1,517 @@
+"""Chapter 4, FlashAttention: the specification of online_softmax, flash_attention, the IO model, the kernel.
+
+Every implementation is checked against minillm.attention (softmax, naive_attention) in float64 over
+awkward shapes: N = 1, one less / equal / one more than the tile (31, 32, 33), several tiles with a
+tail (100, 257); head sizes 16, 64, 128; causal on and off; fewer queries than keys (decode,
+prefill after a cache). The checks are shown to bite: the classic wrong versions kept in
+tests/fixtures/ (a kernel without a __syncthreads, without a tail bounds check, with a barrier in
+divergent code, without rescaling; an online softmax without rescaling) are run through the same
+checks, and the tests assert that the checks fail for them.
+
+Exercise tests: 4.1 `-k online_softmax`, 4.2 `-k "tile_update or tiled"`, 4.3 `-k io_bytes`.
+"""
+
+import importlib.util
+import math
+import os
+import shutil
+import subprocess
+import sys
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import minillm.flash_attention as fa
+from minillm.attention import naive_attention, softmax
+from minillm.backend import is_gpu, to_numpy
+
+FIXTURES = Path(__file__).parent / "fixtures"
+GRID_N = [1, 31, 32, 33, 100, 257]
+GRID_HS = [16, 64, 128]
+KERNEL_ATOL = 1e-5  # float32 kernel vs float64 reference
+ARRAY_ATOL = 1e-5
+
+_spec = importlib.util.spec_from_file_location("flash_mutants", FIXTURES / "flash_mutants.py")
+mutants = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(mutants)
+
+needs_gxx = pytest.mark.skipif(
+    shutil.which("g++") is None, reason="g++ (C++20) is needed to emulate the kernel"
+)
+needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA toolkit) not installed")
+
+
+# ---- shapes and the reference --------------------------------------------------------------------
+
+# (B, nh, Tq, Tk, hs, causal): the square grid N x hs x causal, then fewer queries than keys
+SQUARE = [(2, 2, N, N, hs, c) if N <= 33 else (1, 1, N, N, hs, c)
+          for N in GRID_N for hs in GRID_HS for c in (True, False)]  # fmt: skip
+RECT_TQ_TK = [(1, 33), (1, 257), (31, 100), (33, 257), (100, 257)]
+RECT = [
+    (1, 2, Tq, Tk, hs, c) for (Tq, Tk), hs in zip(RECT_TQ_TK, [16, 64, 128, 16, 64]) for c in (True, False)
+]
+CASES = SQUARE + RECT
+
+
+def case_id(case):
+    B, nh, Tq, Tk, hs, causal = case
+    return f"B{B}h{nh}-Tq{Tq}-Tk{Tk}-hs{hs}-{'causal' if causal else 'full'}"
+
+
+def make_qkv(case, seed=0):
+    B, nh, Tq, Tk, hs, _ = case
+    rng = np.random.default_rng(seed)
+    q = rng.standard_normal((B, nh, Tq, hs)).astype(np.float32)
+    k = rng.standard_normal((B, nh, Tk, hs)).astype(np.float32)
+    v = rng.standard_normal((B, nh, Tk, hs)).astype(np.float32)
+    return q, k, v
+
+
+def reference(q, k, v, causal):
+    """naive_attention in float64 (and each row's log-sum-exp, computed independently)."""
+    q, k, v = (np.asarray(to_numpy(t), dtype=np.float64) for t in (q, k, v))
+    Tq, Tk, hs = q.shape[2], k.shape[2], q.shape[3]
+    s = q @ k.swapaxes(-1, -2) / math.sqrt(hs)
+    if causal:
+        s = np.where(np.tri(Tq, Tk, k=Tk - Tq, dtype=bool), s, -np.inf)
+    m = s.max(axis=-1, keepdims=True)
+    lse = (m + np.log(np.exp(s - m).sum(axis=-1, keepdims=True)))[..., 0]
+    return to_numpy(naive_attention(q, k, v, causal)), lse
+
+
+def check_attention(fn, cases, atol):
+    """Raise AssertionError unless fn(q, k, v, causal) matches the reference on every case (no NaN)."""
+    for case in cases:
+        q, k, v = make_qkv(case)
+        causal = case[-1]
+        out = to_numpy(fn(q, k, v, causal))
+        ref, _ = reference(q, k, v, causal)
+        assert out.shape == ref.shape, case_id(case)
+        err = float(np.abs(out - ref).max())  # NaN compares False below
+        assert err <= atol, f"{case_id(case)}: max abs error {err:.3g} > {atol}"
+
+
+# ---- 4.1 online softmax ----------------------------------------------------------------------------
+
+
+def softmax_inputs(N, seed=0):
+    """Rows designed to catch the classic bugs: random, increasing (the max arrives last), huge values,
+    a masked tail (-inf), and a fully masked row."""
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((5, N)) * 10
+    x[1] = np.linspace(-20, 20, N)  # the running max grows at every block
+    x[2] = x[2] * 100 + 1000  # exp overflows without the max subtraction
+    x[3, N // 2 + 1 :] = -np.inf  # masked tail
+    x[4] = -np.inf  # fully masked row -> zeros
+    return x
+
+
+def check_softmax(fn, N, block):
+    x = softmax_inputs(N)
+    y = np.asarray(fn(x, block))
+    ref = softmax(x)
+    assert np.all(np.isfinite(y)), f"N={N}, block={block}: NaN/inf in the output"
+    np.testing.assert_allclose(y, ref, atol=1e-12, err_msg=f"N={N}, block={block}")
+
+
+@pytest.mark.parametrize("block", [1, 7, 32])
+@pytest.mark.parametrize("N", GRID_N)
+def test_online_softmax_matches_softmax(N, block):
+    """One streaming pass with a running max and sum equals softmax exactly, for any N and block."""
+    check_softmax(fa.online_softmax, N, block)
+
+
+def test_online_softmax_docstring_example_and_shapes():
+    """The worked example of the docstring; leading axes are kept; block must be >= 1."""
+    y = fa.online_softmax(np.array([1.0, 3.0, 2.0]), 2)
+    np.testing.assert_allclose(y, [0.0900, 0.6652, 0.2447], atol=1e-4)
+    x = np.random.default_rng(1).standard_normal((2, 3, 4, 50)).astype(np.float32)
+    y = fa.online_softmax(x, 16)
+    assert y.shape == x.shape and y.dtype == np.float32
+    with pytest.raises(ValueError, match="block"):
+        fa.online_softmax(x, 0)
+
+
+def test_online_softmax_check_catches_missing_rescale():
+    """The check above fails for the classic bug (running sum not rescaled when the max grows)."""
+    with pytest.raises(AssertionError):
+        check_softmax(mutants.online_softmax_no_rescale, 100, 7)
+
+
+# ---- 4.2 tiled attention in array code ---------------------------------------------------------------
+
+
+def test_tile_update_one_tile_is_softmax():
+    """From the empty state (m=-inf, l=0, O=0) one tile gives l = sum exp(s - max s), O/l = softmax(s) v."""
+    rng = np.random.default_rng(0)
+    s, v = rng.standard_normal((3, 5)), rng.standard_normal((5, 4))
+    m, l, o = fa.flash_tile_update(np.full(3, -np.inf), np.zeros(3), np.zeros((3, 4)), s, v)
+    np.testing.assert_allclose(m, s.max(-1))
+    np.testing.assert_allclose(o / l[:, None], softmax(s) @ v, atol=1e-12)
+
+
+def test_tile_update_two_tiles_rescale():
+    """Two tiles, the max in the second: the first tile's l and O must be rescaled by exp(m_old - m_new)."""
+    rng = np.random.default_rng(1)
+    s, v = rng.standard_normal((3, 8)), rng.standard_normal((8, 4))
+    s[:, 6] += 10  # the row max sits in the second tile
+    state = (np.full(3, -np.inf), np.zeros(3), np.zeros((3, 4)))
+    state = fa.flash_tile_update(*state, s[:, :4], v[:4])
+    m, l, o = fa.flash_tile_update(*state, s[:, 4:], v[4:])
+    np.testing.assert_allclose(l, np.exp(s - s.max(-1, keepdims=True)).sum(-1), atol=1e-12)
+    np.testing.assert_allclose(o / l[:, None], softmax(s) @ v, atol=1e-12)
+
+
+def test_tile_update_fully_masked_tile_keeps_state():
+    """A tile whose scores are all -inf (causal future) leaves (m, l, O) unchanged and makes no NaN."""
+    rng = np.random.default_rng(2)
+    m, l, o = np.array([0.5, -np.inf]), np.array([2.0, 0.0]), rng.standard_normal((2, 4))
+    o[1] = 0
+    m2, l2, o2 = fa.flash_tile_update(m, l, o, np.full((2, 3), -np.inf), rng.standard_normal((3, 4)))
+    np.testing.assert_array_equal(m2, m)
+    np.testing.assert_array_equal(l2, l)
+    np.testing.assert_array_equal(o2, o)
+
+
+def tiled_output(q, k, v, causal, block_q=32, block_k=32):
+    return fa.flash_attention(q, k, v, causal, block_q, block_k)[0]
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_tiled_matches_naive(case):
+    """flash_attention (tiles of 32) == naive_attention over the grid; L is each row's log-sum-exp."""
+    q, k, v = make_qkv(case)
+    causal = case[-1]
+    out, lse = fa.flash_attention(q, k, v, causal, 32, 32)
+    ref, ref_lse = reference(q, k, v, causal)
+    assert out.dtype == np.float32 and lse.dtype == np.float32
+    assert np.abs(out - ref).max() <= ARRAY_ATOL
+    assert np.abs(lse - ref_lse).max() <= 1e-4 * max(1.0, np.abs(ref_lse).max())
+
+
+@pytest.mark.parametrize("block_q,block_k", [(1, 1), (7, 5), (64, 16), (512, 512)])
+def test_tiled_any_tile_shape(block_q, block_k):
+    """Tiles of any shape (1x1, not dividing N, larger than N) give the same result."""
+    check_attention(lambda q, k, v, c: tiled_output(q, k, v, c, block_q, block_k),
+                    [(1, 2, 100, 100, 16, True), (1, 2, 33, 100, 16, True), (1, 1, 100, 100, 16, False)],
+                    ARRAY_ATOL)  # fmt: skip
+
+
+def test_tiled_skips_future_tiles(monkeypatch):
+    """Causal: key tiles entirely in a query tile's future are never computed (4+3+2+1 of 16 tiles)."""
+    calls = []
+    real = fa.flash_tile_update
+
+    def counting(*args):
+        calls.append(1)
+        return real(*args)
+
+    monkeypatch.setattr(fa, "flash_tile_update", counting)
+    q, k, v = make_qkv((1, 1, 256, 256, 16, True))
+    fa.flash_attention(q, k, v, True, 64, 64)
+    assert len(calls) == 10
+    calls.clear()
+    fa.flash_attention(q, k, v, False, 64, 64)
+    assert len(calls) == 16
+    calls.clear()
+    fa.flash_attention(q[:, :, -64:], k, v, True, 64, 64)  # 64 queries at positions 192..255 see all keys
+    assert len(calls) == 4
+
+
+def test_tiled_check_catches_missing_rescale(monkeypatch):
+    """The grid check fails when the tile update forgets to rescale l and O (the classic bug)."""
+    monkeypatch.setattr(fa, "flash_tile_update", mutants.flash_tile_update_no_rescale)
+    with pytest.raises(AssertionError):
+        check_attention(tiled_output, [(1, 1, 100, 100, 16, True)], ARRAY_ATOL)
+
+
+def test_tiled_memory_stays_small():
+    """Peak memory of the tiled version is a small fraction of the (N, N) score matrix naive builds."""
+    q, k, v = make_qkv((1, 1, 1024, 1024, 16, True))
+    score_bytes = 1024 * 1024 * 4
+    tracemalloc.start()
+    fa.flash_attention(q, k, v, True, 64, 64)
+    tiled_peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.reset_peak()
+    naive_attention(q, k, v, True)
+    naive_peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert naive_peak >= score_bytes
+    assert tiled_peak < score_bytes / 10
+
+
+def test_tiled_rejects_bad_shapes():
+    q, k, v = make_qkv((1, 1, 8, 4, 16, True))
+    with pytest.raises(ValueError, match="Tq <= Tk"):
+        fa.flash_attention(q, k, v)
+    q, k, v = make_qkv((1, 1, 4, 4, 16, True))
+    with pytest.raises(ValueError, match="tile"):
+        fa.flash_attention(q, k, v, block_q=0)
+
+
+# ---- 4.3 the IO model ----------------------------------------------------------------------------------
+
+
+def test_io_bytes_counts_by_hand():
+    """N=8, d=2, SRAM of 64 bytes = 16 floats -> tiles of 2: the counts worked out in the docstring."""
+    io = fa.attention_io_bytes(8, 2, 64)
+    assert (io["Br"], io["Bc"]) == (2, 2)
+    assert io["standard"] == 4 * (4 * 8 * 2 + 4 * 8 * 8)  # 1280
+    assert io["flash"] == 4 * (2 * 8 * 2 + 8 + 2 * 2 * 8 * 4)  # 672: 4 query tiles read all 8 keys
+    causal = fa.attention_io_bytes(8, 2, 64, causal=True)
+    assert causal["flash"] == 4 * (2 * 8 * 2 + 8 + 2 * 2 * (2 + 4 + 6 + 8))  # 480: tile i reads keys 0..2i+1
+
+
+def test_io_bytes_scaling_theorem_2():
+    """Standard grows like N^2 and ignores M; tiled grows like N^2 d^2 / M and wins for a large SRAM."""
+    d, M = 64, 192 * 1024
+    small, big = fa.attention_io_bytes(8192, d, M), fa.attention_io_bytes(16384, d, M)
+    assert big["standard"] / small["standard"] == pytest.approx(4, rel=0.01)
+    assert big["flash"] / small["flash"] == pytest.approx(4, rel=0.02)
+    twice_sram = fa.attention_io_bytes(16384, d, 2 * M)
+    assert twice_sram["standard"] == big["standard"]
+    assert big["flash"] / twice_sram["flash"] == pytest.approx(2, rel=0.05)
+    assert big["flash"] < big["standard"] / 5
+    causal = fa.attention_io_bytes(16384, d, M, causal=True)
+    assert causal["flash"] == pytest.approx(big["flash"] / 2, rel=0.05)  # half the key tiles
+
+
+# ---- the kernel, emulated on the CPU --------------------------------------------------------------------
+
+
+@pytest.fixture(scope="session")
+def emulator():
+    """Build (or find in the cache) the emulated kernel once per session."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ (C++20) is needed to emulate the kernel")
+    return fa.build_emulator()
+
+
+def emulated(source=fa.KERNEL_SOURCE):
+    return lambda q, k, v, causal: fa.flash_attention_emulated(q, k, v, causal, source=source)
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_emulated_kernel_matches_naive(emulator, case):
+    """The real .cu, run on the CPU through cuda_emu.h, matches naive_attention within 1e-5 (and L too)."""
+    q, k, v = make_qkv(case)
+    causal = case[-1]
+    out, lse = fa.flash_attention_emulated(q, k, v, causal, return_lse=True)
+    ref, ref_lse = reference(q, k, v, causal)
+    assert out.dtype == np.float32
+    assert np.abs(out - ref).max() <= KERNEL_ATOL
+    assert np.abs(lse - ref_lse).max() <= 1e-4 * max(1.0, np.abs(ref_lse).max())
+
+
+@needs_gxx
+def test_emulated_grid_catches_missing_tail_check():
+    """Without the tail bounds check the last K/V tile reads past the end (into a NaN red zone): caught."""
+    bad = emulated(FIXTURES / "flash_no_tail_check.cu")
+    with pytest.raises(AssertionError):
+        check_attention(bad, [(1, 1, 33, 33, 16, False), (1, 1, 100, 100, 64, True)], KERNEL_ATOL)
+    check_attention(bad, [(1, 1, 64, 64, 16, False)], KERNEL_ATOL)  # N a multiple of the tile hides the bug
+
+
+@needs_gxx
+def test_emulated_grid_catches_missing_rescale():
+    """A kernel that never rescales O_i and l_i by exp(m_old - m_new) fails the grid check."""
+    with pytest.raises(AssertionError):
+        check_attention(emulated(FIXTURES / "flash_no_rescale.cu"), [(1, 1, 100, 100, 16, True)], KERNEL_ATOL)
+
+
+@needs_gxx
+def test_emulator_catches_divergent_syncthreads():
+    """A __syncthreads() inside `if (row_valid)` is reached by only some threads of a tail tile: the
+    emulator's barrier reports the divergence (on a GPU: undefined behaviour, often a hang)."""
+    bad = emulated(FIXTURES / "flash_divergent_sync.cu")
+    with pytest.raises(fa.KernelError, match="diverged"):
+        bad(*make_qkv((1, 1, 33, 33, 16, True))[:3], True)
+    check_attention(bad, [(1, 1, 64, 64, 16, True)], KERNEL_ATOL)  # no tail, every thread takes the branch
+
+
+@needs_gxx
+def test_emulated_kernel_checks_its_limits():
+    """The kernel itself refuses head sizes over HS_MAX and too little shared memory (status codes),
+    and the launchers raise clear errors before launching."""
+    q, k, v = make_qkv((1, 1, 8, 8, fa.HS_MAX + 1, True))
+    assert fa.launch_emulated(q, k, v, True, 32, 1)[2] == 1  # FLASH_BAD_HEAD_DIM
+    with pytest.raises(ValueError, match="head sizes"):
+        fa.flash_attention_emulated(q, k, v)
+    q, k, v = make_qkv((1, 1, 8, 8, 64, True))
+    need = fa.kernel_smem_bytes(32, 32, 64)
+    assert fa.launch_emulated(q, k, v, True, 32, 32, smem_bytes=need)[2] == 0  # the formula is the kernel's
+    assert fa.launch_emulated(q, k, v, True, 32, 32, smem_bytes=need - 4)[2] == 3  # FLASH_SMEM_TOO_SMALL
+    with pytest.raises(fa.KernelError, match="shared memory"):
+        fa.launch_emulated(q, k, v, True, 32, 32, smem_bytes=fa.EMU_SMEM_BYTES + 4)
+    q, k, v = make_qkv((1, 1, 8, 8, 128, True))
+    with pytest.raises(fa.SharedMemoryError, match="bytes of shared memory"):
+        fa.flash_attention_emulated(q, k, v, block_k=32)
+
+
+def test_kernel_tiles_fit_shared_memory():
+    """The launcher's tile choice fits the 48 KiB every GPU offers (sized in BYTES, not floats)."""
+    for hs in (1, 16, 64, 100, 128):
+        Br, Bc = fa.kernel_tiles(hs)
+        assert Br == 32 and Bc >= 8
+        assert fa.kernel_smem_bytes(Br, Bc, hs) <= fa.DEFAULT_SMEM_BYTES
+    assert fa.kernel_smem_bytes(32, 32, 64) == 4 * (2 * 32 * 65 + 2 * 32 * 64 + 32 * 33)
+    with pytest.raises(fa.SharedMemoryError):
+        fa.kernel_tiles(128, block_k=64)
+
+
+# ---- ThreadSanitizer: no data race in the kernel, and a missing __syncthreads() is found --------------
+
+TSAN_SCRIPT = """
+import sys
+import numpy as np
+from minillm.flash_attention import launch_emulated
+rng = np.random.default_rng(0)
+q, k, v = (rng.standard_normal((1, 1, n, 16)).astype(np.float32) for n in (40, 70, 70))
+out, lse, status = launch_emulated(q, k, v, True, 32, 32, source=sys.argv[1], sanitize="thread")
+assert status == 0 and np.isfinite(out).all()
+"""
+
+
+def run_under_tsan(source):
+    """Run one emulated launch (Tq 40, Tk 70: two query tiles, tails, causal) under ThreadSanitizer."""
+    if shutil.which("g++") is None:
+        pytest.skip("g++ is needed for the ThreadSanitizer build")
+    libtsan = subprocess.run(
+        ["g++", "-print-file-name=libtsan.so"], capture_output=True, text=True
+    ).stdout.strip()
+    if not Path(libtsan).is_file():
+        pytest.skip("libtsan is not installed")
+    fa.build_emulator(source, sanitize="thread")  # build outside TSan
+    root = str(Path(fa.__file__).parents[1])
+    env = dict(os.environ, LD_PRELOAD=libtsan, TSAN_OPTIONS="exitcode=66", PYTHONPATH=root)
+    proc = subprocess.run([sys.executable, "-c", TSAN_SCRIPT, str(source)], capture_output=True, text=True,
+                          env=env, timeout=300)  # fmt: skip
+    out = proc.stdout + proc.stderr
+    if proc.returncode not in (0, 66) and "ThreadSanitizer" in out and "data race" not in out:
+        pytest.skip(f"ThreadSanitizer cannot run here: {out[-500:]}")
+    return proc.returncode, out
+
+
+def test_tsan_reports_no_data_race():
+    """The kernel built with -fsanitize=thread runs with no report: every shared access is ordered."""
+    rc, out = run_under_tsan(fa.KERNEL_SOURCE)
+    assert "data race" not in out, out[-3000:]
+    assert rc == 0, out[-3000:]
+
+
+def test_tsan_catches_missing_syncthreads():
+    """Remove the __syncthreads() that protects K_j, V_j from the next load: TSan reports the race."""
+    rc, out = run_under_tsan(FIXTURES / "flash_missing_sync.cu")
+    assert rc == 66 and "WARNING: ThreadSanitizer: data race" in out
+
+
+# ---- nvcc: the kernel builds for Ampere and Hopper without register spills ----------------------------
+
+
+@needs_nvcc
+@pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
+def test_nvcc_builds_without_spills(arch):
+    """nvcc -Xptxas -v: no spill stores or loads, no stack frame (nothing in slow local memory)."""
+    report = fa.nvcc_resource_report(arch)
+    assert report["spill_stores"] == 0 and report["spill_loads"] == 0, report["report"]
+    assert report["stack_frame"] == 0, report["report"]
+    assert report["registers"] <= 128, report["report"]
+
+
+@needs_nvcc
+def test_nvcc_spill_check_bites():
+    """Squeezed to 16 registers the same kernel spills, and the report shows it."""
+    report = fa.nvcc_resource_report("sm_90", extra_flags=("-maxrregcount=16",))
+    assert report["spill_stores"] > 0
+
+
+def test_parse_ptxas_report():
+    text = (
+        "ptxas info: Function properties\n"
+        "    0 bytes stack frame, 8 bytes spill stores, 12 bytes spill loads\n"
+        "ptxas info    : Used 255 registers, used 1 barriers"
+    )
+    want = {"registers": 255, "stack_frame": 0, "spill_stores": 8, "spill_loads": 12}
+    assert fa.parse_ptxas_report(text) == want
+    with pytest.raises(ValueError, match="ptxas report"):
+        fa.parse_ptxas_report("ptxas info    : Used 40 registers")
+
+
+# ---- the model: every attention implementation gives the same logits -----------------------------------
+
+
+@pytest.mark.parametrize("name", ["flash", "cuda"])
+def test_model_logits_equal_across_attention(tiny_model, name):
+    """GPT logits with attention='flash' (and 'cuda': the kernel, emulated on a CPU) equal 'naive' within
+    1e-4, for a full prompt and for cached decoding (Tq < Tk)."""
+    from minillm import KVCache
+
+    if name == "cuda" and not is_gpu() and shutil.which("g++") is None:
+        pytest.skip("the 'cuda' attention on a CPU runs the emulated kernel, which needs g++")
+    idx = np.random.default_rng(0).integers(0, 13, (2, 29))
+    tiny_model.set_attention("naive")
+    ref = to_numpy(tiny_model.forward(idx))
+    ref_cache = KVCache(tiny_model.config, batch_size=2)
+    ref_steps = [to_numpy(tiny_model.forward(idx[:, :20], ref_cache)),
+                 to_numpy(tiny_model.forward(idx[:, 20:21], ref_cache))]  # fmt: skip
+    tiny_model.set_attention(name)
+    logits = to_numpy(tiny_model.forward(idx))
+    assert logits.dtype == np.float32
+    assert np.abs(logits - ref).max() <= 1e-4
+    cache = KVCache(tiny_model.config, batch_size=2)
+    steps = [
+        to_numpy(tiny_model.forward(idx[:, :20], cache)),
+        to_numpy(tiny_model.forward(idx[:, 20:21], cache)),
+    ]
+    for got, want in zip(steps, ref_steps):
+        assert np.abs(got - want).max() <= 1e-4
+
+
+def test_attention_function_names():
+    assert fa.attention_function("flash") is not None
+    with pytest.raises(ValueError, match="flash"):
+        fa.attention_function("fast")
+
+
+# ---- on a real GPU (skipped without one): the same grid through cupy.RawKernel ----------------------------
+
+
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+@pytest.mark.gpu
+@pytest.mark.skipif(not is_gpu(), reason="needs a CUDA GPU (CuPy)")
+def test_gpu_kernel_matches_naive(case):
+    """flash_attention_cuda on the GPU matches naive_attention within 1e-5, and L the log-sum-exp."""
+    import cupy
+
+    q, k, v = make_qkv(case)
+    causal = case[-1]
+    out, lse = fa.flash_attention_cuda(
+        cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), causal, return_lse=True
+    )
+    ref, ref_lse = reference(q, k, v, causal)
+    assert np.abs(to_numpy(out) - ref).max() <= KERNEL_ATOL
+    assert np.abs(to_numpy(lse) - ref_lse).max() <= 1e-4 * max(1.0, np.abs(ref_lse).max())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not is_gpu(), reason="needs a CUDA GPU (CuPy)")
+def test_gpu_kernel_refuses_too_much_shared_memory():
+    """A tile needing more shared memory than the device has raises SharedMemoryError naming the bytes."""
+    import cupy
+
+    q, k, v = (cupy.asarray(t) for t in make_qkv((1, 1, 64, 64, 128, True)))
+    with pytest.raises(fa.SharedMemoryError, match="bytes of shared memory"):
+        fa.flash_attention_cuda(q, k, v, block_k=4096)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not is_gpu(), reason="needs a CUDA GPU (CuPy)")
+def test_gpu_kernel_with_opt_in_shared_memory():
+    """block_k=64 at hs=128 needs more than 48 KiB: the launcher opts in, and the result is still right."""
+    import cupy
+
+    q, k, v = make_qkv((1, 2, 100, 257, 128, True))
+    out = fa.flash_attention_cuda(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), True, block_k=64)
+    assert np.abs(to_numpy(out) - reference(q, k, v, True)[0]).max() <= KERNEL_ATOL
