@@ -1,0 +1,261 @@
+"""python -m minillm bench attention: naive vs tiled (FlashAttention) attention, memory and time.
+
+On a CPU (NumPy): peak memory (tracemalloc) and wall time of ``naive_attention`` vs the tiled
+``flash_attention`` for one head, hs 64, causal, N = 1K .. 16K. The claim to check: the tiled version
+never holds the N x N score matrix, so its peak memory at N = 8192 must be at most 10% of naive's.
+On a GPU (CuPy): naive CuPy attention vs the CUDA kernel (``flash_attention_cuda``), time and achieved
+TFLOP/s against the device's FP32 peak. Both: the IO-model plot (HBM bytes vs N and vs SRAM size).
+
+Discipline (see minillm.bench): validate every output against the reference first, warm up, then time
+(synchronizing the GPU), print aligned tables, save PNGs. Nothing here asserts a timing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tracemalloc
+from functools import partial
+
+import numpy as np
+
+from .. import flash_attention as fa
+from ..attention import naive_attention
+from ..backend import is_gpu, synchronize, to_numpy, xp
+from ..bench import format_table, save_figure, time_fn
+
+CPU_NS = [1024, 2048, 4096, 8192, 16384]
+GPU_NS = [1024, 2048, 4096, 8192, 16384]
+HS = 64
+CPU_TILE = 256  # query and key tile of the array code on a CPU: big enough to amortize Python overhead
+MEMORY_RATIO_REQUIRED = 0.10  # tiled peak / naive peak at N = 8192
+MEMORY_CHECK_N = 8192
+VALIDATE_ATOL = 1e-4  # float32 vs float32 over up to 16K keys
+MIB = 1024 * 1024
+
+
+def make_qkv(B, nh, N, hs, seed=0):
+    rng = np.random.default_rng(seed)
+    return tuple(xp.asarray(rng.standard_normal((B, nh, N, hs)).astype(np.float32)) for _ in range(3))
+
+
+def peak_bytes(fn) -> int:
+    """Peak bytes allocated (NumPy reports to tracemalloc) while fn() runs, above what existed before."""
+    tracemalloc.start()
+    try:
+        fn()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def attention_flops(N: int, hs: int, causal: bool, B: int = 1, nh: int = 1) -> float:
+    """Multiply-adds of Q K^T and P V counted as 2 FLOPs: 4 N^2 hs per head, about half when causal."""
+    pairs = N * (N + 1) / 2 if causal else N * N
+    return 4.0 * pairs * hs * B * nh
+
+
+# ---- CPU -----------------------------------------------------------------------------------------
+
+
+def run_cpu(ns, repeat, out_dir, plot=True):
+    rows, ok = [], True
+    tiled = lambda q, k, v: fa.flash_attention(q, k, v, True, CPU_TILE, CPU_TILE)[0]  # noqa: E731
+    for N in ns:
+        q, k, v = make_qkv(1, 1, N, HS)
+        ref = naive_attention(q, k, v, True)  # 1. validate (this is also the warm-up)
+        out = tiled(q, k, v)
+        err = float(np.abs(out - ref).max())
+        ok &= err <= VALIDATE_ATOL
+        del ref, out
+        naive, flash = partial(naive_attention, q, k, v, True), partial(tiled, q, k, v)
+        naive_peak, tiled_peak = peak_bytes(naive), peak_bytes(flash)  # 2. memory
+        reps = repeat if N <= 4096 else 1  # 3. time (each 16K naive call takes seconds)
+        t_naive = time_fn(naive, warmup=0, repeat=reps)
+        t_tiled = time_fn(flash, warmup=0, repeat=reps)
+        rows.append({"N": N, "naive MiB": naive_peak / MIB, "tiled MiB": tiled_peak / MIB,
+                     "mem tiled/naive": tiled_peak / naive_peak, "naive ms": 1e3 * t_naive,
+                     "tiled ms": 1e3 * t_tiled, "time tiled/naive": t_tiled / t_naive,
+                     "max |err|": err})  # fmt: skip
+        print(f"  N={N}: done", flush=True)
+    tiles = f"{CPU_TILE}x{CPU_TILE}"
+    print(f"\nCPU (NumPy), one head, hs {HS}, causal, float32; tiled = flash_attention with {tiles} tiles;")
+    print("peak memory by tracemalloc (inputs excluded); time: median wall time after a warm-up call")
+    print(format_table(rows))
+    check = [r for r in rows if r["N"] == MEMORY_CHECK_N]
+    if check:
+        r = check[0]
+        verdict = "PASS" if r["mem tiled/naive"] <= MEMORY_RATIO_REQUIRED else "FAIL"
+        print(
+            f"\nrequired: tiled peak memory <= {MEMORY_RATIO_REQUIRED:.0%} of naive at N = {MEMORY_CHECK_N}: "
+            f"{r['tiled MiB']:.1f} MiB vs {r['naive MiB']:.1f} MiB = {r['mem tiled/naive']:.2%}  {verdict}"
+        )
+        ok &= verdict == "PASS"
+    if not all(r["max |err|"] <= VALIDATE_ATOL for r in rows):
+        print(f"VALIDATION FAILED: tiled output differs from naive_attention by more than {VALIDATE_ATOL}")
+    if plot:
+        print("saved", plot_cpu(rows, out_dir))
+    return ok
+
+
+def plot_cpu(rows, out_dir):
+    import matplotlib.pyplot as plt
+
+    ns = [r["N"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    a.loglog(ns, [r["naive MiB"] for r in rows], "o-", label="naive (N x N scores)")
+    a.loglog(ns, [r["tiled MiB"] for r in rows], "s-", label=f"tiled ({CPU_TILE}x{CPU_TILE} tiles)")
+    a.set(xlabel="sequence length N", ylabel="peak memory (MiB)", title="Peak memory, one head, hs 64")
+    b.loglog(ns, [r["naive ms"] for r in rows], "o-", label="naive")
+    b.loglog(ns, [r["tiled ms"] for r in rows], "s-", label="tiled")
+    b.set(xlabel="sequence length N", ylabel="time (ms)", title="Wall time on CPU (NumPy)")
+    for ax in (a, b):
+        ax.set_xticks(ns, [f"{n // 1024}K" for n in ns])
+        ax.legend()
+        ax.grid(alpha=0.3, which="both")
+    return save_figure(fig, "flash_cpu_memory_time", out_dir)
+
+
+# ---- the IO model --------------------------------------------------------------------------------
+
+
+def plot_io_model(out_dir):
+    """HBM bytes of standard vs tiled attention (attention_io_bytes): vs N at two SRAM sizes, and vs M."""
+    import matplotlib.pyplot as plt
+
+    d = HS
+    ns = [2**p for p in range(9, 16)]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    a.loglog(ns, [fa.attention_io_bytes(n, d, 48 * 1024)["standard"] for n in ns], "o-", label="standard")
+    for M in (48 * 1024, 192 * 1024):
+        a.loglog(
+            ns,
+            [fa.attention_io_bytes(n, d, M)["flash"] for n in ns],
+            "s-",
+            label=f"tiled, M = {M // 1024} KiB",
+        )
+    a.set(xlabel="sequence length N", ylabel="HBM bytes moved", title=f"IO vs N (one head, d = {d}, fp32)")
+    N = 8192
+    ms = [2**p * 1024 for p in range(4, 11)]
+    b.loglog(
+        [m / 1024 for m in ms],
+        [fa.attention_io_bytes(N, d, m)["standard"] for m in ms],
+        "o-",
+        label="standard",
+    )
+    b.loglog([m / 1024 for m in ms], [fa.attention_io_bytes(N, d, m)["flash"] for m in ms], "s-",
+             label="tiled  ~ N^2 d^2 / M")  # fmt: skip
+    b.set(
+        xlabel="SRAM per block M (KiB)", ylabel="HBM bytes moved", title=f"IO vs SRAM size (N = {N}, d = {d})"
+    )
+    for ax in (a, b):
+        ax.legend()
+        ax.grid(alpha=0.3, which="both")
+    return save_figure(fig, "flash_io_model", out_dir)
+
+
+def io_table():
+    rows = []
+    for N in (1024, 4096, 16384):
+        for M in (48 * 1024, 192 * 1024):
+            io = fa.attention_io_bytes(N, HS, M)
+            rows.append({"N": N, "M KiB": M // 1024, "Br x Bc": f"{io['Br']}x{io['Bc']}",
+                         "standard MB": io["standard"] / 1e6, "tiled MB": io["flash"] / 1e6,
+                         "standard/tiled": io["standard"] / io["flash"]})  # fmt: skip
+    return format_table(rows)
+
+
+# ---- GPU -----------------------------------------------------------------------------------------
+
+
+def fp32_peak_tflops() -> tuple[float, str]:
+    """FP32 (non-tensor-core) peak: SMs x FP32 lanes per SM x 2 (FMA) x boost clock."""
+    import cupy
+
+    dev = cupy.cuda.Device()
+    attrs = dev.attributes
+    major, minor = (int(c) for c in dev.compute_capability)  # e.g. "90" -> 9, 0
+    lanes = {(7, 0): 64, (8, 0): 64}.get((major, minor), 128)  # V100/A100: 64; Ampere GA10x, Ada, Hopper: 128
+    sms, clock_khz = attrs["MultiProcessorCount"], attrs["ClockRate"]
+    name = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
+    return (
+        sms * lanes * 2 * clock_khz * 1e3 / 1e12,
+        f"{name}: {sms} SMs x {lanes} FP32 lanes x {clock_khz / 1e6:.2f} GHz",
+    )
+
+
+def run_gpu(ns, repeat, out_dir, B=1, nh=8, plot=True):
+    peak, how = fp32_peak_tflops()
+    rows, ok = [], True
+    for N in ns:
+        q, k, v = make_qkv(B, nh, N, HS)
+        ref = naive_attention(q, k, v, True)  # validate
+        out = fa.flash_attention_cuda(q, k, v, True)
+        err = float(to_numpy(xp.abs(out - ref).max()))
+        ok &= err <= VALIDATE_ATOL
+        del ref, out
+        t_naive = time_fn(partial(naive_attention, q, k, v, True), warmup=2, repeat=repeat)
+        t_cuda = time_fn(partial(fa.flash_attention_cuda, q, k, v, True), warmup=2, repeat=repeat)
+        flops = attention_flops(N, HS, True, B, nh)
+        rows.append({"N": N, "naive ms": 1e3 * t_naive, "kernel ms": 1e3 * t_cuda,
+                     "speedup": t_naive / t_cuda,
+                     "naive TFLOP/s": flops / t_naive / 1e12, "kernel TFLOP/s": flops / t_cuda / 1e12,
+                     "kernel % FP32 peak": 100 * flops / t_cuda / 1e12 / peak, "max |err|": err})  # fmt: skip
+        synchronize()
+    print(f"\nGPU: naive CuPy vs kernels/flash_attention.cu, B {B}, nh {nh}, hs {HS}, causal, float32")
+    print(f"FP32 peak {peak:.1f} TFLOP/s ({how}); FLOPs = 4 N^2 hs / 2 per head (causal)")
+    print(format_table(rows))
+    if not ok:
+        print(f"VALIDATION FAILED: the kernel differs from naive_attention by more than {VALIDATE_ATOL}")
+    if plot:
+        print("saved", plot_gpu(rows, out_dir, peak))
+    return ok, rows
+
+
+def plot_gpu(rows, out_dir, peak):
+    import matplotlib.pyplot as plt
+
+    ns = [r["N"] for r in rows]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
+    a.loglog(ns, [r["naive ms"] for r in rows], "o-", label="naive (CuPy)")
+    a.loglog(ns, [r["kernel ms"] for r in rows], "s-", label="flash_attention.cu")
+    a.set(xlabel="N", ylabel="time (ms)", title="GPU time")
+    b.semilogx(ns, [r["naive TFLOP/s"] for r in rows], "o-", label="naive (CuPy)")
+    b.semilogx(ns, [r["kernel TFLOP/s"] for r in rows], "s-", label="flash_attention.cu")
+    b.axhline(peak, color="gray", ls="--", label=f"FP32 peak {peak:.0f}")
+    b.set(xlabel="N", ylabel="TFLOP/s", title="Achieved FP32 throughput")
+    for ax in (a, b):
+        ax.legend()
+        ax.grid(alpha=0.3, which="both")
+    return save_figure(fig, "flash_gpu_time", out_dir)
+
+
+# ---- entry point ---------------------------------------------------------------------------------
+
+
+def main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="python -m minillm bench attention", description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true", help="N up to 4096, one timing repeat")
+    p.add_argument("--max-n", type=int, default=None, help="largest N to run (default 16384)")
+    p.add_argument("--repeat", type=int, default=3, help="timed repeats (median); 1 for N > 4096 on CPU")
+    p.add_argument("--out-dir", default=None, help="where to save PNGs (default docs/figures)")
+    p.add_argument("--no-plots", action="store_true", help="print tables only")
+    args = p.parse_args(argv)
+    max_n = args.max_n or (4096 if args.quick else 16384)
+    repeat = 1 if args.quick else args.repeat
+    plot = not args.no_plots
+
+    print("IO model (attention_io_bytes), one head, d = 64, float32:")
+    print(io_table())
+    if plot:
+        print("saved", plot_io_model(args.out_dir))
+    if is_gpu():
+        ok, _ = run_gpu([n for n in GPU_NS if n <= max_n], repeat, args.out_dir, plot=plot)
+    else:
+        ok = run_cpu([n for n in CPU_NS if n <= max_n], repeat, args.out_dir, plot=plot)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    import sys
+
+    raise SystemExit(main(sys.argv[1:]))
