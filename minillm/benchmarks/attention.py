@@ -168,19 +168,20 @@ def io_table():
 
 
 def fp32_peak_tflops() -> tuple[float, str]:
-    """FP32 (non-tensor-core) peak: SMs x FP32 lanes per SM x 2 (FMA) x boost clock."""
+    """FP32 (non-tensor-core) peak: SMs x FP32 lanes per SM x 2 (FMA) x boost clock; NaN if unknown."""
     import cupy
 
     dev = cupy.cuda.Device()
-    attrs = dev.attributes
-    major, minor = (int(c) for c in dev.compute_capability)  # e.g. "90" -> 9, 0
-    lanes = {(7, 0): 64, (8, 0): 64}.get((major, minor), 128)  # V100/A100: 64; Ampere GA10x, Ada, Hopper: 128
-    sms, clock_khz = attrs["MultiProcessorCount"], attrs["ClockRate"]
+    cc = dev.compute_capability  # e.g. "90"
+    major, minor = int(cc[:-1]), int(cc[-1])
+    lanes = 64 if (major, minor) in ((7, 0), (8, 0)) else 128  # V100, A100: 64; GA10x, Ada, Hopper: 128
     name = cupy.cuda.runtime.getDeviceProperties(dev.id)["name"].decode()
-    return (
-        sms * lanes * 2 * clock_khz * 1e3 / 1e12,
-        f"{name}: {sms} SMs x {lanes} FP32 lanes x {clock_khz / 1e6:.2f} GHz",
-    )
+    try:
+        sms, clock_khz = dev.attributes["MultiProcessorCount"], dev.attributes["ClockRate"]
+    except KeyError:  # an attribute this CUDA version no longer reports
+        return float("nan"), f"{name}: clock rate unknown"
+    peak = sms * lanes * 2 * clock_khz * 1e3 / 1e12
+    return peak, f"{name}: {sms} SMs x {lanes} FP32 lanes x 2 x {clock_khz / 1e6:.2f} GHz"
 
 
 def run_gpu(ns, repeat, out_dir, B=1, nh=8, plot=True):
