@@ -46,8 +46,11 @@ def device_summary() -> list[tuple[str, str]]:
         ("compute capability", ".".join(dev.compute_capability)),
         ("SMs", str(dev.attributes["MultiProcessorCount"])),
         ("memory", f"{total / 2**30:.1f} GiB ({free / 2**30:.1f} free)"),
-        ("shared memory / block", f"{dev.attributes['MaxSharedMemoryPerBlock']} B, "
-                                  f"{dev.attributes['MaxSharedMemoryPerBlockOptin']} B opt-in"),  # fmt: skip
+        (
+            "shared memory / block",
+            f"{dev.attributes['MaxSharedMemoryPerBlock']} B, "
+            f"{dev.attributes['MaxSharedMemoryPerBlockOptin']} B opt-in",
+        ),  # fmt: skip
         ("CuPy / CUDA runtime", f"{cupy.__version__} / {cupy.cuda.runtime.runtimeGetVersion()}"),
     ]
 
