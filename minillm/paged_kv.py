@@ -396,12 +396,20 @@ class PagedKVCache:
         view.advance(k.shape[2])
 
     def read(self, seq_id: int, layer: int):
-        """A sequence's cached K and V, contiguous: (nh, length, hs) each."""
-        if self.lengths[seq_id] == 0:
-            shape = (self.config.n_head, 0, self.config.head_size)
-            return xp.zeros(shape, self.k[0].dtype), xp.zeros(shape, self.k[0].dtype)
-        k, v, _ = gather_kv(self, [seq_id], layer)
-        return k[0], v[0]
+        """A sequence's cached K and V, contiguous: (nh, length, hs) each.
+
+        One token at a time, the obvious way: the reference ``gather_kv`` is checked against.
+        """
+        self._check_seq(seq_id)
+        table, bs = self.block_tables[seq_id], self.block_size
+        pool_k, pool_v = self.k[layer], self.v[layer]  # (num_blocks, nh, bs, hs)
+        n = self.lengths[seq_id]
+        k = xp.zeros((pool_k.shape[1], n, pool_k.shape[3]), dtype=pool_k.dtype)  # (nh, length, hs)
+        v = xp.zeros_like(k)
+        for p in range(n):
+            k[:, p] = pool_k[table[p // bs], :, p % bs]  # block table[p // bs], slot p % bs
+            v[:, p] = pool_v[table[p // bs], :, p % bs]
+        return k, v
 
     # -- prefix caching --
     def _evictable(self, block: int) -> bool:
