@@ -350,6 +350,23 @@ def test_emulated_kernel_checks_its_limits():
         fa.flash_attention_emulated(q, k, v, block_k=32)
 
 
+@needs_gxx
+def test_emulator_build_error_is_clear(tmp_path):
+    """A kernel that does not compile raises KernelError carrying g++'s message (no silent fallback)."""
+    broken = tmp_path / "broken.cu"
+    broken.write_text('extern "C" __global__ void flash_attention_forward() { this is not C++ }\n')
+    with pytest.raises(fa.KernelError, match="could not build"):
+        fa.build_emulator(broken)
+
+
+def test_cuda_launcher_without_gpu_says_so():
+    if is_gpu():
+        pytest.skip("a GPU is present")
+    q, k, v = make_qkv((1, 1, 4, 4, 16, True))
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        fa.flash_attention_cuda(q, k, v)
+
+
 def test_kernel_tiles_fit_shared_memory():
     """The launcher's tile choice fits the 48 KiB every GPU offers (sized in BYTES, not floats)."""
     for hs in (1, 16, 64, 100, 128):
