@@ -1,0 +1,232 @@
+"""``python -m minillm bench speculative``: speed-up of speculative decoding over plain cached decoding.
+
+For the shipped target with each draft (the trained 1-layer draft, its int8-quantized copy and a
+corpus bigram), K = 1..8, greedy and temperature 1:
+
+1. validate: greedy speculative output == ``generate(target, temperature=0)`` for every prompt;
+2. measure costs: c = draft decode step / target decode step, and v(K) = target forward over
+   K + 1 tokens / target decode step (the theory assumes v = 1);
+3. time the target's own cached decoding and every speculative configuration (same prompts, same
+   number of new tokens, median of ``--repeat`` runs after a warm-up);
+4. print a table: alpha, tokens per target call measured beside (1 - a^(K+1)) / (1 - a), the
+   measured speed-up beside Leviathan et al.'s (1 - a^(K+1)) / ((1 - a)(K c + 1)) and beside a
+   cost model that uses the measured v(K); save docs/figures/spec_speedup.png.
+
+Prompts come from the validation split (text the models never trained on); prompt + generation
+fits the 256-token context, so no window is re-prefilled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from ..backend import synchronize, xp
+from ..bench import format_table, save_figure, time_fn
+from ..checkpoint import load_model
+from ..data import train_val_split
+from ..drafts import BigramDraft, quantize_weights
+from ..generate import generate
+from ..kv_cache import KVCache
+from ..speculative import expected_speedup, expected_tokens_per_call, speculative_generate
+
+DRAFT_NAMES = ("draft", "int8", "bigram")
+STEP_CONTEXT = 128  # cached tokens when timing one decode step (mid-way through a generation)
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(
+        prog="python -m minillm bench speculative", description=__doc__.splitlines()[0]
+    )
+    p.add_argument("--tokens", type=int, default=200, help="new tokens per prompt (default 200)")
+    p.add_argument("--prompts", type=int, default=3, help="prompts from the validation split (default 3)")
+    p.add_argument("--prompt-len", type=int, default=48, help="characters per prompt (default 48)")
+    p.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="draft lengths K (default 1..8)")
+    p.add_argument("--temperatures", default="0,1", help="temperatures (default 0,1; 0 = greedy)")
+    p.add_argument("--drafts", default=",".join(DRAFT_NAMES), help="drafts to try: draft,int8,bigram")
+    p.add_argument("--repeat", type=int, default=3, help="timed runs per configuration (median)")
+    p.add_argument("--out", default=None, help="folder for the PNG (default docs/figures)")
+    p.add_argument("--no-plot", action="store_true", help="do not write the figure")
+    p.add_argument("--target", default="target", help="target model: 'target' or a .npz path")
+    p.add_argument("--draft", default="draft", help="draft model: 'draft' or a .npz path")
+    p.add_argument("--quick", action="store_true", help="K in 1,2,4,8; 2 prompts; 1 run each")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.ks, args.prompts, args.repeat = "1,2,4,8", 2, 1
+    args.ks = [int(k) for k in args.ks.split(",")]
+    args.temperatures = [float(t) for t in args.temperatures.split(",")]
+    args.drafts = [d.strip() for d in args.drafts.split(",")]
+    unknown = set(args.drafts) - set(DRAFT_NAMES)
+    if unknown or min(args.ks) < 1 or args.tokens < 2 or args.repeat < 1:
+        p.error(f"bad options (unknown drafts {sorted(unknown)}; K >= 1; --tokens >= 2; --repeat >= 1)")
+    return args
+
+
+def validation_prompts(tok, n, length):
+    """n prompts of ``length`` characters, each starting at a line start, spread over the val split."""
+    _, val = train_val_split(tok)
+    text = tok.decode(val)
+    prompts = []
+    for i in range(n):
+        start = text.index("\n", (i + 1) * len(text) // (n + 1)) + 1
+        prompts.append(tok.encode(text[start : start + length]))
+    return prompts
+
+
+def step_time(model, n_tokens, context=STEP_CONTEXT, repeat=30):
+    """Median seconds of one cached forward over ``n_tokens`` new tokens after ``context`` cached."""
+    cache = KVCache(model.config)
+    model.forward(xp.zeros((1, context), dtype=xp.int64), cache)
+    new = xp.ones((1, n_tokens), dtype=xp.int64)
+
+    def step():
+        cache.truncate(context)
+        model.forward(new, cache)
+
+    return time_fn(step, warmup=3, repeat=repeat)
+
+
+def timed(fn, repeat):
+    """(median wall seconds over ``repeat`` runs after one warm-up, last result)."""
+    result = fn()
+    times = []
+    for _ in range(repeat):
+        synchronize()
+        t0 = time.perf_counter()
+        result = fn()
+        synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times), result
+
+
+def run_speculative(target, draft, prompts, n_new, k, temperature):
+    """Speculative generation over every prompt -> (token lists, pooled counters)."""
+    outs, tot = [], dict(new=0, accepted=0, checked=0, calls=0)
+    for i, prompt in enumerate(prompts):
+        out, s = speculative_generate(target, draft, prompt, n_new, k=k, temperature=temperature, seed=i)
+        outs.append(out)
+        tot["new"] += s.new_tokens
+        tot["accepted"] += s.accepted
+        tot["checked"] += s.checked
+        tot["calls"] += s.target_calls
+    return outs, tot
+
+
+def plot(rows, ks, out_dir):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    colors = {"draft": "tab:blue", "int8": "tab:green", "bigram": "tab:red"}
+    kk = np.arange(1, max(ks) + 1)
+    for (name, temp), group in _groups(rows).items():
+        style = "-" if temp == 0 else "--"
+        label = f"{name}, {'greedy' if temp == 0 else f'T={temp:g}'}"
+        color = colors[name]
+        ax1.plot([r["K"] for r in group], [r["speed-up"] for r in group], "o" + style, color=color,
+                 label=label + " measured")  # fmt: skip
+        alpha, c = _pooled_alpha(group), group[0]["c"]
+        ax1.plot(kk, [expected_speedup(alpha, k, c) for k in kk], ":", color=color, alpha=0.6)
+        ax2.plot([r["K"] for r in group], [r["tok/call"] for r in group], "o" + style, color=color,
+                 label=label)  # fmt: skip
+        ax2.plot(kk, [expected_tokens_per_call(alpha, k) for k in kk], ":", color=color, alpha=0.6)
+    ax1.axhline(1.0, color="gray", lw=0.8)
+    ax1.set(xlabel="K (draft tokens per round)", ylabel="speed-up over cached decoding",
+            title="Wall-clock speed-up (dotted: Leviathan et al. Thm 3.8 at measured alpha, c)")  # fmt: skip
+    ax2.set(xlabel="K", ylabel="new tokens per target call",
+            title="Tokens per target call (dotted: (1 - a^(K+1)) / (1 - a))")  # fmt: skip
+    ax1.legend(fontsize=7)
+    ax2.legend(fontsize=7)
+    return save_figure(fig, "spec_speedup", out_dir)
+
+
+def _groups(rows):
+    groups = {}
+    for r in rows:
+        groups.setdefault((r["draft"], r["T"]), []).append(r)
+    return groups
+
+
+def _pooled_alpha(group):
+    return sum(r["_accepted"] for r in group) / max(1, sum(r["_checked"] for r in group))
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    target, tok = load_model(args.target)
+    base_draft, _ = load_model(args.draft)
+    drafts = {"draft": base_draft, "int8": quantize_weights(base_draft, bits=8),
+              "bigram": BigramDraft.from_corpus(tok)}  # fmt: skip
+    drafts = {name: drafts[name] for name in args.drafts}
+    prompts = validation_prompts(tok, args.prompts, args.prompt_len)
+    n_new = min(args.tokens, target.config.block_size - args.prompt_len)
+    print(f"target: {target.num_params():,} params; drafts: "
+          + ", ".join(f"{n} ({d.num_params():,})" for n, d in drafts.items())
+          + f"; {len(prompts)} prompts x {n_new} new tokens; K in {args.ks}")  # fmt: skip
+
+    # 1. validate: greedy speculative decoding is the target's greedy decoding
+    reference = [generate(target, p, n_new, temperature=0).tokens for p in prompts]
+    for name, draft in drafts.items():
+        for k in sorted({min(args.ks), max(args.ks)}):
+            outs, _ = run_speculative(target, draft, prompts, n_new, k, 0.0)
+            if outs != reference:
+                print(f"VALIDATION FAILED: greedy speculative decoding with {name}, K={k} "
+                      "differs from generate()")  # fmt: skip
+                return 1
+    print("validated: greedy speculative output == generate(target, temperature=0) for every draft")
+
+    # 2. costs in target decode steps
+    t_step = step_time(target, 1)
+    c = {name: step_time(d, 1) / t_step for name, d in drafts.items()}
+    v = {k: step_time(target, k + 1) / t_step for k in args.ks}
+    print(f"target decode step {t_step * 1e3:.2f} ms; c = "
+          + ", ".join(f"{n} {x:.3f}" for n, x in c.items())
+          + "; verify K+1 tokens / step: " + ", ".join(f"K={k}: {x:.2f}" for k, x in v.items()))  # fmt: skip
+
+    # 3. time the baseline and every configuration
+    rows = []
+    for temp in args.temperatures:
+        base_s, _ = timed(lambda t=temp: [generate(target, p, n_new, temperature=t, seed=i)
+                                          for i, p in enumerate(prompts)], args.repeat)  # fmt: skip
+        n_total = n_new * len(prompts)
+        rows.append({"draft": "(target alone)", "T": temp, "K": 0, "tok/s": n_total / base_s,
+                     "speed-up": 1.0})  # fmt: skip
+        for name, draft in drafts.items():
+            for k in args.ks:
+                def run(d=draft, k=k, t=temp):
+                    return run_speculative(target, d, prompts, n_new, k, t)
+
+                wall, (_, tot) = timed(run, args.repeat)
+                alpha = tot["accepted"] / max(1, tot["checked"])
+                per_call = tot["new"] / tot["calls"]
+                rows.append({
+                    "draft": name, "T": temp, "K": k, "alpha": alpha,
+                    "tok/call": per_call, "formula": expected_tokens_per_call(alpha, k),
+                    "c": c[name], "tok/s": n_total / wall, "speed-up": base_s / wall,
+                    "theory": expected_speedup(alpha, k, c[name]),
+                    "cost model": per_call / (k * c[name] + v[k]),
+                    "_accepted": tot["accepted"], "_checked": tot["checked"],
+                })  # fmt: skip
+                print(f"  {name:6s} T={temp:g} K={k}: alpha {alpha:.3f}, {per_call:.2f} tok/call, "
+                      f"speed-up {base_s / wall:.2f}x", flush=True)  # fmt: skip
+
+    # 4. report
+    columns = ["draft", "T", "K", "alpha", "tok/call", "formula", "c", "tok/s", "speed-up", "theory",
+               "cost model"]  # fmt: skip
+    print()
+    print(format_table(rows, columns))
+    for temp in args.temperatures:
+        for name in drafts:
+            group = [r for r in rows if r["draft"] == name and r["T"] == temp]
+            best = max(group, key=lambda r: r["speed-up"])
+            print(f"best K for {name}, T={temp:g}: K={best['K']} -> {best['speed-up']:.2f}x "
+                  f"(alpha {best['alpha']:.3f}, {best['tok/call']:.2f} tokens per target call)")  # fmt: skip
+    if not args.no_plot:
+        path = plot([r for r in rows if r["K"] > 0], args.ks, args.out)
+        print(f"figure: {path}")
+    return 0
