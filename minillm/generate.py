@@ -50,10 +50,12 @@ class GenerationResult:
     stats: GenerationStats
 
 
-def _check_prompt(model, prompt_ids) -> list[int]:
+def _check_args(prompt_ids, max_new_tokens) -> list[int]:
     prompt_ids = [int(t) for t in prompt_ids]
     if not prompt_ids:
         raise ValueError("the prompt must contain at least one token")
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     return prompt_ids
 
 
@@ -100,7 +102,7 @@ def generate_naive(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=Non
 
     The baseline the KV cache beats: step N recomputes K and V for all N earlier tokens.
     """
-    prompt_ids = _check_prompt(model, prompt_ids)
+    prompt_ids = _check_args(prompt_ids, max_new_tokens)
     block = model.config.block_size
 
     def logits_after(tokens):
@@ -120,7 +122,7 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top
     ``on_token(token)`` is called as each token is sampled (streaming).
     Returns the new tokens and stats (TTFT, TPOT, tokens/s, KV bytes).
     """
-    prompt_ids = _check_prompt(model, prompt_ids)
+    prompt_ids = _check_args(prompt_ids, max_new_tokens)
     cache = KVCache(model.config) if cache is None else cache
     cache.reset()  # a cache reused from an earlier generation would otherwise leak its tokens
     keep = max(1, model.config.block_size // 2)  # the window kept when the context overflows

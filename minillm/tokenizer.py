@@ -6,7 +6,7 @@ from __future__ import annotations
 class CharTokenizer:
     """Maps characters to ids and back.
 
-    Example: CharTokenizer.from_text("hello") has chars "ehlo"; encode("hole") -> [2, 3, 1, 0].
+    Example: CharTokenizer.from_text("hello") has chars "ehlo"; encode("hole") -> [1, 3, 2, 0].
     """
 
     def __init__(self, chars: str):

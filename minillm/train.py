@@ -245,10 +245,10 @@ def estimate_loss(model: GPT, data, batch_size, n_batches, seed) -> float:
     return float(np.mean([batch_loss(model, *get_batch(data, batch_size, T, rng)) for _ in range(n_batches)]))
 
 
-def evaluate(model: GPT, data: np.ndarray, batch_size: int = 16) -> float:
+def evaluate(model: GPT, data: np.ndarray, tokens_per_batch: int = 4096) -> float:
     """Mean next-character loss (nats) over every non-overlapping full window of ``data``."""
     T = model.config.block_size
-    n = (len(data) - 1) // T
+    n, batch_size = (len(data) - 1) // T, max(1, tokens_per_batch // T)
     inputs = data[: n * T].reshape(n, T).astype(np.int64)
     targets = data[1 : n * T + 1].reshape(n, T).astype(np.int64)
     total = 0.0

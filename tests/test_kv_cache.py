@@ -1,0 +1,181 @@
+"""Chapter 3, the KV cache: cached generation is exact, and the classic mistakes are caught."""
+
+import numpy as np
+import pytest
+
+from minillm import (
+    GPT,
+    CacheFullError,
+    GPTConfig,
+    GrowingKVCache,
+    KVCache,
+    PrefixCache,
+    generate,
+    generate_naive,
+    kv_cache_bytes,
+)  # fmt: skip
+from minillm.backend import to_numpy
+
+CACHES = [KVCache, GrowingKVCache]
+
+
+def chunks_logits(model, idx, sizes, cache):
+    """Run idx through the cache in chunks of the given sizes -> concatenated logits."""
+    out, start = [], 0
+    for n in sizes:
+        out.append(to_numpy(model.forward(idx[:, start : start + n], cache)))
+        start += n
+    return np.concatenate(out, axis=1)
+
+
+@pytest.mark.parametrize("cache_cls", CACHES)
+@pytest.mark.parametrize("sizes", [[32], [1] * 32, [7, 1, 1, 4, 19], [31, 1]])
+def test_prefill_decode_verify_equal_full_forward(tiny_model, cache_cls, sizes):
+    """Prefill (T tokens), decode (1) and verify (K) through the cache give the logits of one full
+    forward pass within 1e-4. Fails for a wrong decode position offset or a missing causal mask
+    in the multi-token path (the [7, 1, 1, 4, 19] chunks include a 4-token verify step)."""
+    idx = np.random.default_rng(len(sizes)).integers(0, 13, (2, 32))
+    full = to_numpy(tiny_model.forward(idx))
+    cache = cache_cls(tiny_model.config, batch_size=2)
+    np.testing.assert_allclose(chunks_logits(tiny_model, idx, sizes, cache), full, atol=1e-4)
+    assert cache.length == 32
+
+
+def test_cache_is_preallocated_and_float32(tiny_config):
+    cache = KVCache(tiny_config, batch_size=3)
+    assert cache.k[0].shape == (3, 2, 32, 8) and cache.k[0].dtype == np.float32
+    assert cache.nbytes == kv_cache_bytes(2, 2, 8, 32, batch=3, bytes_per_elem=4)
+    buffers = [id(a) for a in cache.k]
+    GPT.init(tiny_config).forward(np.zeros((3, 5), dtype=int), cache)
+    assert [id(a) for a in cache.k] == buffers  # appended in place, no new arrays
+    assert cache.bytes_used == cache.nbytes * 5 // 32
+
+
+def test_overflow_is_refused_and_loses_nothing(tiny_model):
+    """An append past max_len raises CacheFullError before writing: the cache is unchanged."""
+    cache = KVCache(tiny_model.config, max_len=10)
+    tiny_model.forward(np.zeros((1, 8), dtype=int), cache)
+    before = [to_numpy(a).copy() for a in cache.k]
+    with pytest.raises(CacheFullError, match="max_len=10"):
+        tiny_model.forward(np.ones((1, 3), dtype=int), cache)
+    assert cache.length == 8
+    for a, b in zip(cache.k, before):
+        np.testing.assert_array_equal(to_numpy(a), b)
+    with pytest.raises(ValueError, match="block_size"):
+        KVCache(tiny_model.config, max_len=33)
+
+
+@pytest.mark.parametrize("cache_cls", CACHES)
+def test_truncate_rolls_back_exactly(tiny_model, cache_cls):
+    """After truncate(n), feeding tokens n.. again gives the same logits as never having gone
+    past n. Fails for an off-by-one truncate (n-1 or n+1 positions kept)."""
+    idx = np.random.default_rng(3).integers(0, 13, (1, 20))
+    cache = cache_cls(tiny_model.config)
+    tiny_model.forward(idx[:, :12], cache)
+    wrong = np.random.default_rng(4).integers(0, 13, (1, 5))
+    tiny_model.forward(wrong, cache)  # a rejected speculative continuation
+    cache.truncate(12)
+    assert cache.length == 12
+    got = to_numpy(tiny_model.forward(idx[:, 12:], cache))
+    np.testing.assert_allclose(got, to_numpy(tiny_model.forward(idx))[:, 12:], atol=1e-4)
+    with pytest.raises(ValueError):
+        cache.truncate(21)
+    with pytest.raises(ValueError):
+        cache.truncate(-1)
+
+
+def test_kv_cache_bytes_formula():
+    """2 (K and V) x layers x kv heads x head dim x tokens x batch x bytes per element."""
+    assert kv_cache_bytes(12, 12, 64, 1024) == 37_748_736  # GPT-2 small, fp16
+    assert kv_cache_bytes(32, 8, 128, 1) == 131_072  # LLaMA-3-8B: 128 KiB per token
+    assert kv_cache_bytes(80, 8, 128, 1_000_000) == 327_680_000_000  # LLaMA-3-70B at 1M tokens
+    assert kv_cache_bytes(1, 1, 1, 10, batch=3, bytes_per_elem=4) == 240
+
+
+PROMPTS = [[5], [1, 2, 3], list(range(13)) + [0, 4]]
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0, None, None), (1.0, None, None), (0.8, 5, 0.9)])
+def test_cached_generation_equals_naive(tiny_model, prompt, temperature, top_k, top_p):
+    """Token for token, greedy and seeded sampling, up to filling the context exactly to
+    block_size (32 = prompt + new tokens), including a 1-token prompt."""
+    n = tiny_model.config.block_size - len(prompt)
+    kw = dict(temperature=temperature, top_k=top_k, top_p=top_p, seed=11)
+    naive = generate_naive(tiny_model, prompt, n, **kw).tokens
+    cached = generate(tiny_model, prompt, n, **kw)
+    assert cached.tokens == naive
+    assert generate(tiny_model, prompt, n, cache=GrowingKVCache(tiny_model.config), **kw).tokens == naive
+    assert cached.stats.new_tokens == n and cached.stats.reprefills == 0
+
+
+def test_cache_reused_across_generations_is_reset(tiny_model):
+    """Passing the same cache to two generations gives the same tokens as two fresh caches."""
+    cache = KVCache(tiny_model.config)
+    first = generate(tiny_model, [1, 2, 3], 10, temperature=0, cache=cache).tokens
+    second = generate(tiny_model, [4, 5], 10, temperature=0, cache=cache).tokens
+    assert second == generate(tiny_model, [4, 5], 10, temperature=0).tokens
+    assert first == generate(tiny_model, [1, 2, 3], 10, temperature=0).tokens
+
+
+def test_generation_past_the_context_keeps_working(tiny_model):
+    """Past block_size the cache re-prefills the last half window (the documented policy)."""
+    result = generate(tiny_model, [1, 2, 3], 100, temperature=1.0, seed=0)
+    assert len(result.tokens) == 100
+    assert result.stats.reprefills == 5  # the cache fills at 32, 48, 64, 80, 96 context tokens
+    assert len(generate_naive(tiny_model, [1, 2, 3], 40, seed=0).tokens) == 40
+
+
+def test_stats(tiny_model):
+    streamed = []
+    r = generate(tiny_model, [1, 2], 6, temperature=0, on_token=streamed.append)
+    assert streamed == r.tokens
+    s = r.stats
+    assert s.prompt_tokens == 2 and s.new_tokens == 6 and len(s.step_times_s) == 6
+    assert s.ttft_s == s.step_times_s[0] and s.total_s >= s.ttft_s > 0 and s.tokens_per_s > 0
+    assert s.kv_bytes == KVCache(tiny_model.config).nbytes and 0 < s.kv_bytes_used < s.kv_bytes
+
+
+def test_bad_generation_arguments(tiny_model):
+    with pytest.raises(ValueError, match="at least one token"):
+        generate(tiny_model, [], 5)
+    with pytest.raises(ValueError, match="max_new_tokens"):
+        generate_naive(tiny_model, [1], -1)
+
+
+def test_prefix_cache_reuses_longest_shared_prefix(tiny_model):
+    """Prompt caching: the second prompt reuses the shared prefix, the output is identical."""
+    system = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    pc = PrefixCache()
+    a = generate(tiny_model, system + [7, 7], 8, temperature=0, prefix_cache=pc)
+    b = generate(tiny_model, system + [8], 8, temperature=0, prefix_cache=pc)
+    assert a.stats.reused_prefix_tokens == 0
+    assert b.stats.reused_prefix_tokens == len(system)
+    assert b.tokens == generate(tiny_model, system + [8], 8, temperature=0).tokens
+    # a prompt entirely in the cache still computes its last token (its logits give token 1)
+    c = generate(tiny_model, system + [8], 8, temperature=0, prefix_cache=pc)
+    assert c.stats.reused_prefix_tokens == len(system) and c.tokens == b.tokens
+
+
+def test_prefix_cache_evicts_least_recently_used(tiny_model):
+    pc = PrefixCache(max_entries=2)
+    for prompt in ([1, 1, 1], [2, 2, 2], [3, 3, 3]):
+        generate(tiny_model, prompt, 1, temperature=0, prefix_cache=pc)
+    assert list(pc.entries) == [(2, 2, 2), (3, 3, 3)]
+    assert pc.longest_prefix([1, 1, 1, 1]) == (None, 0)
+    assert pc.longest_prefix([3, 3, 3, 0]) == ((3, 3, 3), 3)
+
+
+def test_float32_throughout(tiny_model):
+    cache = KVCache(tiny_model.config)
+    logits = tiny_model.forward(np.array([[1, 2, 3]]), cache)
+    assert logits.dtype == np.float32 and cache.v[1].dtype == np.float32
+
+
+def test_bigger_head_count_config():
+    """Heads of different size: the cache layout follows the config."""
+    cfg = GPTConfig(vocab_size=7, block_size=12, n_layer=1, n_head=4, n_embd=32)
+    m = GPT.init(cfg, seed=2)
+    idx = np.random.default_rng(0).integers(0, 7, (1, 12))
+    got = chunks_logits(m, idx, [5, 1, 6], KVCache(cfg))
+    np.testing.assert_allclose(got, to_numpy(m.forward(idx)), atol=1e-4)

@@ -1,0 +1,63 @@
+"""logits -> probabilities (temperature, top-k, top-p) and probabilities -> token."""
+
+import numpy as np
+import pytest
+
+from minillm.sampling import logits_to_probs, sample
+
+
+def test_temperature_zero_is_greedy():
+    probs = logits_to_probs(np.array([[0.1, 3.0, 2.9], [5.0, 0.0, 0.0]]), temperature=0)
+    np.testing.assert_array_equal(probs, [[0, 1, 0], [1, 0, 0]])
+    rng = np.random.default_rng(0)
+    assert all(sample(probs[0], rng) == 1 for _ in range(50))
+
+
+def test_temperature_scales_logits():
+    logits = np.log(np.array([0.5, 0.25, 0.25]))
+    np.testing.assert_allclose(logits_to_probs(logits, temperature=1.0), [0.5, 0.25, 0.25])
+    sharp = logits_to_probs(logits, temperature=0.5)  # p^2 renormalized
+    np.testing.assert_allclose(sharp, np.array([0.25, 0.0625, 0.0625]) / 0.375)
+
+
+def test_top_k_keeps_exactly_the_k_largest():
+    probs = logits_to_probs(np.array([1.0, 4.0, 3.0, 2.0, 0.0]), top_k=2)
+    assert (probs > 0).tolist() == [False, True, True, False, False]
+    np.testing.assert_allclose(probs.sum(), 1.0)
+    np.testing.assert_allclose(probs[1] / probs[2], np.e)
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    base = np.array([0.5, 0.3, 0.15, 0.05])
+    logits = np.log(base)
+    np.testing.assert_allclose(logits_to_probs(logits, top_p=0.5), [1, 0, 0, 0])  # 0.5 reaches 0.5
+    np.testing.assert_allclose(logits_to_probs(logits, top_p=0.6), [0.625, 0.375, 0, 0])
+    np.testing.assert_allclose(logits_to_probs(logits, top_p=0.9), np.r_[base[:3], 0] / 0.95)
+    np.testing.assert_allclose(logits_to_probs(logits, top_p=0.01), [1, 0, 0, 0])  # top token always kept
+
+
+def test_bad_sampling_arguments():
+    for kw in ({"temperature": -1}, {"top_k": 0}, {"top_p": 0.0}, {"top_p": 1.5}):
+        with pytest.raises(ValueError):
+            logits_to_probs(np.zeros(3), **kw)
+    with pytest.raises(TypeError, match="Generator"):
+        sample(np.ones(3) / 3, 0)
+
+
+def test_sample_frequencies_and_never_zero_probability():
+    p = np.array([0.2, 0.0, 0.5, 0.3])
+    draws = np.array([sample(p, np.random.default_rng(0)) for _ in range(1)] +
+                     list(sample(np.tile(p, (40000, 1)), np.random.default_rng(1))))  # fmt: skip
+    freq = np.bincount(draws, minlength=4) / len(draws)
+    assert freq[1] == 0
+    np.testing.assert_allclose(freq, p, atol=0.01)
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent():
+    p = np.full(10, 0.1)
+    a = [sample(p, np.random.default_rng(7)) for _ in range(3)]
+    g1, g2, g3 = (np.random.default_rng(s) for s in (7, 7, 8))
+    seq1 = [sample(p, g1) for _ in range(20)]
+    assert seq1 == [sample(p, g2) for _ in range(20)]
+    assert seq1 != [sample(p, g3) for _ in range(20)]
+    assert len(set(a)) == 1  # a fresh generator with the same seed gives the same first draw

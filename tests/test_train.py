@@ -1,0 +1,166 @@
+"""Training: the hand-written backward pass, AdamW, the schedule, and exact resume."""
+
+import json
+
+import numpy as np
+import pytest
+
+from minillm import GPT, GPTConfig, load_model
+from minillm import train as tr
+from minillm.backend import to_numpy
+
+CFG = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=8)
+
+
+def float64_params(seed=0):
+    rng = np.random.default_rng(seed)
+    base = GPT.init(CFG, seed=seed).numpy_params()
+    return {k: v.astype(np.float64) + rng.normal(0, 0.1, v.shape) for k, v in base.items()}
+
+
+def max_gradcheck_error(params, idx, targets, entries_per_tensor=12, eps=1e-6):
+    """Largest relative error between analytic and central-difference gradients over a sample of
+    entries of every parameter tensor: |num - ana| / max(|num| + |ana|, 1e-8)."""
+    _, grads = tr.forward_backward(params, CFG, idx, targets)
+    rng = np.random.default_rng(1)
+    worst = {}
+    for name, p in params.items():
+        flat, g = p.reshape(-1), grads[name].reshape(-1)
+        errs = []
+        for j in rng.choice(flat.size, size=min(entries_per_tensor, flat.size), replace=False):
+            old = flat[j]
+            flat[j] = old + eps
+            lp, _ = tr.forward_backward(params, CFG, idx, targets)
+            flat[j] = old - eps
+            lm, _ = tr.forward_backward(params, CFG, idx, targets)
+            flat[j] = old
+            num = (lp - lm) / (2 * eps)
+            errs.append(abs(num - g[j]) / max(abs(num) + abs(g[j]), 1e-8))
+        worst[name] = max(errs)
+    return worst
+
+
+@pytest.fixture
+def batch():
+    rng = np.random.default_rng(0)
+    return rng.integers(0, 11, (2, 8)), rng.integers(0, 11, (2, 8))
+
+
+def test_gradient_check_every_parameter(batch):
+    """Every parameter tensor's gradient matches finite differences in float64 (rel err <= 1e-5)."""
+    params = float64_params()
+    worst = max_gradcheck_error(params, *batch)
+    assert set(worst) == set(CFG.param_shapes())
+    bad = {k: v for k, v in worst.items() if v > 1e-5}
+    assert not bad, bad
+
+
+def test_gradient_check_catches_a_wrong_backward(batch, monkeypatch):
+    """The check bites: LayerNorm backward without its mean-subtraction term is detected."""
+
+    def wrong_layernorm_backward(dout, x, w):
+        dx, dw, db = real(dout, x, w)
+        return dx + dout.mean(axis=-1, keepdims=True) * w.mean(), dw, db
+
+    real = tr.layernorm_backward
+    monkeypatch.setattr(tr, "layernorm_backward", wrong_layernorm_backward)
+    worst = max_gradcheck_error(float64_params(), *batch, entries_per_tensor=4)
+    assert max(worst.values()) > 1e-3
+
+
+def test_loss_equals_model_forward(batch):
+    """The training forward and GPT.forward compute the same loss."""
+    params = {k: v.astype(np.float32) for k, v in float64_params().items()}
+    loss, _ = tr.forward_backward(params, CFG, *batch)
+    model_loss, _ = tr.cross_entropy_forward(GPT(CFG, params).forward(batch[0]), batch[1])
+    assert abs(loss - model_loss) < 1e-5
+
+
+def test_float32_training_stays_float32(batch):
+    model = GPT.init(CFG)
+    _, grads = tr.forward_backward(model.params, CFG, *batch)
+    assert all(g.dtype == np.float32 for g in grads.values())
+
+
+def test_tiny_model_overfits_one_batch(batch):
+    """200 AdamW steps on one batch drive the loss from ~2.4 (uniform over 11) to below 0.1."""
+    model = GPT.init(CFG, seed=0)
+    opt = tr.AdamW(model.params, weight_decay=0.0)
+    first = None
+    for _ in range(200):
+        loss, grads = tr.forward_backward(model.params, CFG, *batch)
+        first = first or loss
+        opt.step(model.params, grads, lr=1e-2)
+    assert first > 2.0 and loss < 0.1
+
+
+def test_adamw_decays_matrices_only():
+    params = {"w": np.ones((2, 2), np.float32), "b": np.ones(2, np.float32)}
+    opt = tr.AdamW(params, weight_decay=0.5)
+    opt.step(params, {"w": np.zeros((2, 2), np.float32), "b": np.zeros(2, np.float32)}, lr=0.1)
+    np.testing.assert_allclose(params["w"], 0.95)
+    np.testing.assert_allclose(params["b"], 1.0)
+
+
+def test_clip_grad_norm():
+    grads = {"a": np.array([3.0, 0.0]), "b": np.array([[4.0]])}
+    assert tr.clip_grad_norm(grads, 1.0) == pytest.approx(5.0)
+    np.testing.assert_allclose(grads["a"], [0.6, 0.0])
+    grads = {"a": np.array([0.3])}
+    tr.clip_grad_norm(grads, 1.0)
+    np.testing.assert_allclose(grads["a"], [0.3])
+
+
+def test_schedule_warmup_then_cosine():
+    tc = tr.TrainConfig(lr=1.0, min_lr=0.1, warmup_steps=10, max_steps=110)
+    assert tr.lr_at(0, tc) == pytest.approx(0.1)
+    assert tr.lr_at(9, tc) == pytest.approx(1.0)
+    assert tr.lr_at(60, tc) == pytest.approx(0.55)
+    assert tr.lr_at(110, tc) == pytest.approx(0.1)
+
+
+def test_batches_are_seeded_and_shifted():
+    data = np.arange(100, dtype=np.uint8)
+    x1, y1 = tr.get_batch(data, 4, 8, np.random.default_rng(5))
+    x2, _ = tr.get_batch(data, 4, 8, np.random.default_rng(5))
+    np.testing.assert_array_equal(to_numpy(x1), to_numpy(x2))
+    np.testing.assert_array_equal(to_numpy(y1)[:, :-1], to_numpy(x1)[:, 1:])
+
+
+TINY_TRAIN = tr.TrainConfig(
+    batch_size=2, max_steps=6, warmup_steps=2, eval_every=3, eval_batches=1, ckpt_every=3
+)
+TINY_MODEL = GPTConfig(vocab_size=84, block_size=16, n_layer=1, n_head=2, n_embd=16)
+
+
+def test_resume_continues_exactly(tmp_path, monkeypatch):
+    """A run killed during step 5 and resumed from its step-3 checkpoint == an uninterrupted run:
+    same loss at every step (same batches, same optimizer state), bit-identical final weights."""
+    full = tr.train("draft", tmp_path / "full.npz", train_config=TINY_TRAIN, model_config=TINY_MODEL,
+                    progress=False)  # fmt: skip
+    real_clip, calls = tr.clip_grad_norm, []
+
+    def dies_in_step_5(grads, max_norm):
+        calls.append(1)
+        if len(calls) == 5:
+            raise KeyboardInterrupt("killed")
+        return real_clip(grads, max_norm)
+
+    monkeypatch.setattr(tr, "clip_grad_norm", dies_in_step_5)
+    with pytest.raises(KeyboardInterrupt):
+        tr.train("draft", tmp_path / "part.npz", train_config=TINY_TRAIN, model_config=TINY_MODEL,
+                 progress=False)  # fmt: skip
+    monkeypatch.setattr(tr, "clip_grad_norm", real_clip)
+    resumed = tr.train("draft", tmp_path / "part.npz", resume=True, progress=False)
+    assert [r["loss"] for r in resumed["history"]] == [r["loss"] for r in full["history"]]
+    a, _ = load_model(tmp_path / "full.npz")
+    b, _ = load_model(tmp_path / "part.npz")
+    for name in a.params:
+        np.testing.assert_array_equal(to_numpy(a.params[name]), to_numpy(b.params[name]))
+    log = json.loads((tmp_path / "full.log.json").read_text())
+    assert log["steps"] == 6 and "val_loss" in log
+
+
+def test_resume_without_state_names_the_file(tmp_path):
+    with pytest.raises(ValueError, match="nothing.train.npz"):
+        tr.train("draft", tmp_path / "nothing.npz", resume=True, progress=False)
