@@ -225,14 +225,16 @@ def test_fork_batch_writes_copy_a_shared_block_once():
     a = cache.add_sequence()
     append_tokens(cache, a, [], [1, 2, 0, 1, 2])  # 2 blocks
     b = cache.fork(a)
-    k = np.ones((2, 1, 1, 2), dtype=np.float32)  # (B, nh, T, hs)
+    k = np.stack([np.full((1, 1, 2), stamp([1, 2, 0, 1, 2, t]), np.float32) for t in (0, 1)])  # (B, nh, T, hs)
     view = cache.view([a, b])
-    view.positions(1)
+    view.positions(1)  # what forward does: reserve, write every layer, advance
     for layer in range(BOOK.n_layer):
-        view.attend(layer, k, k * 5, k * 7)
+        cache.write(layer, view.slots, k + layer * 2**21, -k - layer * 2**21)
     view.advance(1)
     assert cache.copies == 1 and cache.allocator.num_free == 0
     assert_refcounts(cache)
+    assert_holds(cache, a, [1, 2, 0, 1, 2, 0])
+    assert_holds(cache, b, [1, 2, 0, 1, 2, 1])
 
 
 # --- out of blocks, out of context ----------------------------------------------------------------
