@@ -144,9 +144,7 @@ def plot_io_model(out_dir):
     )
     b.loglog([m / 1024 for m in ms], [fa.attention_io_bytes(N, d, m)["flash"] for m in ms], "s-",
              label="tiled  ~ N^2 d^2 / M")  # fmt: skip
-    b.set(
-        xlabel="SRAM per block M (KiB)", ylabel="HBM bytes moved", title=f"IO vs SRAM size (N = {N}, d = {d})"
-    )
+    b.set(xlabel="SRAM per block M (KiB)", ylabel="HBM bytes moved", title=f"IO vs SRAM size (N = {N}, d = {d})")
     for ax in (a, b):
         ax.legend()
         ax.grid(alpha=0.3, which="both")
@@ -184,29 +182,61 @@ def fp32_peak_tflops() -> tuple[float, str]:
     return peak, f"{name}: {sms} SMs x {lanes} FP32 lanes x 2 x {clock_khz / 1e6:.2f} GHz"
 
 
+def gpu_pool_bytes(fn) -> int:
+    """Bytes CuPy's memory pool holds after fn() starting from an empty pool: a proxy for peak memory."""
+    import cupy
+
+    pool = cupy.get_default_memory_pool()
+    synchronize()
+    pool.free_all_blocks()
+    base = pool.total_bytes()  # the inputs q, k, v (still referenced)
+    fn()
+    synchronize()
+    return pool.total_bytes() - base
+
+
 def run_gpu(ns, repeat, out_dir, B=1, nh=8, plot=True):
+    import cupy
+
     peak, how = fp32_peak_tflops()
     rows, ok = [], True
     for N in ns:
         q, k, v = make_qkv(B, nh, N, HS)
-        ref = naive_attention(q, k, v, True)  # validate
-        out = fa.flash_attention_cuda(q, k, v, True)
+        naive, kernel = partial(naive_attention, q, k, v, True), partial(fa.flash_attention_cuda, q, k, v, True)
+        out = kernel()
+        try:  # 1. validate against naive attention (which may not fit: the N x N matrices)
+            ref, reference = naive(), "naive"
+        except cupy.cuda.memory.OutOfMemoryError:
+            cupy.get_default_memory_pool().free_all_blocks()
+            ref, reference = fa.flash_attention(q, k, v, True, 256, 256)[0], "tiled array code"
         err = float(to_numpy(xp.abs(out - ref).max()))
         ok &= err <= VALIDATE_ATOL
         del ref, out
-        t_naive = time_fn(partial(naive_attention, q, k, v, True), warmup=2, repeat=repeat)
-        t_cuda = time_fn(partial(fa.flash_attention_cuda, q, k, v, True), warmup=2, repeat=repeat)
+        row = {"N": N, "checked vs": reference, "max |err|": err}
         flops = attention_flops(N, HS, True, B, nh)
-        rows.append({"N": N, "naive ms": 1e3 * t_naive, "kernel ms": 1e3 * t_cuda,
-                     "speedup": t_naive / t_cuda,
-                     "naive TFLOP/s": flops / t_naive / 1e12, "kernel TFLOP/s": flops / t_cuda / 1e12,
-                     "kernel % FP32 peak": 100 * flops / t_cuda / 1e12 / peak, "max |err|": err})  # fmt: skip
-        synchronize()
+        t_cuda = time_fn(kernel, warmup=2, repeat=repeat)  # 2. warm up, time (time_fn synchronizes)
+        if reference == "naive":
+            t_naive = time_fn(naive, warmup=2, repeat=repeat)
+            row |= {"naive ms": 1e3 * t_naive, "naive TFLOP/s": flops / t_naive / 1e12,
+                    "naive pool MiB": gpu_pool_bytes(naive) / MIB}  # fmt: skip
+        else:
+            row |= {"naive ms": "OOM", "naive TFLOP/s": "-", "naive pool MiB": "OOM"}
+        row |= {"kernel ms": 1e3 * t_cuda, "kernel TFLOP/s": flops / t_cuda / 1e12,
+                "kernel % FP32 peak": 100 * flops / t_cuda / 1e12 / peak,
+                "kernel pool MiB": gpu_pool_bytes(kernel) / MIB}  # fmt: skip
+        if reference == "naive":
+            row["speedup"] = t_naive / t_cuda
+        rows.append(row)
+        del q, k, v, naive, kernel
+        cupy.get_default_memory_pool().free_all_blocks()
+    columns = ["N", "naive ms", "kernel ms", "speedup", "naive TFLOP/s", "kernel TFLOP/s", "kernel % FP32 peak",
+               "naive pool MiB", "kernel pool MiB", "max |err|", "checked vs"]  # fmt: skip
     print(f"\nGPU: naive CuPy vs kernels/flash_attention.cu, B {B}, nh {nh}, hs {HS}, causal, float32")
-    print(f"FP32 peak {peak:.1f} TFLOP/s ({how}); FLOPs = 4 N^2 hs / 2 per head (causal)")
-    print(format_table(rows))
+    print(f"FP32 peak {peak:.1f} TFLOP/s ({how}); FLOPs = 4 N^2 hs / 2 per head (causal);")
+    print("pool MiB: what CuPy's memory pool holds after one call from empty (outputs + temporaries)")
+    print(format_table(rows, columns))
     if not ok:
-        print(f"VALIDATION FAILED: the kernel differs from naive_attention by more than {VALIDATE_ATOL}")
+        print(f"VALIDATION FAILED: the kernel differs from its reference by more than {VALIDATE_ATOL}")
     if plot:
         print("saved", plot_gpu(rows, out_dir, peak))
     return ok, rows
@@ -216,11 +246,12 @@ def plot_gpu(rows, out_dir, peak):
     import matplotlib.pyplot as plt
 
     ns = [r["N"] for r in rows]
+    timed = [r for r in rows if isinstance(r["naive ms"], float)]  # naive may have run out of memory
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
-    a.loglog(ns, [r["naive ms"] for r in rows], "o-", label="naive (CuPy)")
+    a.loglog([r["N"] for r in timed], [r["naive ms"] for r in timed], "o-", label="naive (CuPy)")
     a.loglog(ns, [r["kernel ms"] for r in rows], "s-", label="flash_attention.cu")
     a.set(xlabel="N", ylabel="time (ms)", title="GPU time")
-    b.semilogx(ns, [r["naive TFLOP/s"] for r in rows], "o-", label="naive (CuPy)")
+    b.semilogx([r["N"] for r in timed], [r["naive TFLOP/s"] for r in timed], "o-", label="naive (CuPy)")
     b.semilogx(ns, [r["kernel TFLOP/s"] for r in rows], "s-", label="flash_attention.cu")
     b.axhline(peak, color="gray", ls="--", label=f"FP32 peak {peak:.0f}")
     b.set(xlabel="N", ylabel="TFLOP/s", title="Achieved FP32 throughput")
