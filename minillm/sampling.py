@@ -37,20 +37,36 @@ def logits_to_probs(logits, temperature=1.0, top_k=None, top_p=None):
         return np.eye(logits.shape[-1])[logits.argmax(axis=-1)]  # one-hot at the argmax
     logits = logits / temperature
     if top_k is not None and top_k < logits.shape[-1]:
-        kth = np.sort(logits, axis=-1)[..., -top_k, None]  # the k-th largest logit per row
-        logits = np.where(logits >= kth, logits, -np.inf)
+        logits = top_k_filter(logits, top_k)
     probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
     probs /= probs.sum(axis=-1, keepdims=True)
     if top_p is not None and top_p < 1:
-        order = np.argsort(-probs, axis=-1, kind="stable")  # most likely first
-        sorted_probs = np.take_along_axis(probs, order, axis=-1)
-        mass_before = np.cumsum(sorted_probs, axis=-1) - sorted_probs
-        keep_sorted = mass_before < top_p  # keep a token while the mass before it is short of p
-        keep = np.zeros_like(keep_sorted)
-        np.put_along_axis(keep, order, keep_sorted, axis=-1)
-        probs = np.where(keep, probs, 0.0)
-        probs /= probs.sum(axis=-1, keepdims=True)
+        probs = top_p_filter(probs, top_p)
     return probs
+
+
+def top_k_filter(logits, k):
+    """Set every logit below the k-th largest of its row to -inf.  [2, 1, 0], k=2 -> [2, 1, -inf]"""
+    # EXERCISE 1.1 BEGIN: keep the k largest logits of each row (ties with the k-th kept), -inf elsewhere
+    kth = np.sort(logits, axis=-1)[..., -k, None]  # the k-th largest logit of each row
+    return np.where(logits >= kth, logits, -np.inf)
+    # EXERCISE 1.1 END
+
+
+def top_p_filter(probs, p):
+    """Nucleus filter: keep the most likely tokens until their mass reaches p, renormalize.
+
+    [0.5, 0.3, 0.15, 0.05], p=0.6 -> [0.625, 0.375, 0, 0]
+    """
+    # EXERCISE 1.2 BEGIN: keep a token while the mass of the more likely ones is below p; renormalize
+    order = np.argsort(-probs, axis=-1, kind="stable")  # most likely first
+    sorted_probs = np.take_along_axis(probs, order, axis=-1)
+    mass_before = np.cumsum(sorted_probs, axis=-1) - sorted_probs
+    keep = np.zeros(probs.shape, dtype=bool)
+    np.put_along_axis(keep, order, mass_before < p, axis=-1)
+    probs = np.where(keep, probs, 0.0)
+    return probs / probs.sum(axis=-1, keepdims=True)
+    # EXERCISE 1.2 END
 
 
 def sample(probs, rng: np.random.Generator):
