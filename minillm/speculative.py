@@ -59,13 +59,13 @@ def residual_distribution(p, q):
     Example: p = [0.5, 0.5, 0, 0], q = [0.25, 0.25, 0.25, 0.25] -> [0.5, 0.5, 0, 0].
     """
     p, q = np.asarray(p, dtype=np.float64), np.asarray(q, dtype=np.float64)
-    # EXERCISE 5.3 BEGIN: clip p - q at zero and normalize; return p when nothing is left
+    # EXERCISE 5.1 BEGIN: clip p - q at zero and normalize; return p when nothing is left
     residual = np.maximum(p - q, 0.0)
     total = residual.sum()
     if not total > 0.0:
         return p / p.sum()
     return residual / total
-    # EXERCISE 5.3 END
+    # EXERCISE 5.1 END
 
 
 def _check_verify_shapes(draft_tokens, draft_probs, target_probs):
@@ -95,7 +95,7 @@ def verify(draft_tokens, draft_probs, target_probs, rng: np.random.Generator) ->
     draft_probs = np.asarray(draft_probs, dtype=np.float64)
     target_probs = np.asarray(target_probs, dtype=np.float64)
     _check_verify_shapes(draft_tokens, draft_probs, target_probs)
-    # EXERCISE 5.1 BEGIN: accept x_i w.p. min(1, p_i(x_i)/q_i(x_i)); residual at a rejection; bonus
+    # EXERCISE 5.2 BEGIN: accept x_i w.p. min(1, p_i(x_i)/q_i(x_i)); residual at a rejection; bonus
     emitted = []
     for i, x in enumerate(draft_tokens):
         x = int(x)
@@ -109,7 +109,7 @@ def verify(draft_tokens, draft_probs, target_probs, rng: np.random.Generator) ->
         return emitted, i
     emitted.append(sample(target_probs[len(draft_tokens)], rng))  # all accepted: the bonus token
     return emitted, len(draft_tokens)
-    # EXERCISE 5.1 END
+    # EXERCISE 5.2 END
 
 
 def verify_greedy(draft_tokens, target_logits) -> tuple[list[int], int]:
@@ -128,7 +128,7 @@ def verify_greedy(draft_tokens, target_logits) -> tuple[list[int], int]:
         raise ValueError(
             f"target_logits must be (K + 1, V) with K = {len(draft_tokens)}, got {target_logits.shape}"
         )
-    # EXERCISE 5.2 BEGIN: accept while draft == target argmax; then the target's argmax (or bonus)
+    # EXERCISE 5.3 BEGIN: accept while draft == target argmax; then the target's argmax (or bonus)
     best = target_logits.argmax(axis=-1)  # (K + 1,) the target's greedy choice at each position
     emitted = []
     for i, x in enumerate(draft_tokens):
@@ -138,7 +138,7 @@ def verify_greedy(draft_tokens, target_logits) -> tuple[list[int], int]:
         emitted.append(int(x))
     emitted.append(int(best[len(draft_tokens)]))
     return emitted, len(draft_tokens)
-    # EXERCISE 5.2 END
+    # EXERCISE 5.3 END
 
 
 # ----------------------------------------------------------------------------------------------

@@ -1,9 +1,9 @@
 """Speculative decoding (chapter 5): lossless by test, and each classic mistake caught by a test.
 
-Test names map to the chapter's exercises:
-    test_rejection_*  verify (5.1)          test_greedy_*  verify_greedy (5.2)
-    test_residual_*   the residual (5.3)    test_theory_*  the speed-up formulas (5.4)
-    test_loop_*       speculative_generate  test_shipped_* the trained target/draft pair
+Test names map to the chapter's exercises (5.2 builds on 5.1; the rest stand alone):
+    test_residual_*   5.1 residual_distribution    test_rejection_*  5.2 verify
+    test_greedy_*     5.3 verify_greedy            test_theory_*     5.4 expected_tokens_per_call
+    test_loop_*       speculative_generate (needs 5.1-5.3), test_shipped_* the trained pair
 
 Statistical tests run at a fixed seed (deterministic) and reject at level P_MIN = 1e-3. Every
 check that guards against a classic mistake is also run on a deliberately wrong version defined
@@ -147,14 +147,19 @@ CASES = ["random", "k1", "p_equals_q", "disjoint", "p_mass_where_q_none", "q_mas
 
 
 # ----------------------------------------------------------------------------------------------
-# deliberately wrong versions of verify (the classic mistakes)
+# deliberately wrong versions of verify (the classic mistakes), self-contained on purpose
+
+
+def _residual(p, q):
+    r = np.maximum(p - q, 0.0)
+    return r / r.sum()
 
 
 def verify_missing_bonus(draft_tokens, q, p, rng):
     """Wrong: when all K drafts are accepted, forgets the bonus token from p_K."""
     for i, x in enumerate(draft_tokens):
         if rng.random() >= min(1.0, p[i, x] / q[i, x]):
-            return list(draft_tokens[:i]) + [sample(residual_distribution(p[i], q[i]), rng)], i
+            return list(draft_tokens[:i]) + [sample(_residual(p[i], q[i]), rng)], i
     return list(draft_tokens), len(draft_tokens)
 
 
@@ -196,12 +201,12 @@ def verify_greedy_by_ratio(draft_tokens, target_logits):
     for i, x in enumerate(draft_tokens):
         if rng.random() >= p[i, x]:
             q = np.eye(p.shape[1])[x]
-            return list(draft_tokens[:i]) + [sample(residual_distribution(p[i], q), rng)], i
+            return list(draft_tokens[:i]) + [sample(_residual(p[i], q), rng)], i
     return list(draft_tokens) + [int(p[-1].argmax())], len(draft_tokens)
 
 
 # ----------------------------------------------------------------------------------------------
-# 5.1 verify: rejection sampling
+# 5.2 verify: rejection sampling
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -304,7 +309,7 @@ def test_rejection_bad_input_raises(bad):
 
 
 # ----------------------------------------------------------------------------------------------
-# 5.3 the residual distribution
+# 5.1 the residual distribution
 
 
 def test_residual_worked_example():
@@ -356,9 +361,9 @@ def test_theory_is_the_geometric_series(alpha, k):
     assert expected_tokens_per_call(alpha, k) == pytest.approx(sum(alpha**i for i in range(k + 1)))
 
 
-def test_theory_matches_simulated_verify():
+def test_rejection_mean_tokens_per_call_is_geometric():
     """With every row having acceptance probability beta = sum min(p, q) = alpha, the mean
-    number of tokens per verify call matches (1 - alpha^(k+1)) / (1 - alpha)."""
+    number of tokens per verify call is 1 + alpha + ... + alpha^k (Leviathan et al. Eq. 1)."""
     k, alpha = 4, 0.7
     base = np.array([0.5, 0.3, 0.2, 0.0])
     q = np.tile(base, (k, 1))
@@ -366,7 +371,7 @@ def test_theory_matches_simulated_verify():
     assert np.minimum(p[:-1], q).sum(axis=1) == pytest.approx([alpha] * k)
     emitted, _ = run_verify(verify, p, q, n_trials=20_000)
     mean = np.mean([len(e) for e in emitted])
-    assert mean == pytest.approx(expected_tokens_per_call(alpha, k), rel=0.02)
+    assert mean == pytest.approx(sum(alpha**i for i in range(k + 1)), rel=0.02)
 
 
 def test_theory_rejects_bad_arguments():
@@ -410,7 +415,7 @@ def greedy_matches(target, draft, prompts, ks, n_new) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------
-# 5.2 verify_greedy
+# 5.3 verify_greedy
 
 
 def test_greedy_worked_example():
