@@ -283,7 +283,7 @@ def preset(name: str, vocab_size: int) -> tuple[GPTConfig, TrainConfig]:
     """The two shipped models: a 6-layer target and a 1-layer draft 1/20 its size."""
     if name == "target":
         return GPTConfig(vocab_size, block_size=256, n_layer=6, n_head=4, n_embd=256), TrainConfig(
-            max_steps=2000, lr=1.5e-3, min_lr=1.5e-4
+            max_steps=1600, lr=1.5e-3, min_lr=1.5e-4
         )
     if name == "draft":
         return GPTConfig(vocab_size, block_size=256, n_layer=1, n_head=4, n_embd=128), TrainConfig(
@@ -401,3 +401,29 @@ def export(model, tokenizer, out, preset_name, tc, history, val_data) -> dict:
     log_path = Path(out).with_suffix(".log.json")
     log_path.write_text(json.dumps(summary, indent=1))
     return summary
+
+
+def plot_curves(names=("target", "draft"), path="docs/figures/training_curves.png"):
+    """Train (smoothed) and validation loss of the shipped models, from their checkpoint notes."""
+    import matplotlib.pyplot as plt
+
+    from .checkpoint import model_notes
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for name in names:
+        history = model_notes(name)["history"]
+        steps = np.array([r["step"] for r in history])
+        loss = np.array([r["loss"] for r in history])
+        smooth = np.convolve(loss, np.ones(25) / 25, mode="valid")
+        ax.plot(steps[12 : 12 + len(smooth)], smooth, label=f"{name}: train (25-step mean)")
+        val = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r]
+        ax.plot(*zip(*val), "o--", label=f"{name}: val (estimate)")
+    ax.set_xlabel("step (16 x 256 characters)")
+    ax.set_ylabel("loss, nats per character")
+    ax.set_ylim(1.2, 3.2)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
