@@ -12,6 +12,7 @@ from .config import GPTConfig
 from .generate import GenerationResult, GenerationStats, generate, generate_naive
 from .kv_cache import CacheFullError, GrowingKVCache, KVCache, PrefixCache, kv_cache_bytes
 from .model import GPT
+from .paged_kv import BlockAllocator, OutOfBlocksError, PagedKVCache, paged_attention
 from .tokenizer import CharTokenizer
 
 __version__ = "0.1.0"
@@ -20,4 +21,5 @@ __all__ = [
     "GPT", "GPTConfig", "CharTokenizer", "KVCache", "GrowingKVCache", "PrefixCache",
     "CacheFullError", "CheckpointError", "GenerationResult", "GenerationStats", "generate",
     "generate_naive", "kv_cache_bytes", "load_model", "save_model", "is_gpu", "to_numpy", "xp",
+    "BlockAllocator", "OutOfBlocksError", "PagedKVCache", "paged_attention",
 ]  # fmt: skip
