@@ -13,6 +13,14 @@ from .generate import GenerationResult, GenerationStats, generate, generate_naiv
 from .kv_cache import CacheFullError, GrowingKVCache, KVCache, PrefixCache, kv_cache_bytes
 from .model import GPT
 from .paged_kv import BlockAllocator, OutOfBlocksError, PagedKVCache, paged_attention
+from .speculative import (
+    SpecStats,
+    expected_speedup,
+    expected_tokens_per_call,
+    speculative_generate,
+    verify,
+    verify_greedy,
+)
 from .tokenizer import CharTokenizer
 
 __version__ = "0.1.0"
@@ -22,4 +30,5 @@ __all__ = [
     "CacheFullError", "CheckpointError", "GenerationResult", "GenerationStats", "generate",
     "generate_naive", "kv_cache_bytes", "load_model", "save_model", "is_gpu", "to_numpy", "xp",
     "BlockAllocator", "OutOfBlocksError", "PagedKVCache", "paged_attention",
+    "SpecStats", "expected_speedup", "expected_tokens_per_call", "speculative_generate", "verify", "verify_greedy",
 ]  # fmt: skip
