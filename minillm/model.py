@@ -36,7 +36,7 @@ INIT_STD = 0.02  # GPT-2 initialization
 def layer_norm(x, w, b):
     """(x - mean) / sqrt(var + eps) * w + b over the last axis.  [..., C] -> [..., C]"""
     mean = x.mean(axis=-1, keepdims=True)
-    var = ((x - mean) ** 2).mean(axis=-1, keepdims=True)
+    var = x.var(axis=-1, keepdims=True)
     return (x - mean) / xp.sqrt(var + LN_EPS) * w + b
 
 
@@ -142,7 +142,8 @@ class GPT:
         """Causal multi-head self-attention.  (B, T, C) -> (B, T, C)"""
         p, h = self.params, f"h.{layer}.attn."
         qkv = linear(x, p[h + "c_attn.weight"], p[h + "c_attn.bias"])  # (B, T, 3C)
-        q, k, v = (split_heads(t, self.config.n_head) for t in xp.split(qkv, 3, axis=-1))
+        C = self.config.n_embd
+        q, k, v = (split_heads(qkv[..., i * C : (i + 1) * C], self.config.n_head) for i in range(3))
         if cache is None:
             y = self.attention(q, k, v, causal=True)  # (B, nh, T, hs)
         else:
