@@ -3,10 +3,10 @@
 Every implementation is checked against minillm.attention (softmax, naive_attention) in float64 over
 awkward shapes: N = 1, one less / equal / one more than the tile (31, 32, 33), several tiles with a
 tail (100, 257); head sizes 16, 64, 128; causal on and off; fewer queries than keys (decode,
-prefill after a cache). The checks are shown to bite: the classic wrong versions kept in
-tests/fixtures/ (a kernel without a __syncthreads, without a tail bounds check, with a barrier in
-divergent code, without rescaling; an online softmax without rescaling) are run through the same
-checks, and the tests assert that the checks fail for them.
+prefill after a cache). The checks are shown to bite: the classic wrong versions described in
+tests/fixtures/flash_mutants.py (the real kernel edited at test time to drop a __syncthreads, a tail
+bounds check or the rescaling, or to put a barrier in divergent code; an online softmax without
+rescaling) are run through the same checks, and the tests assert that the checks fail for them.
 
 Exercise tests: 4.1 `-k online_softmax`, 4.2 `-k "tile_update or tiled"`, 4.3 `-k io_bytes`.
 """
@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import tracemalloc
 from pathlib import Path
 
@@ -36,6 +37,13 @@ ARRAY_ATOL = 1e-5
 _spec = importlib.util.spec_from_file_location("flash_mutants", FIXTURES / "flash_mutants.py")
 mutants = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(mutants)
+
+
+def kernel_mutant(name):
+    """The real kernel with one classic bug edited in (tests/fixtures/flash_mutants.KERNEL_MUTANTS)."""
+    out = Path(tempfile.gettempdir()) / "minillm-kernel-mutants"
+    out.mkdir(exist_ok=True)
+    return mutants.write_kernel_mutant(name, fa.KERNEL_SOURCE, out)
 
 needs_gxx = pytest.mark.skipif(
     shutil.which("g++") is None, reason="g++ (C++20) is needed to emulate the kernel"
@@ -308,7 +316,7 @@ def test_emulated_kernel_matches_naive(emulator, case):
 @needs_gxx
 def test_emulated_grid_catches_missing_tail_check():
     """Without the tail bounds check the last K/V tile reads past the end (into a NaN red zone): caught."""
-    bad = emulated(FIXTURES / "flash_no_tail_check.cu")
+    bad = emulated(kernel_mutant("no_tail_check"))
     with pytest.raises(AssertionError):
         check_attention(bad, [(1, 1, 33, 33, 16, False), (1, 1, 100, 100, 64, True)], KERNEL_ATOL)
     check_attention(bad, [(1, 1, 64, 64, 16, False)], KERNEL_ATOL)  # N a multiple of the tile hides the bug
@@ -318,14 +326,14 @@ def test_emulated_grid_catches_missing_tail_check():
 def test_emulated_grid_catches_missing_rescale():
     """A kernel that never rescales O_i and l_i by exp(m_old - m_new) fails the grid check."""
     with pytest.raises(AssertionError):
-        check_attention(emulated(FIXTURES / "flash_no_rescale.cu"), [(1, 1, 100, 100, 16, True)], KERNEL_ATOL)
+        check_attention(emulated(kernel_mutant("no_rescale")), [(1, 1, 100, 100, 16, True)], KERNEL_ATOL)
 
 
 @needs_gxx
 def test_emulator_catches_divergent_syncthreads():
     """A __syncthreads() inside `if (row_valid)` is reached by only some threads of a tail tile: the
     emulator's barrier reports the divergence (on a GPU: undefined behaviour, often a hang)."""
-    bad = emulated(FIXTURES / "flash_divergent_sync.cu")
+    bad = emulated(kernel_mutant("divergent_sync"))
     with pytest.raises(fa.KernelError, match="diverged"):
         bad(*make_qkv((1, 1, 33, 33, 16, True))[:3], True)
     check_attention(bad, [(1, 1, 64, 64, 16, True)], KERNEL_ATOL)  # no tail, every thread takes the branch
@@ -382,6 +390,7 @@ def test_kernel_tiles_fit_shared_memory():
 
 TSAN_SCRIPT = """
 import sys
+import tempfile
 import numpy as np
 from minillm.flash_attention import launch_emulated
 rng = np.random.default_rng(0)
@@ -420,7 +429,7 @@ def test_tsan_reports_no_data_race():
 
 def test_tsan_catches_missing_syncthreads():
     """Remove the __syncthreads() that protects K_j, V_j from the next load: TSan reports the race."""
-    rc, out = run_under_tsan(FIXTURES / "flash_missing_sync.cu")
+    rc, out = run_under_tsan(kernel_mutant("missing_sync"))
     assert rc == 66 and "WARNING: ThreadSanitizer: data race" in out
 
 
