@@ -30,6 +30,7 @@ from .config import GPTConfig
 
 LN_EPS = 1e-5  # GPT-2's LayerNorm epsilon
 GELU_C = math.sqrt(2.0 / math.pi)  # a Python float: a NumPy float64 scalar would upcast float32
+GELU_A = 0.044715  # the cubic coefficient of the tanh approximation
 INIT_STD = 0.02  # GPT-2 initialization
 
 
@@ -42,7 +43,7 @@ def layer_norm(x, w, b):
 
 def gelu(x):
     """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), GPT-2's tanh approximation."""
-    return 0.5 * x * (1.0 + xp.tanh(GELU_C * (x + 0.044715 * x * x * x)))  # x*x*x: pow is slow
+    return 0.5 * x * (1.0 + xp.tanh(GELU_C * (x + GELU_A * x * x * x)))  # x*x*x: pow is slow
 
 
 def linear(x, w, b):

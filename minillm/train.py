@@ -27,7 +27,7 @@ from .backend import to_numpy, xp
 from .checkpoint import HEADER_KEY, atomic_save_npz, encode_header, read_npz, save_model
 from .config import GPTConfig
 from .data import corpus_tokenizer, train_val_split
-from .model import GPT, gelu, layer_norm, linear, merge_heads, split_heads
+from .model import GELU_A, GELU_C, GPT, LN_EPS, gelu, layer_norm, linear, merge_heads, split_heads
 
 # ----------------------------------------------------------------------------------------------
 # forward/backward pairs
@@ -55,7 +55,7 @@ def layernorm_backward(dout, x, w):
     """
     C = x.shape[-1]
     xc = x - x.mean(axis=-1, keepdims=True)
-    rstd = 1.0 / xp.sqrt((xc**2).mean(axis=-1, keepdims=True) + 1e-5)
+    rstd = 1.0 / xp.sqrt((xc**2).mean(axis=-1, keepdims=True) + LN_EPS)
     xhat = xc * rstd
     dw = (dout * xhat).reshape(-1, C).sum(axis=0)
     db = dout.reshape(-1, C).sum(axis=0)
@@ -79,9 +79,8 @@ def gelu_backward(dout, x):
 
     dy/dx = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) c (1 + 3 * 0.044715 x^2).
     """
-    c = math.sqrt(2.0 / math.pi)
-    t = xp.tanh(c * (x + 0.044715 * x * x * x))
-    return dout * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * c * (1.0 + 3 * 0.044715 * x * x))
+    t = xp.tanh(GELU_C * (x + GELU_A * x * x * x))
+    return dout * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_C * (1.0 + 3 * GELU_A * x * x))
 
 
 def attention_backward(dy, q, k, v, att):
