@@ -47,7 +47,7 @@ def attention_weights(q, k, causal=True):
     if Tq > Tk:
         raise ValueError(f"attention: {Tq} queries but only {Tk} keys (need Tq <= Tk)")
     att = (q @ k.swapaxes(-1, -2)) * (1.0 / math.sqrt(hs))  # (B, nh, Tq, Tk)
-    if causal:
+    if causal and Tq > 1:  # one query (a decode step) is the newest token: it sees every key
         att = xp.where(causal_mask(Tq, Tk), att, -xp.inf)
     return softmax(att)
 

@@ -36,9 +36,9 @@ INIT_STD = 0.02  # GPT-2 initialization
 
 def layer_norm(x, w, b):
     """(x - mean) / sqrt(var + eps) * w + b over the last axis.  [..., C] -> [..., C]"""
-    mean = x.mean(axis=-1, keepdims=True)
-    var = x.var(axis=-1, keepdims=True)
-    return (x - mean) / xp.sqrt(var + LN_EPS) * w + b
+    xc = x - x.mean(axis=-1, keepdims=True)
+    var = (xc * xc).mean(axis=-1, keepdims=True)  # what x.var computes, without centering x twice
+    return xc / xp.sqrt(var + LN_EPS) * w + b
 
 
 def gelu(x):
