@@ -37,19 +37,53 @@ def causal_mask(Tq: int, Tk: int):
     return xp.tri(Tq, Tk, k=Tk - Tq, dtype=bool)
 
 
-def attention_weights(q, k, causal=True):
+def sliding_window_mask(Tq: int, Tk: int, window: int):
+    """(Tq, Tk) bool: ``causal_mask`` that also hides keys more than window - 1 before each query.
+
+    Local attention (Longformer, Beltagy et al. 2020; Mistral 7B's sliding window): query i, at
+    absolute position p = Tk - Tq + i, may attend to keys p - window + 1 .. p. A window of Tk or more
+    is the causal mask.
+
+    Example: Tq=2, Tk=4, window=2 -> [[0, 1, 1, 0],
+                                       [0, 0, 1, 1]]
+    """
+    if window < 1:
+        raise ValueError(f"sliding_window_mask: window must be >= 1, got {window}")
+    # EXERCISE 2.1 BEGIN: True where key j lies in p - window + 1 .. p, p = Tk - Tq + i the query's position
+    near = ~xp.tri(Tq, Tk, k=Tk - Tq - window, dtype=bool)  # j > p - window
+    return causal_mask(Tq, Tk) & near
+    # EXERCISE 2.1 END
+
+
+def attention_weights(q, k, causal=True, window=None):
     """softmax(q k^T / sqrt(hs) + mask): the full (Tq, Tk) matrix of attention probabilities.
 
     (B, nh, Tq, hs), (B, nh, Tk, hs) -> (B, nh, Tq, Tk). Masked scores are set to -inf, so they
-    get exactly zero weight; every row sums to 1.
+    get exactly zero weight; every row sums to 1. ``window``: attend only to each query's last
+    ``window`` keys (``sliding_window_mask``; implies causal).
     """
     Tq, Tk, hs = q.shape[-2], k.shape[-2], q.shape[-1]
     if Tq > Tk:
         raise ValueError(f"attention: {Tq} queries but only {Tk} keys (need Tq <= Tk)")
     att = (q @ k.swapaxes(-1, -2)) * (1.0 / math.sqrt(hs))  # (B, nh, Tq, Tk)
-    if causal and Tq > 1:  # one query (a decode step) is the newest token: it sees every key
+    if window is not None:
+        att = xp.where(sliding_window_mask(Tq, Tk, window), att, -xp.inf)
+    elif causal and Tq > 1:  # one query (a decode step) is the newest token: it sees every key
         att = xp.where(causal_mask(Tq, Tk), att, -xp.inf)
     return softmax(att)
+
+
+def attention_entropy(weights):
+    """H = -sum_j w_j log w_j of each query's attention row, in nats: how spread out it is.
+
+    (..., Tq, Tk) -> (..., Tq). 0 for a query that looks at one key, log n for one that spreads
+    evenly over n keys. Masked keys (w = 0) contribute 0, the limit of w log w, never NaN.
+    Example: rows [1, 0, 0] and [0.5, 0.5, 0] -> [0, 0.693].
+    """
+    # EXERCISE 2.2 BEGIN: sum -w log w over the keys, counting 0 log 0 as 0
+    log_w = xp.log(xp.where(weights > 0, weights, 1.0))  # log 1 = 0 stands in where w = 0
+    return -(weights * log_w).sum(axis=-1)
+    # EXERCISE 2.2 END
 
 
 def naive_attention(q, k, v, causal=True):
