@@ -166,20 +166,24 @@ def gather_kv(cache: PagedKVCache, seq_ids, layer: int, kv_lens=None):
     return k, v, xp.asarray(kv_lens)
 
 
-def paged_attention(q, cache: PagedKVCache, seq_ids, layer: int, kv_lens=None):
+def paged_attention(q, cache: PagedKVCache, seq_ids, layer: int, kv_lens=None, q_pos=None):
     """softmax(q k^T / sqrt(hs) + M) v with k, v read through the block tables (``gather_kv``).
 
     q (B, nh, Tq, hs) -> (B, nh, Tq, hs). The Tq queries of sequence b are its last Tq positions:
     query t sits at absolute position kv_lens[b] - Tq + t and sees keys 0..that position, so
     sequences of different lengths run together (shorter ones simply see fewer keys). For one
     sequence this is ``naive_attention`` on the gathered K/V, term for term (the reference).
+    ``q_pos`` (B, Tq) gives the query positions explicitly instead (a ragged batch: a row with fewer
+    new tokens is right-padded, and its padding queries repeat its last position).
     A serving engine fuses the gather into the attention kernel instead of materializing K and V.
     """
     k, v, kv_lens = gather_kv(cache, seq_ids, layer, kv_lens)  # (B, nh, L, hs) x 2, (B,)
     Tq, hs, L = q.shape[2], q.shape[3], k.shape[2]
-    if int(kv_lens.min()) < Tq:
-        raise ValueError(f"paged_attention: {Tq} queries but a sequence holds only {int(kv_lens.min())} keys")
-    q_pos = kv_lens[:, None] - Tq + xp.arange(Tq)[None, :]  # (B, Tq) absolute query positions
+    if q_pos is None:
+        if int(kv_lens.min()) < Tq:
+            raise ValueError(f"paged_attention: {Tq} queries but a sequence holds only {int(kv_lens.min())} keys")
+        q_pos = kv_lens[:, None] - Tq + xp.arange(Tq)[None, :]  # (B, Tq) absolute query positions
+    q_pos = xp.asarray(q_pos)
     visible = xp.arange(L)[None, None, :] <= q_pos[:, :, None]  # (B, Tq, L): causal, own keys only
     att = (q @ k.swapaxes(-1, -2)) * (1.0 / math.sqrt(hs))  # (B, nh, Tq, L)
     att = xp.where(visible[:, None], att, -xp.inf)  # mask broadcast over heads
@@ -257,9 +261,12 @@ class PagedKVCache:
         """A one-sequence view (a new sequence when seq_id is None) that ``generate`` can use as its cache."""
         return SequenceView(self, self.add_sequence() if seq_id is None else seq_id)
 
-    def view(self, seq_ids) -> BatchView:
-        """The cache ``GPT.forward`` uses to run the sequences ``seq_ids`` (possibly of different lengths)."""
-        return BatchView(self, seq_ids)
+    def view(self, seq_ids, new_tokens=None) -> BatchView:
+        """The cache ``GPT.forward`` uses to run the sequences ``seq_ids`` (possibly of different lengths).
+
+        ``new_tokens``: how many of the T columns of each row are real tokens (a ragged batch, right-
+        padded); by default all T are."""
+        return BatchView(self, seq_ids, new_tokens)
 
     def _check_seq(self, seq_id: int) -> None:
         if seq_id not in self.block_tables:
@@ -311,12 +318,12 @@ class PagedKVCache:
         del self.block_tables[seq_id], self.lengths[seq_id]
 
     # -- writing --
-    def _new_blocks_needed(self, seq_ids, T: int) -> int:
-        """Blocks an append of T tokens to each sequence must allocate: blocks past the tables, plus
-        copies of shared blocks. A block shared by r holders, m of them writing now, is copied
+    def _new_blocks_needed(self, seq_ids, counts) -> int:
+        """Blocks an append of counts[b] tokens to sequence b must allocate: blocks past the tables,
+        plus copies of shared blocks. A block shared by r holders, m of them writing now, is copied
         min(m, r - 1) times: once r copies are down to one holder, the last writer writes in place."""
         needed, writers = 0, {}
-        for s in seq_ids:
+        for s, T in zip(seq_ids, counts):
             table, length = self.block_tables[s], self.lengths[s]
             for i in range(length // self.block_size, num_blocks_for(length + T, self.block_size)):
                 if i >= len(table):
@@ -325,35 +332,42 @@ class PagedKVCache:
                     writers[table[i]] = writers.get(table[i], 0) + 1
         return needed + sum(min(m, self.allocator.ref_counts[b] - 1) for b, m in writers.items())
 
-    def reserve(self, seq_ids, T: int):
+    def reserve(self, seq_ids, T):
         """Make room for T more tokens in each sequence -> their absolute positions (B, T).
 
+        ``T`` may also be one count per sequence (a ragged batch): the positions are then (B, max T),
+        and a row with fewer tokens repeats its last position in its padding columns (example:
+        lengths [5, 2], T = [1, 3] -> [[5, 5, 5], [2, 3, 4]]).
         Pass 1 checks everything and changes nothing: the positions fit the context, and the pool
         has a block for every new block and every copy. Pass 2 allocates: each block the new tokens
         land in is then present and held by this sequence alone (copy-on-write), so writes are safe.
         """
         if len(set(seq_ids)) != len(seq_ids):
             raise ValueError(f"a batch cannot hold the same sequence twice: {list(seq_ids)}")
-        for s in seq_ids:  # pass 1
+        counts = [int(n) for n in T] if np.ndim(T) else [int(T)] * len(seq_ids)
+        if min(counts) < 1:
+            raise ValueError(f"every sequence of a batch needs at least one new token, got {counts}")
+        for s, T in zip(seq_ids, counts):  # pass 1
             self._check_seq(s)
             if self.lengths[s] + T > self.max_len:
                 raise CacheFullError(
                     f"sequence {s}: {self.lengths[s]} cached + {T} new tokens > max_len={self.max_len}"
                 )
-        needed = self._new_blocks_needed(seq_ids, T)
+        needed = self._new_blocks_needed(seq_ids, counts)
         if needed > self.num_free_blocks:
             raise OutOfBlocksError(
-                f"out of KV blocks: appending {T} tokens to {len(seq_ids)} sequence(s) needs {needed} "
-                f"blocks, {self.num_free_blocks} of {self.num_blocks} are free"
+                f"out of KV blocks: appending {sum(counts)} tokens to {len(seq_ids)} sequence(s) needs "
+                f"{needed} blocks, {self.num_free_blocks} of {self.num_blocks} are free"
             )
-        for s in seq_ids:  # pass 2
+        for s, T in zip(seq_ids, counts):  # pass 2
             table, length = self.block_tables[s], self.lengths[s]
             for i in range(length // self.block_size, num_blocks_for(length + T, self.block_size)):
                 if i == len(table):
                     table.append(self._allocate_block())
                 elif self.allocator.ref_counts[table[i]] > 1:
                     self._copy_on_write(s, i)
-        return np.array([[self.lengths[s] + t for t in range(T)] for s in seq_ids])  # (B, T)
+        T = max(counts)
+        return np.array([[self.lengths[s] + min(t, n - 1) for t in range(T)] for s, n in zip(seq_ids, counts)])
 
     def _copy_on_write(self, seq_id: int, i: int) -> None:
         """Give seq_id a private copy of its i-th block, which other holders share."""
@@ -369,19 +383,24 @@ class PagedKVCache:
         # EXERCISE 6.2 END
 
     def slot_mapping(self, seq_ids, positions):
-        """Absolute positions (B, T) -> (blocks, slots), each (B*T,): where each new token is written."""
-        positions = np.asarray(positions).reshape(len(seq_ids), -1)  # (B, T)
-        blocks = [
-            [self.block_tables[s][p // self.block_size] for p in row] for s, row in zip(seq_ids, positions)
-        ]
-        return xp.asarray(blocks).reshape(-1), xp.asarray(positions % self.block_size).reshape(-1)
+        """Absolute positions, one row per sequence (rows may differ in length) -> (blocks, slots),
+        each flat (N,) in row order: where each new token is written."""
+        bs = self.block_size
+        blocks = [self.block_tables[s][int(p) // bs] for s, row in zip(seq_ids, positions) for p in row]
+        offsets = [int(p) % bs for row in positions for p in row]
+        return xp.asarray(blocks, dtype=xp.int64), xp.asarray(offsets, dtype=xp.int64)
 
-    def write(self, layer: int, slots, k, v) -> None:
-        """Store new k, v (B, nh, T, hs) at the (blocks, slots) of ``slot_mapping``."""
+    def write(self, layer: int, slots, k, v, valid=None) -> None:
+        """Store new k, v (B, nh, T, hs) at the (blocks, slots) of ``slot_mapping``.
+
+        ``valid`` (B, T) bool marks the real tokens of a ragged batch; padding is not stored."""
         blocks, offsets = slots
         B, nh, T, hs = k.shape
-        self.k[layer][blocks, :, offsets] = k.transpose(0, 2, 1, 3).reshape(B * T, nh, hs)  # token-major
-        self.v[layer][blocks, :, offsets] = v.transpose(0, 2, 1, 3).reshape(B * T, nh, hs)
+        k, v = k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3)  # (B, T, nh, hs): token-major
+        if valid is not None:
+            k, v = k[xp.asarray(valid)], v[xp.asarray(valid)]  # (N, nh, hs): the real tokens only
+        self.k[layer][blocks, :, offsets] = k.reshape(-1, nh, hs)
+        self.v[layer][blocks, :, offsets] = v.reshape(-1, nh, hs)
 
     def append(self, seq_id: int, k, v) -> None:
         """Append T tokens' keys and values for every layer: k, v (n_layer, nh, T, hs).
@@ -543,19 +562,38 @@ class BatchView:
     ``attend`` writes the new k, v into each sequence's blocks and runs ``paged_attention``,
     ``advance(T)`` adds T to every length. The model's attention choice is not used: attention
     reads through the block tables here.
+
+    A ragged batch (``new_tokens``: row b holds n_b <= T real tokens, right-padded to T): row b's
+    padding columns repeat its last position, are never written to the cache and never counted in
+    its length, so no real query can see them; their outputs are to be discarded.
     """
 
-    def __init__(self, cache: PagedKVCache, seq_ids):
+    def __init__(self, cache: PagedKVCache, seq_ids, new_tokens=None):
         self.cache, self.seq_ids = cache, [int(s) for s in seq_ids]
+        self.new_tokens = None if new_tokens is None else [int(n) for n in new_tokens]
+        if self.new_tokens is not None and len(self.new_tokens) != len(self.seq_ids):
+            raise ValueError(f"{len(self.new_tokens)} new-token counts for {len(self.seq_ids)} sequences")
         self.slots = None  # (blocks, slots) of the tokens being written, set by positions()
+        self.q_pos = self.valid = None  # (B, T) query positions and real-token mask, set by positions()
 
     @property
     def lengths(self) -> list[int]:
         return [self.cache.lengths[s] for s in self.seq_ids]
 
+    def counts(self, T: int) -> list[int]:
+        """Real tokens per row when the batch has T columns."""
+        if self.new_tokens is None:
+            return [T] * len(self.seq_ids)
+        if max(self.new_tokens) > T:
+            raise ValueError(f"new_tokens {self.new_tokens} exceed the batch's {T} columns")
+        return self.new_tokens
+
     def positions(self, T: int):
-        positions = self.cache.reserve(self.seq_ids, T)  # (B, T); raises before anything is written
-        self.slots = self.cache.slot_mapping(self.seq_ids, positions)
+        counts = self.counts(T)
+        positions = self.cache.reserve(self.seq_ids, T if self.new_tokens is None else counts)  # (B, T)
+        self.valid = np.arange(T)[None, :] < np.array(counts)[:, None]  # (B, T): False on padding
+        self.slots = self.cache.slot_mapping(self.seq_ids, [row[:n] for row, n in zip(positions, counts)])
+        self.q_pos = positions
         return positions
 
     def attend(self, layer: int, q, k, v, attention=None):
@@ -564,13 +602,14 @@ class BatchView:
             raise ValueError(f"the view holds {len(self.seq_ids)} sequences, got batch {k.shape[0]}")
         if self.slots is None:
             raise RuntimeError("attend before positions(): forward reserves the blocks first")
-        self.cache.write(layer, self.slots, k, v)
-        kv_lens = [n + k.shape[2] for n in self.lengths]  # the new keys are written, not yet counted
-        return paged_attention(q, self.cache, self.seq_ids, layer, kv_lens)
+        counts = self.counts(k.shape[2])
+        self.cache.write(layer, self.slots, k, v, None if self.new_tokens is None else self.valid)
+        kv_lens = [n + c for n, c in zip(self.lengths, counts)]  # the new keys are written, not yet counted
+        return paged_attention(q, self.cache, self.seq_ids, layer, kv_lens, self.q_pos)
 
     def advance(self, T: int) -> None:
-        for s in self.seq_ids:
-            self.cache.lengths[s] += T
+        for s, n in zip(self.seq_ids, self.counts(T)):
+            self.cache.lengths[s] += n
         self.slots = None
 
 

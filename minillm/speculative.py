@@ -294,6 +294,76 @@ def _check_args(target, draft, prompt_ids, max_new_tokens, k):
 
 
 # ----------------------------------------------------------------------------------------------
+# one sequence's bookkeeping: what each model's cache holds, and the rollback
+
+
+@dataclass
+class SequenceState:
+    """One sequence being decoded speculatively: its tokens, and what each model has not seen yet.
+
+    Each model keeps a cache (a ``KVCache``, or one sequence of a ``PagedKVCache``: anything with
+    ``length``, ``max_len``, ``reset()`` and ``truncate(n)``) plus a list of *pending* tokens it has
+    not seen yet; a forward call feeds only those. Invariant between rounds: each cache holds
+    ``seq`` minus its pending tokens (or a later window of it after a re-prefill).
+    ``plan`` (pass 1) and ``commit`` (pass 4) are the per-sequence halves of a round; the forward
+    passes in between are the caller's, so the batched loop (``minillm.batch_speculative``) runs
+    the same bookkeeping for every sequence of a batch.
+    """
+
+    seq: list  # prompt + every token emitted so far
+    stop: int  # len(seq) at which generation ends
+    tcache: object  # the target's cache
+    dcache: object  # the draft's cache
+    t_pending: list  # tokens the target has not seen yet
+    d_pending: list  # tokens the draft has not seen yet
+    t_base: int = 0  # set by plan(): the target's cache length once it has seen t_pending
+    d_base: int = 0  # set by plan(): the draft's cache length once it has seen d_pending
+
+    @classmethod
+    def start(cls, prompt_ids, max_new_tokens, tcache, dcache) -> SequenceState:
+        seq = list(prompt_ids)
+        return cls(seq, len(seq) + max_new_tokens, tcache, dcache, seq[-tcache.max_len :], seq[-dcache.max_len :])
+
+    @property
+    def done(self) -> bool:
+        return len(self.seq) >= self.stop
+
+    def plan(self, k: int, stats: SpecStats) -> int:
+        """Pass 1: make room -> how many tokens to draft this round (at most k).
+
+        Like ``generate()``: when the target's pending tokens do not fit, its cache is reset and a
+        half window re-prefilled. A round never drafts past max_new_tokens nor past either cache."""
+        tcache, dcache = self.tcache, self.dcache
+        if tcache.length + len(self.t_pending) > tcache.max_len:
+            tcache.reset()
+            self.t_pending = self.seq[-max(1, tcache.max_len // 2) :]
+            stats.reprefills += 1
+        room = tcache.max_len - tcache.length - len(self.t_pending)  # target positions left after pending
+        k_round = min(k, self.stop - len(self.seq) - 1, room)  # never draft past max_new_tokens or the room
+        if dcache.length + len(self.d_pending) + k_round - 1 > dcache.max_len:  # the draft's own window
+            dcache.reset()
+            self.d_pending = self.seq[-max(1, dcache.max_len // 2) :]
+        k_round = min(k_round, dcache.max_len - dcache.length - len(self.d_pending) + 1)
+        self.t_base = tcache.length + len(self.t_pending)  # the drafts start here in the target's cache
+        self.d_base = dcache.length + len(self.d_pending)  # and here in the draft's
+        return k_round
+
+    def commit(self, drafts, emitted, n: int) -> None:
+        """Pass 4: keep x_0..x_{n-1} in both caches (roll back the rest); the last emitted token
+        (residual or bonus) is pending for both models."""
+        self.tcache.truncate(self.t_base + n)  # keeps x_0..x_{n-1}
+        self.t_pending = [emitted[-1]]
+        if not drafts:
+            self.d_pending = self.d_pending + emitted
+        elif n < len(drafts):  # the draft saw x_0..x_{k-2}; keep x_0..x_{n-1}
+            self.dcache.truncate(self.d_base + n)
+            self.d_pending = [emitted[-1]]
+        else:  # all accepted: the draft has not seen x_{k-1} nor the bonus token yet
+            self.d_pending = [drafts[-1], emitted[-1]]
+        self.seq += emitted
+
+
+# ----------------------------------------------------------------------------------------------
 # the decoding loop
 
 
@@ -316,63 +386,36 @@ def speculative_generate(target, draft, prompt_ids, max_new_tokens, k=4, tempera
     prompt_ids = _check_args(target, draft, prompt_ids, max_new_tokens, k)
     rng = np.random.default_rng(seed)
     stats = SpecStats(k=k, prompt_tokens=len(prompt_ids))
-    tcache, dcache = KVCache(target.config), KVCache(draft.config)
-    t_keep, d_keep = max(1, tcache.max_len // 2), max(1, dcache.max_len // 2)  # re-prefill windows
-    seq = list(prompt_ids)  # prompt + every token emitted so far
-    t_pending, d_pending = seq[-tcache.max_len :], seq[-dcache.max_len :]
-    stop = len(seq) + max_new_tokens
+    state = SequenceState.start(prompt_ids, max_new_tokens, KVCache(target.config), KVCache(draft.config))
     t0 = time.perf_counter()
-    while len(seq) < stop:
-        # pass 1: make room. Like generate(): when the pending tokens do not fit, re-prefill a window
-        if tcache.length + len(t_pending) > tcache.max_len:
-            tcache.reset()
-            t_pending = seq[-t_keep:]
-            stats.reprefills += 1
-        room = tcache.max_len - tcache.length - len(t_pending)  # target positions left after pending
-        k_round = min(k, stop - len(seq) - 1, room)  # never draft past max_new_tokens or the room
-        if dcache.length + len(d_pending) + k_round - 1 > dcache.max_len:  # the draft's own window
-            dcache.reset()
-            d_pending = seq[-d_keep:]
-        k_round = min(k_round, dcache.max_len - dcache.length - len(d_pending) + 1)
+    while not state.done:
+        k_round = state.plan(k, stats)  # pass 1: make room
 
         # pass 2: the draft proposes k_round tokens, one forward each (it never re-reads its cache)
         drafts, q_rows = [], []
         if k_round > 0:
-            logits = draft.forward(xp.asarray([d_pending]), dcache)[0, -1]  # (V,)
+            logits = draft.forward(xp.asarray([state.d_pending]), state.dcache)[0, -1]  # (V,)
             stats.draft_calls += 1
-            d_base = dcache.length  # the draft's cache now holds seq: proposals start here
             for i in range(k_round):
                 token, q = _propose(logits, temperature, top_k, top_p, rng)
                 drafts.append(token)
                 q_rows.append(q)
                 if i < k_round - 1:  # the last proposal's logits are not needed this round
-                    logits = draft.forward(xp.asarray([[token]]), dcache)[0, -1]
+                    logits = draft.forward(xp.asarray([[token]]), state.dcache)[0, -1]
                     stats.draft_calls += 1
 
         # pass 3: the target scores pending + drafts in ONE forward: rows for positions x_0..x_k
-        t_base = tcache.length + len(t_pending)  # the target's cache will hold seq up to here
-        logits = target.forward(xp.asarray([t_pending + drafts]), tcache)[0, -(k_round + 1) :]
+        logits = target.forward(xp.asarray([state.t_pending + drafts]), state.tcache)[0, -(k_round + 1) :]
         stats.target_calls += 1
         emitted, n = _judge(drafts, q_rows, logits, temperature, top_k, top_p, rng)
 
-        # pass 4: roll back past the first rejected draft; the emitted last token is pending
-        tcache.truncate(t_base + n)  # keeps x_0..x_{n-1}
-        t_pending = [emitted[-1]]
-        if k_round == 0:
-            d_pending = d_pending + emitted
-        elif n < k_round:  # the draft saw x_0..x_{k-2}; keep x_0..x_{n-1}
-            dcache.truncate(d_base + n)
-            d_pending = [emitted[-1]]
-        else:  # all accepted: the draft has not seen x_{k-1} nor the bonus token yet
-            d_pending = [drafts[-1], emitted[-1]]
-
-        seq += emitted
+        state.commit(drafts, emitted, n)  # pass 4: roll back past the first rejected draft
         stats.record_round(k_round, n)
         synchronize()
         t1 = time.perf_counter()
         stats.round_times_s.append(t1 - t0)
         t0 = t1
-    return _finish(stats, seq, len(prompt_ids))
+    return _finish(stats, state.seq, len(prompt_ids))
 
 
 def _finish(stats, seq, n_prompt):
