@@ -111,13 +111,13 @@ def round_waste(k_rounds, accepted) -> tuple[int, int, int]:
     slots = B (max K + 1), padded = sum(max K - k_b), rejected = sum(k_b - n_b).
     Example: k = [4, 2, 4], accepted = [4, 0, 1] -> (15, 2, 5); kept = 5 + 1 + 2 = 8 = 15 - 2 - 5.
     """
-    # EXERCISE 7.3 BEGIN: count the padded slots and the slots of rejected drafts of one round
+    # EXERCISE 7.2 BEGIN: count the padded slots and the slots of rejected drafts of one round
     k_max = max(k_rounds)
     slots = len(k_rounds) * (k_max + 1)
     padded = sum(k_max - k for k in k_rounds)
     rejected = sum(k - n for k, n in zip(k_rounds, accepted))
     return slots, padded, rejected
-    # EXERCISE 7.3 END
+    # EXERCISE 7.2 END
 
 
 @dataclass
@@ -213,10 +213,10 @@ def next_draft_length(k_round: int, n_accepted: int, k_max: int) -> int:
     One more after a round that accepted every draft, one fewer after a rejection, within [1, k_max].
     Examples (k_max 4): (2, 2) -> 3; (4, 4) -> 4; (3, 1) -> 2; (1, 0) -> 1; (0, 0) -> 1.
     """
-    # EXERCISE 7.2 BEGIN: grow by one after full acceptance, shrink by one after a rejection; clamp
+    # EXERCISE 7.3 BEGIN: grow by one after full acceptance, shrink by one after a rejection; clamp
     k_next = k_round + 1 if n_accepted == k_round else k_round - 1
     return min(max(k_next, 1), k_max)
-    # EXERCISE 7.2 END
+    # EXERCISE 7.3 END
 
 
 def _draft_batch(draft, pool, states, k_round, sampling, rngs, stats):

@@ -5,10 +5,10 @@ What the tests prove, group by group:
     test_ragged_*             one forward over rows feeding different numbers of tokens gives every
                               row its own logits; padding is never stored nor seen (needs 7.1)
     test_generate_batch_*     plain batched decoding: row i == generate() alone (needs 7.1)
-    test_batch_*              batched speculative decoding: row i == speculative_generate() alone,
+    test_spec_rows_*          batched speculative decoding: row i == speculative_generate() alone,
                               greedy and sampled, tokens and statistics; lossless per row (needs 7.1)
-    test_next_draft_length_*  7.2 the adaptive policy's rule, and the policy in the loop
-    test_round_waste_*        7.3 the padding / rejection accounting of a round
+    test_round_waste_*        7.2 the padding / rejection accounting of a round
+    test_next_draft_length_*  7.3 the adaptive policy's rule, and the policy in the loop
     test_mistake_*            the classic batching mistakes, each planted in the real code and caught
 
 Every check that guards against a classic mistake is also run with the mistake planted (monkeypatched
@@ -40,7 +40,12 @@ from minillm.sampling import logits_to_probs
 from minillm.speculative import speculative_generate
 
 # The tests that check each exercise, as pytest -k expressions (read by minillm.course; docs/instructors.md)
-EXERCISES = {"7.1": "pad_batch or ragged", "7.2": "next_draft_length", "7.3": "round_waste"}
+EXERCISES = {
+    "7.1": "pad_batch or ragged_forward or ragged_padding or generate_batch_equals or generate_batch_rows "
+           "or spec_rows or drives or mistake",
+    "7.2": "round_waste or bonus_token or stats_add_up or drives",
+    "7.3": "next_draft_length or spec_rows_greedy or lossless",
+}
 
 P_MIN = 1e-3  # a chi-square check fails below this p-value
 N_PER_PROMPT = 15_000  # rows per prompt in the losslessness test (see its docstring)
@@ -226,7 +231,7 @@ def test_generate_batch_bad_input(pair):
 # batched speculative decoding
 
 
-def test_batch_greedy_equals_single_sequence(pair):
+def test_spec_rows_greedy_equal_alone(pair):
     """Greedy, K = 1 and 4, both policies: every row == speculative_generate alone == generate
     alone, token for token (rows of lengths 1..20, one passing the context); with policy "pad" the
     per-row accepted, rejected, draft-call and re-prefill counts are those of the row alone."""
@@ -239,7 +244,7 @@ def test_batch_greedy_equals_single_sequence(pair):
     assert stats[-1].reprefills > 0
 
 
-def test_batch_sampling_draws_equal_single_sequence(pair):
+def test_spec_rows_sampled_draws_equal_alone(pair):
     """Temperature 1 and (0.8, top-k 5): policy "pad" row i makes exactly the random draws of
     speculative_generate(..., seed=sequence_seeds(0, B)[i]) alone: same tokens, same counts."""
     target, draft = pair
@@ -250,7 +255,7 @@ def test_batch_sampling_draws_equal_single_sequence(pair):
         assert out == speculative_generate(target, draft, p, 24, k=2, temperature=0.8, top_k=5, seed=s)[0]
 
 
-def test_batch_bonus_token_every_round_when_draft_is_target(pair):
+def test_spec_rows_bonus_token_every_round_when_draft_is_target(pair):
     """draft == target: every draft is accepted, so every round of every row ends with a bonus
     token: K + 1 = 5 tokens per target call, 5 rounds for 25 tokens, for rows of any length."""
     target, _ = pair
@@ -284,7 +289,7 @@ def target_joint(target, prompt, n):
     return joint
 
 
-def test_batch_lossless_per_sequence():
+def test_spec_rows_lossless_per_sequence():
     """Sampling (T = 1, adaptive policy, K = 2, 3 new tokens): in one batch of 30,000 rows, two
     prompts of lengths 1 and 4 interleaved, each row's first token and its first three tokens
     (V**3 = 64 cells) follow the target's exact distributions for that row's prompt (chi-square).
@@ -311,7 +316,7 @@ def test_batch_lossless_per_sequence():
         assert chi2_pvalue(mine[:, 0], shifted) < P_MIN
 
 
-def test_batch_stats_add_up(pair):
+def test_spec_rows_stats_add_up(pair):
     """Per row: tokens = accepted + rounds, one target call per round. Per batch: one verify forward
     per round for all running rows, slots = kept + padded + rejected, and rows finish at different
     rounds (ragged acceptance), so later rounds run fewer rows."""
@@ -327,7 +332,7 @@ def test_batch_stats_add_up(pair):
     assert batch.rejected == sum(s.proposed - s.accepted for s in stats)
 
 
-def test_batch_bad_input(pair):
+def test_spec_rows_bad_input(pair):
     target, draft = pair
     with pytest.raises(ValueError, match="policy"):
         speculative_generate_batch(target, draft, PROMPTS, 5, policy="greedy")
@@ -340,7 +345,26 @@ def test_batch_bad_input(pair):
 
 
 # ----------------------------------------------------------------------------------------------
-# 7.2 the adaptive policy
+# 7.2 the accounting of a round
+
+
+def test_round_waste_worked_example():
+    """k = [4, 2, 4], accepted = [4, 0, 1]: 15 slots, 2 padded, 5 rejected, 8 kept."""
+    assert round_waste([4, 2, 4], [4, 0, 1]) == (15, 2, 5)
+    assert round_waste([3], [3]) == (4, 0, 0)  # one row, all accepted: nothing thrown away
+    assert round_waste([0, 2], [0, 1]) == (6, 2, 1)
+
+
+def test_round_waste_sums_into_batch_stats():
+    """BatchStats adds the rounds up; wasted_share = (padded + rejected) / slots."""
+    stats = BatchStats(batch_size=3, rounds=[([4, 2, 4], [4, 0, 1]), ([3, 1], [0, 1])])
+    assert (stats.slots, stats.padded, stats.rejected) == (23, 4, 8)
+    assert stats.wasted_share == pytest.approx(12 / 23)
+    assert np.isnan(BatchStats(batch_size=1).wasted_share)
+
+
+# ----------------------------------------------------------------------------------------------
+# 7.3 the adaptive policy
 
 
 def test_next_draft_length_worked_examples():
@@ -366,25 +390,6 @@ def test_next_draft_length_drives_the_adaptive_policy(pair):
         if len(next_ks) == len(ks):  # no row finished: rows line up
             for k, n, k_next in zip(ks, ns, next_ks):
                 assert k_next <= next_draft_length(k, n, 4)  # <=: clamped near the end or the context
-
-
-# ----------------------------------------------------------------------------------------------
-# 7.3 the accounting of a round
-
-
-def test_round_waste_worked_example():
-    """k = [4, 2, 4], accepted = [4, 0, 1]: 15 slots, 2 padded, 5 rejected, 8 kept."""
-    assert round_waste([4, 2, 4], [4, 0, 1]) == (15, 2, 5)
-    assert round_waste([3], [3]) == (4, 0, 0)  # one row, all accepted: nothing thrown away
-    assert round_waste([0, 2], [0, 1]) == (6, 2, 1)
-
-
-def test_round_waste_sums_into_batch_stats():
-    """BatchStats adds the rounds up; wasted_share = (padded + rejected) / slots."""
-    stats = BatchStats(batch_size=3, rounds=[([4, 2, 4], [4, 0, 1]), ([3, 1], [0, 1])])
-    assert (stats.slots, stats.padded, stats.rejected) == (23, 4, 8)
-    assert stats.wasted_share == pytest.approx(12 / 23)
-    assert np.isnan(BatchStats(batch_size=1).wasted_share)
 
 
 # ----------------------------------------------------------------------------------------------
