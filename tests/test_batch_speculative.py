@@ -43,7 +43,7 @@ from minillm.speculative import speculative_generate
 EXERCISES = {
     "7.1": "pad_batch or ragged_forward or ragged_padding or generate_batch_equals or generate_batch_rows "
            "or spec_rows or drives or mistake",
-    "7.2": "round_waste or bonus_token or stats_add_up or drives",
+    "7.2": "round_waste or every_round or stats_add_up or drives",
     "7.3": "next_draft_length or spec_rows_greedy or lossless",
 }
 
