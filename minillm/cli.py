@@ -1,4 +1,4 @@
-"""Command-line interface: demo (default), generate, train, bench, info.
+"""Command-line interface: demo (default), generate, train, bench, info, course.
 
 Bad arguments print a usage error (exit 2); errors in the input (an unknown character, a missing
 checkpoint) print one line naming the problem (exit 1). Neither prints a traceback.
@@ -83,6 +83,16 @@ def cmd_bench(args) -> int:
     return run(args.topic, args.rest)
 
 
+def cmd_course(args) -> int:
+    from .course import ROOT, student_edition
+
+    exercises = student_edition(ROOT, args.out_dir)
+    chapters = sorted({ex.chapter for ex in exercises})
+    print(f"student edition with {len(exercises)} exercises in {len(chapters)} chapters ({', '.join(chapters)}) "
+          f"-> {args.out_dir}; see {args.out_dir}/MANIFEST.md")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m minillm", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command")
@@ -119,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("topic", choices=list(TOPICS))
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the benchmark")
     p.set_defaults(func=cmd_bench)
+
+    p = sub.add_parser("course", help="course kit: write the student edition (exercises stubbed, a manifest)")
+    course = p.add_subparsers(dest="action", required=True)
+    p = course.add_parser("student-edition", help="copy the project with every exercise region stubbed")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="an empty or new folder")
+    p.set_defaults(func=cmd_course)
     return parser
 
 

@@ -53,6 +53,7 @@ def layernorm_backward(dout, x, w):
 
     -> dx, dw, db. dx = rstd * (dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)), dxhat = dout * w.
     """
+    # EXERCISE A1.2 BEGIN: recompute xhat and rstd; dw, db summed over positions; dx by the formula above
     C = x.shape[-1]
     xc = x - x.mean(axis=-1, keepdims=True)
     rstd = 1.0 / xp.sqrt((xc**2).mean(axis=-1, keepdims=True) + LN_EPS)
@@ -64,6 +65,7 @@ def layernorm_backward(dout, x, w):
         dxhat - dxhat.mean(axis=-1, keepdims=True) - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True)
     )
     return dx, dw, db
+    # EXERCISE A1.2 END
 
 
 def linear_backward(dout, x, w):
@@ -79,8 +81,10 @@ def gelu_backward(dout, x):
 
     dy/dx = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) c (1 + 3 * 0.044715 x^2).
     """
+    # EXERCISE A1.1 BEGIN: the chain rule through 0.5 x (1 + tanh(u)), times the upstream gradient
     t = xp.tanh(GELU_C * (x + GELU_A * x * x * x))
     return dout * (0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * GELU_C * (1.0 + 3 * GELU_A * x * x))
+    # EXERCISE A1.1 END
 
 
 def attention_backward(dy, q, k, v, att):
@@ -191,6 +195,7 @@ class AdamW:
 
     def step(self, params: dict, grads: dict, lr: float) -> None:
         """m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;  p -= lr (m_hat / (sqrt(v_hat) + eps) + wd p)"""
+        # EXERCISE A1.3 BEGIN: update the moments in place, bias-correct them, decay matrices, step
         b1, b2 = self.betas
         self.t += 1
         c1, c2 = 1.0 - b1**self.t, 1.0 - b2**self.t  # bias corrections
@@ -203,6 +208,7 @@ class AdamW:
             if param.ndim >= 2:
                 param -= (lr * self.weight_decay) * param
             param -= lr * (m / c1) / (xp.sqrt(v / c2) + self.eps)
+        # EXERCISE A1.3 END
 
 
 def clip_grad_norm(grads: dict, max_norm: float) -> float:

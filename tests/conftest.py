@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from hypothesis import Phase, settings
 
 from minillm import GPT, GPTConfig
 
@@ -19,3 +20,9 @@ def tiny_model(tiny_config):
 @pytest.fixture
 def rng():
     return np.random.default_rng(0)
+
+
+# Hypothesis's "explain" phase (with the patch file it writes) takes ~40 s per failing property test
+# here, which a student edition hits at once; the shrunk failing example is what a reader needs.
+settings.register_profile("minillm", phases=[p for p in Phase if p is not Phase.explain])
+settings.load_profile("minillm")

@@ -3,8 +3,18 @@
 import numpy as np
 import pytest
 
-from minillm.attention import attention_weights, causal_mask, naive_attention, softmax
+from minillm.attention import (
+    attention_entropy,
+    attention_weights,
+    causal_mask,
+    naive_attention,
+    sliding_window_mask,
+    softmax,
+)  # fmt: skip
 from minillm.backend import to_numpy
+
+# The tests that check each exercise, as pytest -k expressions (read by minillm.course; docs/instructors.md)
+EXERCISES = {"2.1": "window", "2.2": "entropy"}
 
 
 def test_softmax_huge_logits_are_safe():
@@ -27,8 +37,8 @@ def test_causal_mask_offset():
     np.testing.assert_array_equal(to_numpy(causal_mask(3, 3)), np.tril(np.ones((3, 3))))
 
 
-def reference(q, k, v, causal):
-    """Loop-over-rows float64 attention, independent of minillm."""
+def reference(q, k, v, causal, window=None):
+    """Loop-over-rows float64 attention, independent of minillm. ``window``: keys last-window+1..last."""
     B, nh, Tq, hs = q.shape
     Tk = k.shape[2]
     out = np.zeros((B, nh, Tq, hs))
@@ -36,9 +46,10 @@ def reference(q, k, v, causal):
         for h in range(nh):
             for i in range(Tq):
                 last = Tk - Tq + i if causal else Tk - 1
-                s = k[b, h, : last + 1] @ q[b, h, i] / np.sqrt(hs)
+                first = 0 if window is None else max(0, last - window + 1)
+                s = k[b, h, first : last + 1] @ q[b, h, i] / np.sqrt(hs)
                 w = np.exp(s - s.max())
-                out[b, h, i] = (w / w.sum()) @ v[b, h, : last + 1]
+                out[b, h, i] = (w / w.sum()) @ v[b, h, first : last + 1]
     return out
 
 
@@ -77,3 +88,51 @@ def test_get_attention_rejects_unknown_name():
 
     with pytest.raises(ValueError, match="unknown attention"):
         get_attention("fast")
+
+
+# ---- 2.1 the sliding-window mask ---------------------------------------------------------------------
+
+
+def test_sliding_window_mask_examples():
+    """The docstring's example; a window of Tk or more is the causal mask; window 1 is the diagonal.
+    Fails for a window counted from the wrong end or off by one (window + 1 or window - 1 keys)."""
+    np.testing.assert_array_equal(to_numpy(sliding_window_mask(2, 4, 2)), [[0, 1, 1, 0], [0, 0, 1, 1]])
+    np.testing.assert_array_equal(to_numpy(sliding_window_mask(6, 6, 6)), to_numpy(causal_mask(6, 6)))
+    np.testing.assert_array_equal(to_numpy(sliding_window_mask(3, 7, 50)), to_numpy(causal_mask(3, 7)))
+    np.testing.assert_array_equal(to_numpy(sliding_window_mask(4, 4, 1)), np.eye(4))
+    np.testing.assert_array_equal(to_numpy(sliding_window_mask(1, 6, 3)), [[0, 0, 0, 1, 1, 1]])  # decode
+    with pytest.raises(ValueError, match="window"):
+        sliding_window_mask(2, 2, 0)
+
+
+@pytest.mark.parametrize("Tq,Tk,window", [(1, 9, 4), (4, 9, 3), (9, 9, 1), (9, 9, 5), (5, 9, 20)])
+def test_sliding_window_attention_matches_loops(Tq, Tk, window):
+    """attention_weights(..., window) @ v equals the loops over each query's last `window` keys,
+    including fewer queries than keys (the queries are the last Tq positions)."""
+    rng = np.random.default_rng(Tq * 100 + Tk * 10 + window)
+    q, k, v = (rng.normal(size=(2, 3, T, 8)) for T in (Tq, Tk, Tk))
+    ours = to_numpy(attention_weights(q, k, window=window) @ v)
+    np.testing.assert_allclose(ours, reference(q, k, v, True, window), atol=1e-12)
+
+
+# ---- 2.2 the entropy of attention ----------------------------------------------------------------------
+
+
+def test_attention_entropy_extremes():
+    """One key -> 0; n keys evenly -> log n; masked zeros count 0 (no NaN, no warning)."""
+    w = np.array([[1.0, 0.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0], [0.25] * 4])
+    with np.errstate(all="raise"):
+        h = to_numpy(attention_entropy(w))
+    np.testing.assert_allclose(h, [0.0, np.log(2), np.log(4)], atol=1e-12)
+
+
+def test_attention_entropy_of_real_weights():
+    """On causal attention weights (B, nh, T, T) -> (B, nh, T), equal to -sum w log w over the keys
+    each query sees; the first query sees one key, so its entropy is 0."""
+    rng = np.random.default_rng(3)
+    w = to_numpy(attention_weights(rng.normal(size=(2, 3, 6, 4)), rng.normal(size=(2, 3, 6, 4))))
+    h = to_numpy(attention_entropy(w))
+    assert h.shape == (2, 3, 6)
+    expected = [[[-(r[: i + 1] * np.log(r[: i + 1])).sum() for i, r in enumerate(head)] for head in b] for b in w]
+    np.testing.assert_allclose(h, expected, atol=1e-12)
+    np.testing.assert_allclose(h[..., 0], 0.0, atol=1e-12)

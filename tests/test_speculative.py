@@ -36,6 +36,9 @@ P_MIN = 1e-3  # a check fails when a chi-square p-value falls below this
 N_TRIALS = 50_000  # verify calls per statistical case (see test_rejection_sample_size_...)
 MIN_EXPECTED = 5  # chi-square cells expecting fewer counts are pooled into one
 
+# The tests that check each exercise, as pytest -k expressions (read by minillm.course; docs/instructors.md)
+EXERCISES = {"5.1": "residual", "5.2": "rejection", "5.3": "greedy", "5.4": "theory"}
+
 
 # ----------------------------------------------------------------------------------------------
 # the statistical harness

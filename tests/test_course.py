@@ -1,0 +1,184 @@
+"""The course kit (minillm.course): well-formed markers, the student edition and the rule it keeps.
+
+The rule (docs/instructors.md): in the student edition every exercise raises NotImplementedError, and
+the tests that fail are exactly the ones the manifest names (each exercise's grading selection plus
+its ``also_fails``); each exercise, stubbed alone, fails its own grading command with its own
+NotImplementedError. The reference passes everything (the rest of this suite).
+"""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from minillm import course
+from minillm.flash_attention import kernel_cache_dir
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "tests" / "fixtures"
+
+
+def run_pytest(project: Path, *args, report: Path | None = None, timeout=900):
+    """pytest in a copy of the project, importing that copy's minillm (and the kit's plugin)."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(project), str(FIXTURES)]), MPLBACKEND="Agg",
+               MINILLM_KERNEL_CACHE=str(kernel_cache_dir()))  # fmt: skip
+    if report is not None:
+        env["MINILLM_KIT_REPORT"] = str(report)
+    return subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *args], cwd=project,
+                          env=env, capture_output=True, text=True, timeout=timeout)  # fmt: skip
+
+
+def run_cli(*args):
+    return subprocess.run([sys.executable, "-m", "minillm", *args], capture_output=True, text=True, timeout=300)
+
+
+# ---- markers and declarations ---------------------------------------------------------------------
+
+
+def test_reference_markers_are_well_formed():
+    """Unique ids, balanced BEGIN/END, every exercise claimed by one test file, 2-4 per chapter
+    (find_exercises raises otherwise), and every grading selection names a test file that exists."""
+    exercises = course.find_exercises(ROOT)
+    assert {"1", "2", "3", "4", "5", "6", "A1"} <= {ex.chapter for ex in exercises}
+    for ex in exercises:
+        assert (ROOT / ex.checks.tests).is_file() and ex.function and ex.task, ex
+        assert ex.also_fails and ex.also_fails[-1].tests == course.NOTEBOOK_TEST  # the chapter's notebook
+
+
+@pytest.mark.parametrize(
+    "source,message",
+    [
+        ("    # EXERCISE 1.1 BEGIN: do it\n    x = 1\n", "has no END"),
+        ("    # EXERCISE 1.1 BEGIN: do it\n    x = 1\n    # EXERCISE 1.2 END\n", "does not close"),
+        ("    # EXERCISE 1.1 BEGIN: a\n    # EXERCISE 1.2 BEGIN: b\n", "inside EXERCISE 1.1"),
+        ("    # EXERCISE 1.1 BEGIN:\n    x = 1\n    # EXERCISE 1.1 END\n", "needs ': <what to implement>'"),
+        ("    # EXERCISE 1.1 BEGIN: a\n    # EXERCISE 1.1 END\n", "empty region"),
+        ("    # EXERCISE one BEGIN: a\n", "not of the form"),
+    ],
+)
+def test_malformed_markers_are_refused(tmp_path, source, message):
+    with pytest.raises(course.CourseError, match=message):
+        course.parse_markers("def f():\n" + source, "m.py")
+
+
+def test_duplicate_ids_and_unclaimed_exercises_are_refused(tmp_path):
+    (tmp_path / "minillm").mkdir()
+    (tmp_path / "tests").mkdir()
+    region = "def {0}():\n    # EXERCISE 1.1 BEGIN: a\n    return 1\n    # EXERCISE 1.1 END\n"
+    (tmp_path / "minillm" / "a.py").write_text(region.format("f"))
+    with pytest.raises(course.CourseError, match="checked by no test file"):
+        course.find_exercises(tmp_path)
+    (tmp_path / "minillm" / "b.py").write_text(region.format("g"))
+    with pytest.raises(course.CourseError, match="marked twice"):
+        course.find_exercises(tmp_path)
+
+
+def test_stub_keeps_signature_docstring_markers_and_the_rest_of_the_body():
+    source = (
+        "def f(x):\n"
+        '    """Doc."""\n'
+        "    y = x + 1\n"
+        "    # EXERCISE 9.1 BEGIN: double y\n"
+        "    y = 2 * y\n"
+        "    # EXERCISE 9.1 END\n"
+        "    return y\n"
+    )
+    [ex] = course.parse_markers(source, "m.py")
+    assert (ex.id, ex.chapter, ex.function, ex.task) == ("9.1", "9", "f", "double y")
+    stubbed = course.stub_source(source, [ex])
+    assert stubbed.splitlines() == [
+        "def f(x):", '    """Doc."""', "    y = x + 1", "    # EXERCISE 9.1 BEGIN: double y",
+        '    raise NotImplementedError("Exercise 9.1: double y")', "    # EXERCISE 9.1 END", "    return y",
+    ]  # fmt: skip
+    namespace = {}
+    exec(stubbed, namespace)
+    with pytest.raises(NotImplementedError, match="Exercise 9.1: double y"):
+        namespace["f"](1)
+
+
+def test_every_notebook_lists_its_exercises_with_the_manifest_commands():
+    """Each chapter notebook ends with '## Exercises' naming every exercise of the chapter, its file,
+    its function and exactly the manifest's pytest command."""
+    nbformat = pytest.importorskip("nbformat")
+    chapters = {}
+    for ex in course.find_exercises(ROOT):
+        chapters.setdefault(ex.chapter, []).append(ex)
+    for chapter, exercises in chapters.items():
+        notebook = course.chapter_notebook(ROOT, chapter)
+        assert notebook is not None, f"chapter {chapter} has no notebook"
+        last = nbformat.read(notebook, as_version=4).cells[-1]
+        assert last.cell_type == "markdown" and last.source.startswith("## Exercises"), notebook.name
+        for ex in exercises:
+            for text in (ex.id, ex.file, ex.function.split(".")[-1], ex.command):
+                assert text in last.source, f"{notebook.name}: exercise {ex.id} does not name {text!r}"
+
+
+# ---- the student edition -------------------------------------------------------------------------
+
+
+def test_cli_refuses_a_non_empty_folder(tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    r = run_cli("course", "student-edition", str(tmp_path))
+    assert r.returncode == 1
+    assert "not an empty folder" in r.stderr and "Traceback" not in r.stderr
+    assert (tmp_path / "keep.txt").read_text() == "mine"
+
+
+@pytest.fixture(scope="module")
+def edition(tmp_path_factory):
+    out = tmp_path_factory.mktemp("h9_student") / "edition"
+    r = run_cli("course", "student-edition", str(out))
+    assert r.returncode == 0, r.stderr
+    return out
+
+
+def test_student_edition_contents(edition):
+    """Every region stubbed, the manifest, the shipped models; no .git, caches, training state or
+    instructors' files (the bug zoo holds reference lines)."""
+    rows = json.loads((edition / course.MANIFEST_JSON).read_text())
+    assert [r["id"] for r in rows] == [ex.id for ex in course.find_exercises(ROOT)]
+    for r in rows:
+        text = (edition / r["file"]).read_text()
+        assert f'raise NotImplementedError("Exercise {r["id"]}: ' in text
+        assert r["command"].startswith(f"python -m pytest {r['checks']['tests']}")
+    assert (edition / "minillm" / "models" / "target.npz").is_file()
+    assert (edition / "MANIFEST.md").read_text().count("| ") > len(rows)
+    present = {p.relative_to(edition).as_posix() for p in edition.rglob("*")}
+    assert not [p for p in present if p.endswith(".train.npz") or "__pycache__" in p or p.startswith(".git/")]
+    assert not set(course.INSTRUCTORS_ONLY) & present
+    compiled = subprocess.run([sys.executable, "-m", "compileall", "-q", "minillm", "tests"], cwd=edition,
+                              capture_output=True, text=True)  # fmt: skip
+    assert compiled.returncode == 0, compiled.stdout
+
+
+@pytest.mark.slow
+def test_student_edition_fails_exactly_the_named_tests(edition, tmp_path):
+    """All exercises stubbed: the failing tests == the union of the tests the manifest names, and each
+    exercise's grading selection has a test that fails with that exercise's own NotImplementedError.
+    (The notebooks are named by their chapter's exercises and not executed here: minutes each.)"""
+    report = tmp_path / "report.json"
+    r = run_pytest(edition, "-p", "course_plugin", "--deselect", "tests/test_notebooks.py::test_notebook_executes",
+                   report=report)  # fmt: skip
+    assert r.returncode in (0, 1), r.stdout[-3000:] + r.stderr[-3000:]
+    tests = json.loads(report.read_text())
+    failed = {t for t, e in tests.items() if e["failed"]}
+    named = {t for t, e in tests.items() if e["named_by"]}
+    assert not failed - named, f"tests that break but no exercise names: {sorted(failed - named)}"
+    assert not named - failed, f"tests named by an exercise that still pass: {sorted(named - failed)}"
+    for ex in course.find_exercises(ROOT):
+        own = [t for t, e in tests.items() if t.startswith(ex.checks.tests + "::") and ex.id in e["raised"]]
+        assert own, f"no test of {ex.command} fails with Exercise {ex.id}'s NotImplementedError"
+
+
+@pytest.mark.slow
+def test_each_exercise_alone_fails_its_grading_command(tmp_path):
+    """The reference with one exercise stubbed: its grading command fails, with its NotImplementedError."""
+    project = course.copy_project(ROOT, tmp_path / "project", leave_out=course.INSTRUCTORS_ONLY)
+    for ex in course.find_exercises(ROOT):
+        with course.patched(project, course.stubbed_sources(project, [ex])):
+            r = run_pytest(project, ex.checks.tests, "-k", ex.checks.keyword, "-x")
+        assert r.returncode == 1 and f"NotImplementedError: Exercise {ex.id}:" in r.stdout, (
+            f"{ex.command} with only {ex.id} stubbed: exit {r.returncode}\n{r.stdout[-2000:]}")
