@@ -21,7 +21,6 @@ import ast
 import json
 import re
 import shutil
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -220,19 +219,6 @@ def copy_project(root: Path, out: Path, leave_out: tuple = ()) -> Path:
 
     shutil.copytree(root, out, ignore=ignore, dirs_exist_ok=True)
     return Path(out)
-
-
-@contextmanager
-def patched(root: Path, patches: dict[str, str]):
-    """Write ``patches[relative path] = new text`` over files of ``root`` (a copy); restore them after."""
-    originals = {rel: (Path(root) / rel).read_text() for rel in patches}
-    try:
-        for rel, text in patches.items():
-            (Path(root) / rel).write_text(text)
-        yield Path(root)
-    finally:
-        for rel, text in originals.items():
-            (Path(root) / rel).write_text(text)
 
 
 def stubbed_sources(root: Path, exercises: list[Exercise]) -> dict[str, str]:

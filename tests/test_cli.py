@@ -8,6 +8,9 @@ import pytest
 from minillm import CharTokenizer, save_model
 from minillm.checkpoint import shipped_path
 
+# Tests that also run other exercises' code, so they fail until those are solved (minillm.course)
+NEEDS = {("3.1", "3.3"): "generate_streams or generate_uses"}
+
 
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "minillm", *args], capture_output=True, text=True, timeout=300)

@@ -18,10 +18,12 @@ from minillm.backend import to_numpy
 
 # The tests that check each exercise, as pytest -k expressions (read by minillm.course; docs/instructors.md)
 EXERCISES = {
-    "3.1": "prefill_decode or overflow or preallocated",
-    "3.2": "truncate",
+    "3.1": "(prefill_decode or overflow or preallocated or float32_throughout or bigger_head) and not Growing",
+    "3.2": "truncate and not Growing",
     "3.3": "generation and not bad or reset or stats",
 }
+# Tests that also run other exercises' code, so they fail until those are solved (minillm.course)
+NEEDS = {("3.1", "3.3"): "prefix_cache"}
 
 CACHES = [KVCache, GrowingKVCache]
 

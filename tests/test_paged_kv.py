@@ -31,9 +31,9 @@ BOOK = GPTConfig(vocab_size=3, block_size=32, n_layer=2, n_head=1, n_embd=2)
 
 # The tests that check each exercise, as pytest -k expressions (read by minillm.course; docs/instructors.md)
 EXERCISES = {
-    "6.1": "gather or paged_attention or forward or generation or positions or rollback or prefix",
-    "6.2": "fork or still_computes_last_token or invariants",
-    "6.3": "truncate or rollback or invariants",
+    "6.1": "gather or paged_attention or forward or generation or positions or rollback or prefix or wrong_position",
+    "6.2": "fork and not at_block_boundary or still_computes_last_token or invariants",
+    "6.3": "truncate and not mistake or rollback or invariants",
     "6.4": "hash or prefix or mistake_fully_cached",
 }
 

@@ -37,7 +37,16 @@ N_TRIALS = 50_000  # verify calls per statistical case (see test_rejection_sampl
 MIN_EXPECTED = 5  # chi-square cells expecting fewer counts are pooled into one
 
 # The tests that check each exercise, as pytest -k expressions (read by minillm.course; docs/instructors.md)
-EXERCISES = {"5.1": "residual", "5.2": "rejection", "5.3": "greedy", "5.4": "theory"}
+EXERCISES = {
+    "5.1": "residual",
+    "5.2": "rejection and not catches_classic and not bad_input",
+    "5.3": "greedy",
+    "5.4": "theory and not rejects",
+}
+# Tests that also run other exercises' code, so they fail until those are solved (minillm.course)
+NEEDS = {  # speculative_generate runs the KV cache (3.1, 3.2), verify (5.1, 5.2) and verify_greedy (5.3)
+    ("3.1", "3.2", "3.3", "5.1", "5.2", "5.3"): "loop or draft_is or quantized or shipped_sampling or shipped_demo",
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -639,15 +648,15 @@ def test_shipped_sampling_matches_target_distribution(shipped_pair):
     target, draft, tok = shipped_pair
     prompt = tok.encode("DUKE VINCENTIO:\nAnd the")
     V, n = target.config.vocab_size, 1500
-    p_first = logits_to_probs(target.forward(np.array([prompt]))[0, -1])  # (V,)
-    both = np.array([prompt + [a] for a in range(V)])  # (V, T + 1): every first token at once
-    p_second = logits_to_probs(target.forward(both)[:, -1])  # (V, V): p(b | prompt + a)
-    joint = (p_first[:, None] * p_second).ravel()
     firsts, pairs = [], []
     for seed in range(n):
         out, _ = speculative_generate(target, draft, prompt, 3, k=2, temperature=1.0, seed=seed)
         firsts.append(out[0])
         pairs.append(out[0] * V + out[1])
+    p_first = logits_to_probs(target.forward(np.array([prompt]))[0, -1])  # (V,)
+    both = np.array([prompt + [a] for a in range(V)])  # (V, T + 1): every first token at once
+    p_second = logits_to_probs(target.forward(both)[:, -1])  # (V, V): p(b | prompt + a)
+    joint = (p_first[:, None] * p_second).ravel()
     assert chi2_pvalue(firsts, p_first) >= P_MIN
     assert chi2_pvalue(pairs, joint) >= P_MIN
 
