@@ -99,17 +99,15 @@ def plot(rows, out_dir):
 
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(15, 4.3))
     methods = list(dict.fromkeys(r["method"] for r in rows))
-    for method in methods:
+    for n, method in enumerate(methods):
         group = [r for r in rows if r["method"] == method]
-        bb = [r["B"] for r in group]
-        ax1.plot(bb, [r["tok/s"] for r in group], "o-", label=method)
+        bb, color = [r["B"] for r in group], f"C{n}"  # one colour per method in every panel
+        ax1.plot(bb, [r["tok/s"] for r in group], "o-", color=color, label=method)
         if method != "plain":
-            line = ax2.plot(bb, [r["speed-up"] for r in group], "o-", label=f"{method} measured")
-            ax2.plot(bb, [r["cost model"] for r in group], ":", color=line[0].get_color(),
-                     label=f"{method} cost model")  # fmt: skip
-            ax3.plot(bb, [r["rejected %"] for r in group], "o-", color=line[0].get_color(),
-                     label=f"{method}: rejected")  # fmt: skip
-            ax3.plot(bb, [r["wasted %"] for r in group], "s--", color=line[0].get_color(),
+            ax2.plot(bb, [r["speed-up"] for r in group], "o-", color=color, label=f"{method} measured")
+            ax2.plot(bb, [r["cost model"] for r in group], ":", color=color, label=f"{method} cost model")
+            ax3.plot(bb, [r["rejected %"] for r in group], "o-", color=color, label=f"{method}: rejected")
+            ax3.plot(bb, [r["wasted %"] for r in group], "s--", color=color,
                      label=f"{method}: rejected + padding")  # fmt: skip
     ax2.axhline(1.0, color="gray", lw=0.8)
     for ax in (ax1, ax2, ax3):
