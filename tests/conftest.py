@@ -24,5 +24,5 @@ def rng():
 
 # Hypothesis's "explain" phase (with the patch file it writes) takes ~40 s per failing property test
 # here, which a student edition hits at once; the shrunk failing example is what a reader needs.
-settings.register_profile("minillm", phases=[p for p in Phase if p is not Phase.explain], report_multiple_bugs=False)
+settings.register_profile("minillm", phases=[p for p in Phase if p is not Phase.explain])
 settings.load_profile("minillm")

@@ -6,6 +6,9 @@ with -x against a copy of the project holding the mutant; a mutant is killed whe
 The mutation score (killed / total) is printed (pytest -s) and recorded in docs/instructors.md.
 """
 
+import os
+import queue
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -15,6 +18,7 @@ from project_copy import patched, run_pytest
 from minillm import course
 
 ROOT = Path(__file__).resolve().parents[1]
+WORKERS = min(2, os.cpu_count() or 1)
 
 
 def test_every_chapter_has_three_mutants_that_apply():
@@ -38,19 +42,28 @@ def zoo_command(mutant, exercises) -> list:
 
 @pytest.mark.slow
 def test_mutation_score(tmp_path):
-    """Every mutant is killed: the tests it runs fail (exit 1), not error out or pass."""
-    project = course.copy_project(ROOT, tmp_path / "project", leave_out=course.INSTRUCTORS_ONLY)
+    """Every mutant is killed: the tests it runs fail (exit 1), not error out or pass. Two copies of
+    the project take turns (one pytest process each), so both cores work."""
     exercises = {ex.id: ex for ex in course.find_exercises(ROOT)}
-    rows, survivors = [], []
-    for m in MUTANTS:
-        args = zoo_command(m, exercises)
-        with patched(project, {m.file: m.apply((project / m.file).read_text())}):
-            r = run_pytest(project, *args, "-x")
-        killed = r.returncode == 1
-        rows.append(f"| {m.chapter} | {m.name} | `{' '.join(args)}` | {'killed' if killed else 'SURVIVED'} |")
-        if not killed:
-            survivors.append(f"{m.name}: exit {r.returncode}\n{r.stdout[-1500:]}")
-    score = sum(not s.endswith("SURVIVED |") for s in rows)
+    copies = queue.Queue()
+    for i in range(WORKERS):
+        copies.put(course.copy_project(ROOT, tmp_path / f"project{i}", leave_out=course.INSTRUCTORS_ONLY))
+
+    def run(mutant):
+        project = copies.get()
+        try:
+            with patched(project, {mutant.file: mutant.apply((project / mutant.file).read_text())}):
+                return run_pytest(project, *zoo_command(mutant, exercises), "-x")
+        finally:
+            copies.put(project)
+
+    with ThreadPoolExecutor(WORKERS) as pool:
+        results = list(pool.map(run, MUTANTS))
+    rows = [f"| {m.chapter} | {m.name} | `{' '.join(zoo_command(m, exercises))}` | "
+            f"{'killed' if r.returncode == 1 else 'SURVIVED'} |" for m, r in zip(MUTANTS, results)]  # fmt: skip
+    killed = sum(r.returncode == 1 for r in results)
     print("\n| chapter | mutant | tests run (-x) | result |\n|---|---|---|---|\n" + "\n".join(rows))
-    print(f"mutation score: {score}/{len(MUTANTS)} killed ({100 * score / len(MUTANTS):.0f}%)")
+    print(f"mutation score: {killed}/{len(MUTANTS)} killed ({100 * killed / len(MUTANTS):.0f}%)")
+    survivors = [f"{m.name}: exit {r.returncode}\n{r.stdout[-1500:]}" for m, r in zip(MUTANTS, results)
+                 if r.returncode != 1]  # fmt: skip
     assert not survivors, "\n\n".join(survivors)

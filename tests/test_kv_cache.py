@@ -74,6 +74,23 @@ def test_overflow_is_refused_and_loses_nothing(tiny_model):
         KVCache(tiny_model.config, max_len=33)
 
 
+def test_truncate_alone_sets_the_length(tiny_config):
+    """truncate(n) by itself: O(1), the length becomes n and the buffers stay; n outside 0..length is
+    refused. Fails for an off-by-one truncate."""
+    cache = KVCache(tiny_config)
+    cache.advance(10)
+    buffers = [id(a) for a in cache.k + cache.v]
+    cache.truncate(7)
+    assert cache.length == 7 and [id(a) for a in cache.k + cache.v] == buffers
+    cache.truncate(7)
+    assert cache.length == 7
+    for bad in (8, -1):
+        with pytest.raises(ValueError):
+            cache.truncate(bad)
+    cache.truncate(0)
+    assert cache.length == 0
+
+
 @pytest.mark.parametrize("cache_cls", CACHES)
 def test_truncate_rolls_back_exactly(tiny_model, cache_cls):
     """After truncate(n), feeding tokens n.. again gives the same logits as never having gone
@@ -116,6 +133,20 @@ def test_cached_generation_equals_naive(tiny_model, prompt, temperature, top_k, 
     assert cached.tokens == naive
     assert generate(tiny_model, prompt, n, cache=GrowingKVCache(tiny_model.config), **kw).tokens == naive
     assert cached.stats.new_tokens == n and cached.stats.reprefills == 0
+
+
+def test_generation_feeds_one_token_per_step(tiny_model, monkeypatch):
+    """The decode step runs only the newest token; when the cache is full (32) it re-prefills the last
+    block_size // 2 = 16 tokens. A GrowingKVCache keeps this test of the decode step apart from 3.1."""
+    sizes, forward = [], tiny_model.forward
+
+    def counting(idx, cache=None):
+        sizes.append(idx.shape[1])
+        return forward(idx, cache)
+
+    monkeypatch.setattr(tiny_model, "forward", counting)
+    generate(tiny_model, [1, 2, 3], 40, temperature=0, cache=GrowingKVCache(tiny_model.config))
+    assert sizes == [3] + [1] * 29 + [16] + [1] * 9  # prefill, decode to 32 cached, re-prefill, decode
 
 
 def test_cache_reused_across_generations_is_reset(tiny_model):
