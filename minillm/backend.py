@@ -13,8 +13,6 @@ driver, the import succeeds and only the first device call fails (``CUDARuntimeE
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import os
 
 import numpy
@@ -75,31 +73,3 @@ def synchronize() -> None:
     """Wait for queued GPU work (a no-op on NumPy); call it before reading a timer."""
     if is_gpu():
         xp.cuda.get_current_stream().synchronize()
-
-
-@functools.cache
-def _blas_libraries():
-    """threadpoolctl handles on the BLAS libraries NumPy loaded (OpenBLAS, MKL, ...)."""
-    from threadpoolctl import ThreadpoolController
-
-    return ThreadpoolController().select(user_api="blas").lib_controllers
-
-
-@contextlib.contextmanager
-def blas_threads(n: int | None):
-    """Run NumPy's BLAS on ``n`` threads inside the block (``None``, or on CuPy: leave it alone).
-
-    A one-token forward is a chain of matrix-vector products bound by reading the weights from
-    memory; on a small CPU a second BLAS thread only adds synchronization, while the matrix-matrix
-    products of a prefill or a verification do use it (docs/kv_cache.md has the measurements).
-    Costs about 2 microseconds.
-    """
-    libs = [] if n is None or is_gpu() else _blas_libraries()
-    before = [lib.get_num_threads() for lib in libs]
-    for lib in libs:
-        lib.set_num_threads(n)
-    try:
-        yield
-    finally:
-        for lib, k in zip(libs, before):
-            lib.set_num_threads(k)

@@ -25,14 +25,13 @@ import math
 import numpy as np
 
 from .attention import get_attention
-from .backend import blas_threads, to_numpy, xp
+from .backend import to_numpy, xp
 from .config import GPTConfig
 
 LN_EPS = 1e-5  # GPT-2's LayerNorm epsilon
 GELU_C = math.sqrt(2.0 / math.pi)  # a Python float: a NumPy float64 scalar would upcast float32
 GELU_A = 0.044715  # the cubic coefficient of the tanh approximation
 INIT_STD = 0.02  # GPT-2 initialization
-MATVEC_THREADS = 1  # BLAS threads for a one-token forward (memory-bound; see backend.blas_threads)
 
 
 def layer_norm(x, w, b):
@@ -128,16 +127,15 @@ class GPT:
             pos = xp.arange(T)
         else:
             pos = xp.asarray(cache.positions(T))
-        with blas_threads(MATVEC_THREADS if B * T == 1 else None):  # one row: matrix-vector products
-            x = p["wte.weight"][idx] + p["wpe.weight"][pos]  # (B, T, C)
-            for layer in range(cfg.n_layer):
-                h = f"h.{layer}."
-                ln_1 = layer_norm(x, p[h + "ln_1.weight"], p[h + "ln_1.bias"])
-                x = x + self._attention_block(layer, ln_1, cache)  # (B, T, C)
-                ln_2 = layer_norm(x, p[h + "ln_2.weight"], p[h + "ln_2.bias"])
-                x = x + self._mlp_block(layer, ln_2)  # (B, T, C)
-            x = layer_norm(x, p["ln_f.weight"], p["ln_f.bias"])
-            logits = x @ p["wte.weight"].T  # (B, T, C) @ (C, V) -> (B, T, V), the tied LM head
+        x = p["wte.weight"][idx] + p["wpe.weight"][pos]  # (B, T, C)
+        for layer in range(cfg.n_layer):
+            h = f"h.{layer}."
+            ln_1 = layer_norm(x, p[h + "ln_1.weight"], p[h + "ln_1.bias"])
+            x = x + self._attention_block(layer, ln_1, cache)  # (B, T, C)
+            ln_2 = layer_norm(x, p[h + "ln_2.weight"], p[h + "ln_2.bias"])
+            x = x + self._mlp_block(layer, ln_2)  # (B, T, C)
+        x = layer_norm(x, p["ln_f.weight"], p["ln_f.bias"])
+        logits = x @ p["wte.weight"].T  # (B, T, C) @ (C, V) -> (B, T, V), the tied LM head
         if cache is not None:
             cache.advance(T)
         return logits

@@ -5,7 +5,6 @@ import subprocess
 import sys
 
 import numpy as np
-import pytest
 
 import minillm
 from minillm import backend
@@ -46,33 +45,3 @@ def test_forced_cupy_without_gpu_says_why():
 def test_bad_backend_name():
     r = run_python("import minillm", MINILLM_BACKEND="jax")
     assert r.returncode != 0 and "expected 'numpy' or 'cupy'" in r.stderr
-
-
-def test_blas_threads_sets_and_restores():
-    libs = backend._blas_libraries()
-    if backend.is_gpu() or not libs:
-        pytest.skip("no NumPy BLAS to control")
-    before = [lib.get_num_threads() for lib in libs]
-    with backend.blas_threads(1):
-        assert [lib.get_num_threads() for lib in libs] == [1] * len(libs)
-    assert [lib.get_num_threads() for lib in libs] == before
-    with pytest.raises(KeyError), backend.blas_threads(1):
-        raise KeyError("restored even when the block raises")
-    assert [lib.get_num_threads() for lib in libs] == before
-    with backend.blas_threads(None):
-        assert [lib.get_num_threads() for lib in libs] == before
-
-
-def test_one_token_forward_runs_on_matvec_threads(monkeypatch):
-    """A decode step (B*T == 1) asks for MATVEC_THREADS; prefill and batches keep the default."""
-    from minillm import model as model_mod
-    from minillm.config import GPTConfig
-
-    seen = []
-    real = model_mod.blas_threads
-    monkeypatch.setattr(model_mod, "blas_threads", lambda n: seen.append(n) or real(n))
-    m = model_mod.GPT.init(GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=8))
-    m.forward(np.zeros((1, 1), dtype=np.int64))
-    m.forward(np.zeros((1, 3), dtype=np.int64))
-    m.forward(np.zeros((2, 1), dtype=np.int64))
-    assert seen == [model_mod.MATVEC_THREADS, None, None]
