@@ -39,6 +39,28 @@ def time_fn(fn, warmup: int = 1, repeat: int = 3) -> float:
     return statistics.median(times)
 
 
+def time_paired(baseline, candidate, repeat: int = 3):
+    """Time two ways of doing the same work in alternation -> (baseline s, candidate s, candidate's result).
+
+    Both are medians over ``repeat`` runs after one warm-up call each. Alternating the runs puts
+    both under the same machine conditions, so their ratio does not drift with background load the
+    way two medians timed minutes apart do (on a shared 2-core machine that drift reached 20 %).
+    """
+    baseline()
+    result = candidate()
+    times = ([], [])
+    for _ in range(repeat):
+        for fn, out in ((baseline, times[0]), (candidate, times[1])):
+            synchronize()
+            t0 = time.perf_counter()
+            value = fn()
+            synchronize()
+            out.append(time.perf_counter() - t0)
+            if fn is candidate:
+                result = value
+    return statistics.median(times[0]), statistics.median(times[1]), result
+
+
 def format_table(rows: list[dict], columns: list[str] | None = None) -> str:
     """Rows of dicts -> an aligned text table (floats with 4 significant digits)."""
     columns = columns or list(rows[0])

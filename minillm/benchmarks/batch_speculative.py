@@ -8,8 +8,9 @@ validation split), greedy by default:
 2. measure costs per batch size B, in target decode steps of the same batch: v(B) = one target
    forward over B x (K + 1) tokens / one over B x 1 (the verification; theory assumes v = 1), and
    c(B) = one draft step / one target step (both (B, 1));
-3. time plain batched decoding and batched speculative decoding under each policy (median of
-   ``--repeat`` runs after a warm-up): tokens/s = B x new tokens / wall time;
+3. time batched speculative decoding under each policy in alternation with plain batched decoding
+   (``bench.time_paired``: medians of ``--repeat`` runs each after a warm-up): tokens/s = B x new
+   tokens / wall time;
 4. print a table: tokens/s, speed-up over plain batched decoding at the same B, alpha, tokens per
    target call per row, the share of verified positions thrown away (padding + rejections), and a
    cost model tok/call / (draft steps per round x c(B) + v(B)); save docs/figures/batch_speculative.png.
@@ -22,11 +23,11 @@ import argparse
 import numpy as np
 
 from ..batch_speculative import POLICIES, forward_ragged, generate_batch, speculative_generate_batch
-from ..bench import format_table, save_figure, time_fn
+from ..bench import format_table, save_figure, time_fn, time_paired
 from ..checkpoint import load_model
 from ..generate import generate
 from ..paged_kv import PagedKVCache, num_blocks_for
-from .speculative import STEP_CONTEXT, timed, validation_prompts
+from .speculative import STEP_CONTEXT, validation_prompts
 
 PROMPT_STEP = 8  # prompt i is PROMPT_STEP * (i % 4) characters shorter than --prompt-len: ragged rows
 
@@ -150,16 +151,20 @@ def main(argv: list[str]) -> int:
     rows = []
     for B in args.batch_sizes:
         batch = prompts[:B]
-        plain_s, _ = timed(lambda b=batch: generate_batch(target, b, n_new, temperature=args.temperature),
-                           args.repeat)  # fmt: skip
-        plain = B * n_new / plain_s
-        rows.append({"B": B, "method": "plain", "tok/s": plain, "speed-up": 1.0})
+
+        def plain(b=batch):
+            return generate_batch(target, b, n_new, temperature=args.temperature)
+
+        plain_row = {"B": B, "method": "plain", "speed-up": 1.0}
+        rows.append(plain_row)
+        plain_times = []
         for policy in args.policies:
             def run(b=batch, policy=policy):
                 return speculative_generate_batch(target, draft, b, n_new, k=args.k, temperature=args.temperature,
                                                   policy=policy)  # fmt: skip
 
-            wall, (_, stats, bst) = timed(run, args.repeat)
+            plain_s, wall, (_, stats, bst) = time_paired(plain, run, args.repeat)  # alternating runs
+            plain_times.append(plain_s)
             per_call = float(np.mean([s.tokens_per_call for s in stats]))
             draft_steps = bst.draft_calls / bst.target_calls  # batched draft forwards per round
             rows.append({
@@ -172,6 +177,7 @@ def main(argv: list[str]) -> int:
             })  # fmt: skip
             print(f"  B={B:2d} {policy:8s}: {rows[-1]['tok/s']:.0f} tok/s, speed-up {rows[-1]['speed-up']:.2f}x, "
                   f"thrown away {rows[-1]['wasted %']:.1f} %", flush=True)  # fmt: skip
+        plain_row["tok/s"] = B * n_new / float(np.median(plain_times))  # over every pairing
 
     # 4. report
     columns = ["B", "method", "tok/s", "speed-up", "alpha", "tok/call", "wasted %", "padded %", "rejected %",

@@ -6,8 +6,9 @@ corpus bigram), K = 1..8, greedy and temperature 1:
 1. validate: greedy speculative output == ``generate(target, temperature=0)`` for every prompt;
 2. measure costs: c = draft decode step / target decode step, and v(K) = target forward over
    K + 1 tokens / target decode step (the theory assumes v = 1);
-3. time the target's own cached decoding and every speculative configuration (same prompts, same
-   number of new tokens, median of ``--repeat`` runs after a warm-up);
+3. time every speculative configuration in alternation with the target's own cached decoding
+   (``bench.time_paired``: same prompts, same number of new tokens, medians of ``--repeat`` runs
+   each after a warm-up), so each speed-up compares runs made under the same machine load;
 4. print a table: alpha, tokens per target call measured beside (1 - a^(K+1)) / (1 - a), the
    measured speed-up beside Leviathan et al.'s (1 - a^(K+1)) / ((1 - a)(K c + 1)) and beside a
    cost model that uses the measured v(K); save docs/figures/spec_speedup.png.
@@ -20,12 +21,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import numpy as np
 
-from ..backend import synchronize, xp
-from ..bench import format_table, save_figure, time_fn
+from ..backend import xp
+from ..bench import format_table, save_figure, time_fn, time_paired
 from ..checkpoint import load_model
 from ..data import train_val_split
 from ..drafts import BigramDraft, quantize_weights
@@ -87,19 +87,6 @@ def step_time(model, n_tokens, context=STEP_CONTEXT, repeat=30):
         model.forward(new, cache)
 
     return time_fn(step, warmup=3, repeat=repeat)
-
-
-def timed(fn, repeat):
-    """(median wall seconds over ``repeat`` runs after one warm-up, last result)."""
-    result = fn()
-    times = []
-    for _ in range(repeat):
-        synchronize()
-        t0 = time.perf_counter()
-        result = fn()
-        synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times), result
 
 
 def run_speculative(target, draft, prompts, n_new, k, temperature):
@@ -190,18 +177,21 @@ def main(argv: list[str]) -> int:
 
     # 3. time the baseline and every configuration
     rows = []
+    n_total = n_new * len(prompts)
     for temp in args.temperatures:
-        base_s, _ = timed(lambda t=temp: [generate(target, p, n_new, temperature=t, seed=i)
-                                          for i, p in enumerate(prompts)], args.repeat)  # fmt: skip
-        n_total = n_new * len(prompts)
-        rows.append({"draft": "(target alone)", "T": temp, "K": 0, "tok/s": n_total / base_s,
-                     "speed-up": 1.0})  # fmt: skip
+        def baseline(t=temp):
+            return [generate(target, p, n_new, temperature=t, seed=i) for i, p in enumerate(prompts)]
+
+        base_row = {"draft": "(target alone)", "T": temp, "K": 0, "speed-up": 1.0}
+        rows.append(base_row)
+        base_times = []
         for name, draft in drafts.items():
             for k in args.ks:
                 def run(d=draft, k=k, t=temp):
                     return run_speculative(target, d, prompts, n_new, k, t)
 
-                wall, (_, tot) = timed(run, args.repeat)
+                base_s, wall, (_, tot) = time_paired(baseline, run, args.repeat)  # alternating runs
+                base_times.append(base_s)
                 alpha = tot["accepted"] / max(1, tot["checked"])
                 per_call = tot["new"] / tot["calls"]
                 rows.append({
@@ -214,6 +204,7 @@ def main(argv: list[str]) -> int:
                 })  # fmt: skip
                 print(f"  {name:6s} T={temp:g} K={k}: alpha {alpha:.3f}, {per_call:.2f} tok/call, "
                       f"speed-up {base_s / wall:.2f}x", flush=True)  # fmt: skip
+        base_row["tok/s"] = n_total / statistics.median(base_times)  # over every pairing
 
     # 4. report
     columns = ["draft", "T", "K", "alpha", "tok/call", "formula", "c", "tok/s", "speed-up", "theory",

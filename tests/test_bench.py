@@ -1,0 +1,33 @@
+"""Benchmark helpers: they print numbers, so what is tested is what they time and return."""
+
+import time
+
+from minillm.bench import format_table, time_fn, time_paired
+
+
+def test_time_paired_alternates_and_returns_the_candidates_result():
+    calls = []
+
+    def baseline():
+        calls.append("a")
+        time.sleep(0.002)
+
+    def candidate():
+        calls.append("b")
+        return len(calls)
+
+    base_s, cand_s, result = time_paired(baseline, candidate, repeat=3)
+    assert calls == ["a", "b"] + ["a", "b"] * 3  # one warm-up each, then strictly alternating
+    assert result == len(calls)  # the last candidate run's result
+    assert base_s >= 0.002 > cand_s >= 0.0
+
+
+def test_time_fn_warms_up_then_takes_the_median():
+    calls = []
+    assert time_fn(lambda: calls.append(1), warmup=2, repeat=5) >= 0.0
+    assert len(calls) == 7
+
+
+def test_format_table_aligns_and_rounds():
+    table = format_table([{"name": "a", "x": 1.23456}, {"name": "bbb", "x": 10.0}])
+    assert table.splitlines() == ["name      x", "----  -----", "   a  1.235", " bbb     10"]
