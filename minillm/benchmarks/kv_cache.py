@@ -17,7 +17,7 @@ import argparse
 
 import numpy as np
 
-from ..bench import format_table, save_figure, time_fn
+from ..bench import format_table, save_figure, time_fn, time_paired
 from ..checkpoint import load_model
 from ..data import load_corpus
 from ..generate import generate, generate_naive
@@ -62,8 +62,8 @@ def naive_vs_cached(model, prompt, lengths, repeat) -> tuple[list[dict], dict]:
         cached = generate(model, prompt, n, temperature=0)
         if naive.tokens != cached.tokens:
             raise AssertionError(f"cached generation differs from naive at {n} new tokens")
-        t_naive = time_fn(lambda n=n: generate_naive(model, prompt, n, temperature=0), warmup=0, repeat=repeat)
-        t_cached = time_fn(lambda n=n: generate(model, prompt, n, temperature=0), warmup=1, repeat=repeat)
+        t_naive, t_cached, _ = time_paired(lambda n=n: generate_naive(model, prompt, n, temperature=0),
+                                           lambda n=n: generate(model, prompt, n, temperature=0), repeat)  # fmt: skip
         rows.append({
             "new tokens": n, "naive s": t_naive, "cached s": t_cached, "speed-up": t_naive / t_cached,
             "naive ms/token": 1e3 * t_naive / n, "cached ms/token": 1e3 * t_cached / n,
