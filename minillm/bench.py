@@ -25,18 +25,20 @@ TOPICS = {
 DEFAULT_FIG_DIR = Path("docs") / "figures"
 
 
+def _timed(fn):
+    """Run ``fn()`` once -> (wall seconds, its result), the GPU synchronized before both clock reads."""
+    synchronize()
+    t0 = time.perf_counter()
+    value = fn()
+    synchronize()
+    return time.perf_counter() - t0, value
+
+
 def time_fn(fn, warmup: int = 1, repeat: int = 3) -> float:
     """Median wall time of ``fn()`` in seconds after ``warmup`` untimed calls."""
     for _ in range(warmup):
         fn()
-    synchronize()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        synchronize()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.median(_timed(fn)[0] for _ in range(repeat))
 
 
 def time_paired(baseline, candidate, repeat: int = 3):
@@ -48,17 +50,12 @@ def time_paired(baseline, candidate, repeat: int = 3):
     """
     baseline()
     result = candidate()
-    times = ([], [])
+    base_times, cand_times = [], []
     for _ in range(repeat):
-        for fn, out in ((baseline, times[0]), (candidate, times[1])):
-            synchronize()
-            t0 = time.perf_counter()
-            value = fn()
-            synchronize()
-            out.append(time.perf_counter() - t0)
-            if fn is candidate:
-                result = value
-    return statistics.median(times[0]), statistics.median(times[1]), result
+        base_times.append(_timed(baseline)[0])
+        seconds, result = _timed(candidate)
+        cand_times.append(seconds)
+    return statistics.median(base_times), statistics.median(cand_times), result
 
 
 def format_table(rows: list[dict], columns: list[str] | None = None) -> str:
