@@ -43,7 +43,7 @@ import numpy as np
 from .backend import synchronize, xp
 from .generate import _check_args as _check_prompt
 from .paged_kv import PagedKVCache, num_blocks_for
-from .sampling import logits_to_probs, sample
+from .sampling import next_token
 from .speculative import SequenceState, SpecStats, _check_args, _finish, _judge, _propose
 
 POLICIES = ("pad", "adaptive")
@@ -194,7 +194,7 @@ def generate_batch(model, prompts, max_new_tokens, temperature=1.0, top_k=None, 
         rows = forward_ragged(model, pool, [v.seq_id for v in views], pending)
         stats.target_calls += 1
         for b, logits in enumerate(rows):
-            token = sample(logits_to_probs(logits[-1], temperature, top_k, top_p), rngs[b])
+            token = next_token(logits[-1], rngs[b], temperature, top_k, top_p)
             seqs[b].append(token)
             pending[b] = [token]
     synchronize()

@@ -23,7 +23,7 @@ import numpy as np
 
 from .backend import synchronize, xp
 from .kv_cache import KVCache
-from .sampling import logits_to_probs, sample
+from .sampling import next_token
 
 
 @dataclass
@@ -71,7 +71,7 @@ def _decode(first_logits, next_logits, prompt_ids, max_new_tokens, temperature, 
     t0 = time.perf_counter()
     logits = first_logits()
     for i in range(max_new_tokens):
-        token = sample(logits_to_probs(logits, temperature, top_k, top_p), rng)
+        token = next_token(logits, rng, temperature, top_k, top_p)
         new.append(token)
         t1 = time.perf_counter()
         times.append(t1 - t0)

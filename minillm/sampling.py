@@ -4,6 +4,8 @@
    Temperature 0 means greedy: all mass on the argmax.
 2. ``sample``: probabilities -> token ids, using an explicit ``numpy.random.Generator``.
 
+``next_token`` does both for one row, and takes the argmax directly when decoding is greedy.
+
 Keeping them apart matters for speculative decoding, which compares the draft's and the target's
 probability vectors *after* the same transform. Sampling runs on the host in float64: the vectors
 are small (V entries per row) and float64 keeps the statistical tests honest.
@@ -16,6 +18,16 @@ import numpy as np
 from .backend import to_numpy
 
 
+def check_sampling_args(temperature, top_k, top_p) -> None:
+    """Raise ValueError for a negative temperature, top_k < 1 or top_p outside (0, 1]."""
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if top_k is not None and top_k < 1:
+        raise ValueError(f"top_k must be >= 1, got {top_k}")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+
 def logits_to_probs(logits, temperature=1.0, top_k=None, top_p=None):
     """(..., V) logits -> (..., V) float64 probabilities on the host.
 
@@ -26,15 +38,10 @@ def logits_to_probs(logits, temperature=1.0, top_k=None, top_p=None):
 
     Example: logits [2, 1, 0], top_k=2 -> [0.731, 0.269, 0].
     """
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    check_sampling_args(temperature, top_k, top_p)
     logits = to_numpy(logits).astype(np.float64)
-    if temperature == 0:
-        return np.eye(logits.shape[-1])[logits.argmax(axis=-1)]  # one-hot at the argmax
+    if temperature == 0:  # one-hot at the argmax (not np.eye(V)[argmax]: that builds a V x V matrix)
+        return (np.arange(logits.shape[-1]) == logits.argmax(axis=-1)[..., None]).astype(np.float64)
     logits = logits / temperature
     if top_k is not None and top_k < logits.shape[-1]:
         logits = top_k_filter(logits, top_k)
@@ -83,3 +90,13 @@ def sample(probs, rng: np.random.Generator):
     last_nonzero = probs.shape[-1] - 1 - np.argmax(probs[..., ::-1] > 0, axis=-1)
     idx = np.minimum(idx, last_nonzero)  # guard against u landing on a rounding sliver
     return int(idx) if idx.ndim == 0 else idx
+
+
+def next_token(logits, rng: np.random.Generator, temperature=1.0, top_k=None, top_p=None) -> int:
+    """One row of logits (V,) -> one token: ``sample(logits_to_probs(...))``, except that greedy
+    decoding (temperature 0) takes the argmax directly; it needs no probability vector.
+    """
+    check_sampling_args(temperature, top_k, top_p)
+    if temperature == 0:
+        return int(logits.argmax())
+    return sample(logits_to_probs(logits, temperature, top_k, top_p), rng)

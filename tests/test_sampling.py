@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from minillm.sampling import logits_to_probs, sample
+from minillm.sampling import logits_to_probs, next_token, sample
 
 # The tests that check each exercise, as pytest -k expressions (read by minillm.course; docs/instructors.md)
 EXERCISES = {"1.1": "top_k", "1.2": "top_p"}
@@ -14,6 +14,28 @@ def test_temperature_zero_is_greedy():
     np.testing.assert_array_equal(probs, [[0, 1, 0], [1, 0, 0]])
     rng = np.random.default_rng(0)
     assert all(sample(probs[0], rng) == 1 for _ in range(50))
+
+
+def test_greedy_one_hot_ties_go_to_the_first_maximum():
+    probs = logits_to_probs(np.array([[1.0, 3.0, 3.0], [2.0, 2.0, 2.0]]), temperature=0)
+    np.testing.assert_array_equal(probs, [[0, 1, 0], [1, 0, 0]])  # what argmax picks, exactly one 1 per row
+    assert probs.dtype == np.float64
+
+
+def test_next_token_is_sample_of_logits_to_probs():
+    """Greedy takes the argmax without drawing; any other setting draws as sample(logits_to_probs())."""
+    logits = np.random.default_rng(3).normal(size=(50, 17))
+    for kw in ({"temperature": 0}, {"temperature": 0.7}, {"temperature": 1.0, "top_k": 5},
+               {"temperature": 1.3, "top_p": 0.8}):  # fmt: skip
+        rng_a, rng_b = np.random.default_rng(9), np.random.default_rng(9)
+        got = [next_token(row, rng_a, **kw) for row in logits]
+        want = [sample(logits_to_probs(row, **kw), rng_b) for row in logits]
+        assert got == want, kw
+        assert all(isinstance(t, int) for t in got)
+    assert len(set(next_token(logits[0], np.random.default_rng(s)) for s in range(30))) > 1  # it samples
+    for kw in ({"temperature": -1}, {"temperature": 0, "top_k": 0}, {"temperature": 0, "top_p": 2.0}):
+        with pytest.raises(ValueError):
+            next_token(logits[0], np.random.default_rng(0), **kw)
 
 
 def test_temperature_scales_logits():
