@@ -2,7 +2,11 @@
 
 import time
 
+import numpy as np
+
+from minillm import model as model_module
 from minillm.bench import format_table, time_fn, time_paired
+from minillm.benchmarks.kv_cache import STAND_INS, decode_step_parts
 
 
 def test_time_paired_alternates_and_returns_the_candidates_result():
@@ -31,3 +35,14 @@ def test_time_fn_warms_up_then_takes_the_median():
 def test_format_table_aligns_and_rounds():
     table = format_table([{"name": "a", "x": 1.23456}, {"name": "bbb", "x": 10.0}])
     assert table.splitlines() == ["name      x", "----  -----", "   a  1.235", " bbb     10"]
+
+
+def test_decode_step_parts_swaps_each_part_and_then_restores_the_model(tiny_model):
+    idx = np.array([[1, 2, 3, 4, 5]])
+    before = tiny_model.forward(idx)
+    originals = {name: getattr(model_module, name) for name, _ in STAND_INS.values()}
+    rows = decode_step_parts(tiny_model, context=6, steps=2, rounds=2)
+    assert [r["part"] for r in rows] == ["whole step", *STAND_INS, "attention math"]
+    assert rows[0]["share"] == 1.0 and all(r["step us"] > 0 for r in rows)
+    assert {name: getattr(model_module, name) for name in originals} == originals
+    np.testing.assert_array_equal(tiny_model.forward(idx), before)  # the real attention is back too

@@ -6,7 +6,8 @@
 3. time to first token (the prefill) vs prompt length;
 4. preallocated vs growing (concatenating) cache: time and bytes allocated;
 5. prompt caching: TTFT with and without a PrefixCache for a long shared system prompt;
-6. KV memory for real models at long contexts (the formula, no timing).
+6. KV memory for real models at long contexts (the formula, no timing);
+7. where a decode step's time goes: each part's cost inside the real loop, by ablation.
 
 Every timed configuration is validated first: cached tokens must equal naive tokens (greedy).
 """
@@ -14,9 +15,13 @@ Every timed configuration is validated first: cached tokens must equal naive tok
 from __future__ import annotations
 
 import argparse
+import contextlib
+from unittest import mock
 
 import numpy as np
 
+from .. import model as model_module
+from ..backend import xp
 from ..bench import format_table, save_figure, time_fn, time_paired
 from ..checkpoint import load_model
 from ..data import load_corpus
@@ -120,6 +125,49 @@ def prefix_cache_rows(model, tokenizer, repeat) -> list[dict]:
     return rows
 
 
+STAND_INS = {  # a part of the decode step -> (its function in minillm.model, a stand-in that costs ~nothing)
+    "weight matmuls": ("linear", lambda x, w, b: xp.zeros(x.shape[:-1] + w.shape[-1:], dtype=x.dtype)),
+    "LayerNorms": ("layer_norm", lambda x, w, b: x),
+    "GELU": ("gelu", lambda x: x),
+}
+
+
+def _without_attention_math(q, k, v, causal=True):
+    return q  # what is left of attention: writing the new k, v into the cache
+
+
+def decode_step_parts(model, context: int, steps: int, rounds: int) -> list[dict]:
+    """Where one decode step's time goes, by ablation: time the step with ``context`` tokens cached,
+    then with one part swapped for a stand-in that returns its input (or zeros of the right shape);
+    the difference is that part's cost *inside the loop*. Timing a part on its own would miss that
+    every step streams all weights through the CPU caches and so evicts everything else. Variants
+    are timed in alternation, ``steps`` decode steps per timing, medians over ``rounds``.
+    """
+    cache = KVCache(model.config)
+    model.forward(xp.asarray([[t % model.config.vocab_size for t in range(context)]]), cache)
+    token = xp.asarray([[1]])
+
+    def step():
+        for _ in range(steps):
+            cache.truncate(context)
+            model.forward(token, cache)
+
+    variants = {"whole step": contextlib.nullcontext()}
+    variants |= {part: mock.patch.object(model_module, name, fn) for part, (name, fn) in STAND_INS.items()}
+    variants["attention math"] = mock.patch.object(model, "attention", _without_attention_math)
+    times = {part: [] for part in variants}
+    for r in range(rounds):
+        for part in list(variants)[:: 1 if r % 2 else -1]:
+            with variants[part]:
+                times[part].append(1e6 * time_fn(step, warmup=1, repeat=1) / steps)
+    whole = np.median(times["whole step"])
+    rows = [{"part": "whole step", "step us": whole, "part us": whole, "share": 1.0}]
+    for part in list(variants)[1:]:
+        cost = float(np.median(np.subtract(times["whole step"], times[part])))  # paired by round
+        rows.append({"part": part, "step us": float(np.median(times[part])), "part us": cost, "share": cost / whole})
+    return rows
+
+
 def plot_steps(traces, n, out_dir):
     import matplotlib.pyplot as plt
 
@@ -195,5 +243,9 @@ def main(argv=None) -> int:
     print("6. KV cache size in FP16 (GiB), batch 1 -- kv_cache_bytes(n_layer, n_kv_head, head_dim, seq_len)")
     target = [("target", model.config)]
     print(format_table(kv_memory_rows(target)))
-    print("  ", plot_memory(args.out_dir))
+    print("  ", plot_memory(args.out_dir), "\n")
+    context = (32 + T) // 2  # the mean context of section 1's longest run
+    print(f"7. where a decode step's time goes ({context} tokens cached): each part swapped for a free stand-in")
+    steps, rounds = (10, 4) if args.quick else (30, 40)
+    print(format_table(decode_step_parts(model, context, steps, rounds)))
     return 0
