@@ -41,12 +41,13 @@ def time_fn(fn, warmup: int = 1, repeat: int = 3) -> float:
     return statistics.median(_timed(fn)[0] for _ in range(repeat))
 
 
-def time_paired(baseline, candidate, repeat: int = 3):
-    """Time two ways of doing the same work in alternation -> (baseline s, candidate s, candidate's result).
+def time_pairs(baseline, candidate, repeat: int = 3):
+    """Time two ways of doing the same work in alternation -> (baseline times, candidate times,
+    candidate's last result), ``repeat`` wall times each in seconds, after one warm-up call each.
 
-    Both are medians over ``repeat`` runs after one warm-up call each. Alternating the runs puts
-    both under the same machine conditions, so their ratio does not drift with background load the
-    way two medians timed minutes apart do (on a shared 2-core machine that drift reached 20 %).
+    Alternating the runs puts both of a pair under the same machine conditions, so their ratio does
+    not drift with background load the way two medians timed minutes apart do (on a shared 2-core
+    machine that drift reached 20 %).
     """
     baseline()
     result = candidate()
@@ -55,6 +56,12 @@ def time_paired(baseline, candidate, repeat: int = 3):
         base_times.append(_timed(baseline)[0])
         seconds, result = _timed(candidate)
         cand_times.append(seconds)
+    return base_times, cand_times, result
+
+
+def time_paired(baseline, candidate, repeat: int = 3):
+    """``time_pairs`` reduced to medians -> (baseline s, candidate s, candidate's last result)."""
+    base_times, cand_times, result = time_pairs(baseline, candidate, repeat)
     return statistics.median(base_times), statistics.median(cand_times), result
 
 

@@ -5,7 +5,7 @@ import time
 import numpy as np
 
 from minillm import model as model_module
-from minillm.bench import format_table, time_fn, time_paired
+from minillm.bench import format_table, time_fn, time_paired, time_pairs
 from minillm.benchmarks.kv_cache import STAND_INS, decode_step_parts
 
 
@@ -24,6 +24,12 @@ def test_time_paired_alternates_and_returns_the_candidates_result():
     assert calls == ["a", "b"] + ["a", "b"] * 3  # one warm-up each, then strictly alternating
     assert result == len(calls)  # the last candidate run's result
     assert base_s >= 0.002 > cand_s >= 0.0
+
+    calls.clear()
+    base_times, cand_times, result = time_pairs(baseline, candidate, repeat=4)
+    assert calls == ["a", "b"] * 5 and result == 10
+    assert len(base_times) == len(cand_times) == 4  # one time per pair, in order
+    assert min(base_times) >= 0.002 > max(cand_times)
 
 
 def test_time_fn_warms_up_then_takes_the_median():
