@@ -22,20 +22,29 @@ def test_greedy_one_hot_ties_go_to_the_first_maximum():
     assert probs.dtype == np.float64
 
 
+def _next_token_equals_sample_of_logits_to_probs(**kw):
+    logits = np.random.default_rng(3).normal(size=(50, 17))
+    rng_a, rng_b = np.random.default_rng(9), np.random.default_rng(9)
+    got = [next_token(row, rng_a, **kw) for row in logits]
+    assert got == [sample(logits_to_probs(row, **kw), rng_b) for row in logits], kw
+    assert all(isinstance(t, int) for t in got)
+
+
 def test_next_token_is_sample_of_logits_to_probs():
     """Greedy takes the argmax without drawing; any other setting draws as sample(logits_to_probs())."""
-    logits = np.random.default_rng(3).normal(size=(50, 17))
-    for kw in ({"temperature": 0}, {"temperature": 0.7}, {"temperature": 1.0, "top_k": 5},
-               {"temperature": 1.3, "top_p": 0.8}):  # fmt: skip
-        rng_a, rng_b = np.random.default_rng(9), np.random.default_rng(9)
-        got = [next_token(row, rng_a, **kw) for row in logits]
-        want = [sample(logits_to_probs(row, **kw), rng_b) for row in logits]
-        assert got == want, kw
-        assert all(isinstance(t, int) for t in got)
-    assert len(set(next_token(logits[0], np.random.default_rng(s)) for s in range(30))) > 1  # it samples
+    for temperature in (0, 0.7, 1.0, 1.3):
+        _next_token_equals_sample_of_logits_to_probs(temperature=temperature)
+    logits = np.random.default_rng(4).normal(size=17)
+    assert len({next_token(logits, np.random.default_rng(s)) for s in range(30)}) > 1  # it does sample
     for kw in ({"temperature": -1}, {"temperature": 0, "top_k": 0}, {"temperature": 0, "top_p": 2.0}):
         with pytest.raises(ValueError):
-            next_token(logits[0], np.random.default_rng(0), **kw)
+            next_token(logits, np.random.default_rng(0), **kw)
+
+
+def test_next_token_passes_top_k_and_top_p_on():
+    _next_token_equals_sample_of_logits_to_probs(temperature=1.0, top_k=5)
+    _next_token_equals_sample_of_logits_to_probs(temperature=1.3, top_p=0.8)
+    _next_token_equals_sample_of_logits_to_probs(temperature=0.9, top_k=4, top_p=0.9)
 
 
 def test_temperature_scales_logits():
