@@ -96,7 +96,7 @@ def next_token(logits, rng: np.random.Generator, temperature=1.0, top_k=None, to
     """One row of logits (V,) -> one token: ``sample(logits_to_probs(...))``, except that greedy
     decoding (temperature 0) takes the argmax directly; it needs no probability vector.
     """
-    check_sampling_args(temperature, top_k, top_p)
     if temperature == 0:
+        check_sampling_args(temperature, top_k, top_p)  # logits_to_probs checks them otherwise
         return int(logits.argmax())
     return sample(logits_to_probs(logits, temperature, top_k, top_p), rng)
