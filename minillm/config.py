@@ -27,6 +27,11 @@ class GPTConfig:
     def head_size(self) -> int:
         return self.n_embd // self.n_head
 
+    @property
+    def n_kv_head(self) -> int:
+        """Key/value heads a cache stores per layer: GPT-2 has one per query head (multi-head)."""
+        return self.n_head
+
     def param_shapes(self) -> dict[str, tuple[int, ...]]:
         """Parameter name -> shape, named like Hugging Face GPT-2 (no ``transformer.`` prefix).
 

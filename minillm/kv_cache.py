@@ -49,7 +49,7 @@ class KVCache:
                 "(positions past block_size have no embedding)"
             )
         self.config, self.batch_size, self.max_len = config, batch_size, max_len
-        shape = (batch_size, config.n_head, max_len, config.head_size)  # (B, nh, max_len, hs)
+        shape = (batch_size, config.n_kv_head, max_len, config.head_size)  # (B, n_kv_head, max_len, hs)
         dtype = xp.float32 if dtype is None else dtype
         self.k = [xp.zeros(shape, dtype=dtype) for _ in range(config.n_layer)]
         self.v = [xp.zeros(shape, dtype=dtype) for _ in range(config.n_layer)]

@@ -211,7 +211,7 @@ class PagedKVCache:
                  dtype=None):  # fmt: skip
         self.config, self.block_size, self.num_blocks = config, block_size, num_blocks
         self.allocator = BlockAllocator(num_blocks, block_size)
-        shape = (num_blocks, config.n_head, block_size, config.head_size)  # (num_blocks, nh, bs, hs)
+        shape = (num_blocks, config.n_kv_head, block_size, config.head_size)  # (num_blocks, n_kv_head, bs, hs)
         dtype = xp.float32 if dtype is None else dtype
         self.k = [xp.zeros(shape, dtype=dtype) for _ in range(config.n_layer)]
         self.v = [xp.zeros(shape, dtype=dtype) for _ in range(config.n_layer)]
