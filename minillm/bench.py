@@ -21,6 +21,7 @@ TOPICS = {
     "speculative": "minillm.benchmarks.speculative",
     "paged": "minillm.benchmarks.paged",
     "batch-speculative": "minillm.benchmarks.batch_speculative",
+    "threads": "minillm.benchmarks.threads",
 }
 DEFAULT_FIG_DIR = Path("docs") / "figures"
 
