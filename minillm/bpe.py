@@ -210,6 +210,8 @@ class BPETokenizer:
         [{"role": "user", "content": "Hi"}] ->
         "<|im_start|>system\\n{default}<|im_end|>\\n<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n"
         """
+        if not messages:
+            raise ValueError("a conversation needs at least one message")
         for m in messages:
             if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)):
                 raise ValueError(f"a chat message is a dict with string 'role' and 'content', got {m!r}")
