@@ -115,7 +115,7 @@ class BPETokenizer:
 
     def __init__(self, tokens: list[str], merges: list[str], special: list[int], pre: str = "smollm",
                  bos_token_id: int | None = None, eos_token_id: int | None = None,
-                 default_system: str | None = None):  # fmt: skip
+                 default_system: str | None = None):
         if pre not in PRE_TOKENIZERS:
             raise ValueError(f"unknown pre-tokenizer {pre!r}; known: {', '.join(sorted(PRE_TOKENIZERS))}")
         self.tokens = list(tokens)

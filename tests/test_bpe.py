@@ -174,7 +174,7 @@ CORPUS = [
     # special tokens and the chat template
     "<|im_start|>system\nYou are helpful<|im_end|>\n<|im_start|>user\nHi!<|im_end|>\n<|im_start|>assistant\n",
     "<|endoftext|><|im_start|><|im_end|>", "<|im_start|", "a<|im_end|>b", "<repo_name>x<file_sep>",
-]  # fmt: skip
+]
 
 
 def shakespeare_samples() -> list[str]:
@@ -245,7 +245,7 @@ CONVERSATIONS = [
     [{"role": "system", "content": "Answer in one word."}, {"role": "user", "content": "Capital of France?"}],
     [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello! How can I help?"},
      {"role": "user", "content": "Tell me a joke.\nA short one."}],
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize("add_generation_prompt", [True, False])
@@ -259,7 +259,7 @@ def test_chat_template_matches_transformers(tok, oracle, messages, add_generatio
 def test_chat_template_default_system_and_bad_messages(tok):
     text = tok.apply_chat_template([{"role": "user", "content": "Hi"}])
     assert text == ("<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
-                    "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")  # fmt: skip
+                    "<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n")
     with pytest.raises(ValueError, match="at least one message"):
         tok.apply_chat_template([])
     with pytest.raises(ValueError, match="'role' and 'content'"):
