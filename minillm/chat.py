@@ -141,8 +141,8 @@ def load(name: str):
     return load_model(name)
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m minillm chat", description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The chat options, for this module's parser and for a ``chat`` subcommand of the CLI."""
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"model name or .gguf path (default {DEFAULT_MODEL})")
     p.add_argument("--system", help="system prompt (default: the model's own)")
     p.add_argument("--temperature", type=float, default=0.2, help="0 = greedy (default 0.2)")
@@ -151,21 +151,18 @@ def parse_args(argv):
     p.add_argument("--context", type=int, help="KV cache length in tokens (default: the model's context)")
     p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     p.add_argument("--prompt", help="answer this one message and exit (no interactive loop)")
-    args = p.parse_args(argv)
+
+
+def run(args, loader=load, read=input) -> int:
+    """Check the options (ValueError, before loading anything), load the model, chat.
+
+    ``loader(name) -> (model, tokenizer)`` and ``read(prompt) -> str`` can be swapped in tests.
+    """
     if args.max_new_tokens < 1:
-        p.error("--max-new-tokens must be >= 1")
-    try:
-        check_sampling_args(args.temperature, None, args.top_p)
-    except ValueError as exc:
-        p.error(str(exc))
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    check_sampling_args(args.temperature, None, args.top_p)
     if args.prompt is not None and not args.prompt.strip():
-        p.error("--prompt is empty")
-    return args
-
-
-def main(argv=None, loader=load, read=input) -> int:
-    """The chat loop; ``loader(name) -> (model, tokenizer)`` and ``read(prompt) -> str`` can be swapped in tests."""
-    args = parse_args(argv)
+        raise ValueError("--prompt is empty: give the message to answer")
     model, tokenizer = loader(args.model)
     chat = Chat(model, tokenizer, system=args.system, max_len=args.context, seed=args.seed)
 
@@ -197,6 +194,18 @@ def main(argv=None, loader=load, read=input) -> int:
             print("(new conversation)", file=sys.stderr)
             continue
         say(message)
+
+
+def main(argv=None, loader=load, read=input) -> int:
+    """``python -m minillm chat [options]``: a bad option or input prints one line (exit 1), no traceback."""
+    p = argparse.ArgumentParser(prog="python -m minillm chat", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return run(args, loader, read)
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -182,11 +182,15 @@ def test_main_interactive_loop(model, tok, capsys):
 
 
 def test_main_refuses_bad_arguments_and_long_prompts(model, tok, capsys):
-    load = lambda name: (model, tok)  # noqa: E731
-    for argv in (["--prompt", " "], ["--temperature", "-1"], ["--max-new-tokens", "0"]):
-        with pytest.raises(SystemExit) as exc:
-            main(argv, loader=load)
-        assert exc.value.code == 2
-    assert main(["--prompt", "word " * 40, "--context", "64"], loader=load) == 1
+    """One line each, exit 1; bad options are refused before the model is loaded."""
+    def refuse(name):
+        raise AssertionError("the model was loaded despite a bad option")
+
+    for argv, message in ((["--prompt", " "], "--prompt is empty"), (["--temperature", "-1"], "temperature"),
+                          (["--max-new-tokens", "0"], "--max-new-tokens must be >= 1")):
+        assert main(argv, loader=refuse) == 1
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and err.startswith("error: ") and message in err
+    assert main(["--prompt", "word " * 40, "--context", "64"], loader=lambda name: (model, tok)) == 1
     err = capsys.readouterr().err
-    assert err.strip().splitlines()[-1].startswith("error: the conversation needs")
+    assert err.count("\n") == 1 and err.startswith("error: the conversation needs")
