@@ -82,15 +82,30 @@ class Chat:
 
     def turn(self, message: str, max_new_tokens: int = 256, temperature: float = 0.2, top_k=None, top_p=None,
              on_text=None) -> Reply:
-        """Add a user message and reply to it; ``on_text(str)`` receives the reply as it is written."""
+        """Add a user message and reply to it; ``on_text(str)`` receives the reply as it is written.
+
+        Interrupted (Ctrl-C), the turn is forgotten: the cache is truncated back and the
+        conversation is what it was before the message.
+        """
         if not message.strip():
             raise ValueError("empty message: type some text (/reset starts over, /quit ends)")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         check_sampling_args(temperature, top_k, top_p)
+        before = (self.cache.length, len(self.messages), self.cached_text, self.pending)
+        try:
+            return self.reply(message, max_new_tokens, temperature, top_k, top_p, on_text)
+        except KeyboardInterrupt:
+            self.cache.truncate(before[0])
+            del self.messages[before[1] :]
+            self.cached_text, self.pending = before[2:]
+            raise
+
+    def reply(self, message, max_new_tokens, temperature, top_k, top_p, on_text) -> Reply:
+        """The turn itself: prefill the new tokens, then sample, stream and feed one token at a time."""
         t0, cached = time.perf_counter(), self.cache.length
         logits, fed = self.prefill(message)
-        reply, times = [], []
+        tokens, times = [], []
         utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         while True:  # each pass samples a token; the reply grows until one of the two breaks
             token = next_token(logits, self.rng, temperature, top_k, top_p)
@@ -98,18 +113,18 @@ class Chat:
             if token == self.tokenizer.eos_token_id:
                 finish = "end of turn"
                 break
-            reply.append(token)
+            tokens.append(token)
             if on_text is not None:
                 on_text(utf8.decode(self.tokenizer.token_bytes[token]))
             cache_full = self.cache.length == self.cache.max_len
-            if cache_full or len(reply) == max_new_tokens:
+            if cache_full or len(tokens) == max_new_tokens:
                 finish = "context full" if cache_full else "max_new_tokens"
                 self.pending = [token]  # sampled, not fed: the next turn feeds it first
                 break
             logits = self.model.forward(xp.asarray([[token]]), self.cache)[0, -1]  # (V,)
         if on_text is not None:
             on_text(utf8.decode(b"", final=True))
-        text = self.tokenizer.decode(reply)
+        text = self.tokenizer.decode(tokens)
         self.messages.append({"role": "assistant", "content": text})
         self.cached_text += text
         steps = np.diff([0.0, *times])  # the first is the TTFT
@@ -117,7 +132,7 @@ class Chat:
                                 tpot_s=float(steps[1:].mean()) if len(steps) > 1 else 0.0, total_s=times[-1],
                                 step_times_s=steps.tolist(), kv_bytes=self.cache.nbytes,
                                 kv_bytes_used=self.cache.bytes_used, reused_prefix_tokens=cached)
-        return Reply(text, reply, finish, stats)
+        return Reply(text, tokens, finish, stats)
 
 
 def answer(model, tokenizer, question: str, stream=None, max_new_tokens: int = 128, temperature: float = 0.0,
@@ -174,6 +189,9 @@ def run(args, loader=load, read=input) -> int:
         except (ValueError, CacheFullError) as exc:
             print(f"error: {exc}", file=sys.stderr)
             return 1
+        except KeyboardInterrupt:
+            print("\n(interrupted: that message is forgotten)", file=sys.stderr)
+            return 1
         print()
         print(turn_summary(reply), file=sys.stderr)
         return 0
@@ -184,7 +202,7 @@ def run(args, loader=load, read=input) -> int:
     while True:
         try:
             message = read("you> ")
-        except EOFError:
+        except (EOFError, KeyboardInterrupt):
             print()
             return 0
         if message.strip() in ("/quit", "/exit"):

@@ -13,7 +13,8 @@ from minillm import chat as chat_module
 from minillm.chat import Chat, answer, main
 from minillm.data import corpus_tokenizer
 
-NEEDS = {"8.4": "chatml"}  # SmolLM2's tokenizer encodes with the merge step
+# the chat runs the KV cache (3.1; 3.2 rolls an interrupted turn back); SmolLM2's tokenizer merges (8.4)
+NEEDS = {"3.1": "not refuses", "3.2": "interrupted", "8.4": "chatml"}
 
 
 class CharChatTokenizer:
@@ -177,7 +178,8 @@ def test_main_interactive_loop(model, tok, capsys):
         except StopIteration:
             raise EOFError from None
 
-    code = main(["--max-new-tokens", "3", "--context", "128"], loader=lambda name: (model, tok), read=read)
+    argv = ["--max-new-tokens", "3", "--context", "128", "--temperature", "0"]
+    code = main(argv, loader=lambda name: (model, tok), read=read)
     out, err = capsys.readouterr()
     assert code == 0
     assert err.count("error: empty message") == 1 and "(new conversation)" in err and err.count("TTFT") == 2
@@ -229,3 +231,24 @@ def test_chatml_conversation_in_the_cache_is_its_tokenization(smollm2_tok, monke
     fed = [t for call in model.calls for t in call]
     assert fed + chat.pending == tok.encode(chat.cached_text)
     assert chat.cached_text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
+
+
+def test_interrupted_turn_is_forgotten(model, tok, monkeypatch):
+    """Ctrl-C mid-reply: cache, messages and text are as before the message, and the chat goes on."""
+    chat = Chat(model, tok, max_len=256)
+    script(monkeypatch, tok, "abc")
+    chat.turn("One", max_new_tokens=3)
+    state = (chat.cache.length, list(chat.messages), chat.cached_text, list(chat.pending))
+    tokens = iter(tok.encode("xy"))
+
+    def interrupted(*args):
+        for token in tokens:
+            return token
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(chat_module, "next_token", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        chat.turn("Two", max_new_tokens=10)
+    assert (chat.cache.length, chat.messages, chat.cached_text, chat.pending) == state
+    script(monkeypatch, tok, "ok}")
+    assert chat.turn("Two").text == "ok"
