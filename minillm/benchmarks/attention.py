@@ -19,10 +19,10 @@ from functools import partial
 import numpy as np
 
 from .. import flash_attention as fa
-from ..kernels.launch import flash_attention_cuda
 from ..attention import naive_attention
 from ..backend import is_gpu, synchronize, to_numpy, xp
 from ..bench import format_table, save_figure, time_fn
+from ..kernels.launch import flash_attention_cuda
 
 CPU_NS = [1024, 2048, 4096, 8192, 16384]
 GPU_NS = [1024, 2048, 4096, 8192, 16384]
