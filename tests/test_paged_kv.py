@@ -132,6 +132,13 @@ def test_allocator_refuses_ids_that_are_not_its_blocks():
     assert alloc.num_free == 2 and alloc.ref_counts[b] == 1
 
 
+def test_pool_refuses_bad_sizes():
+    with pytest.raises(ValueError, match="page_size"):
+        PagedKVCache(BOOK, num_blocks=4, page_size=0)
+    with pytest.raises(ValueError, match="num_blocks"):
+        PagedKVCache(BOOK, num_blocks=0, page_size=4)
+
+
 def test_num_blocks_for_is_a_ceiling():
     assert [num_blocks_for(n, 4) for n in range(10)] == [0, 1, 1, 1, 1, 2, 2, 2, 2, 3]
 
