@@ -93,16 +93,3 @@ def naive_attention(q, k, v, causal=True):
     """
     return attention_weights(q, k, causal) @ v  # (B, nh, Tq, Tk) @ (B, nh, Tk, hs)
 
-
-def get_attention(name: str):
-    """Attention implementation by name: 'naive', 'flash' (tiled, array code) or 'cuda' (kernel).
-
-    Every implementation has the signature f(q, k, v, causal=True) -> (B, nh, Tq, hs).
-    """
-    if name == "naive":
-        return naive_attention
-    if name in ("flash", "cuda"):
-        from . import flash_attention  # imported lazily: chapter 4 builds on this one
-
-        return flash_attention.attention_function(name)
-    raise ValueError(f"unknown attention implementation {name!r}: use 'naive', 'flash' or 'cuda'")

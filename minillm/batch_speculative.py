@@ -87,10 +87,10 @@ def forward_ragged(model, cache: PagedKVCache, seq_ids, token_lists) -> list:
     return [logits[b, :n] for b, n in enumerate(counts)]
 
 
-def _pool(config, batch_size: int, block_size: int) -> PagedKVCache:
+def _pool(config, batch_size: int, page_size: int) -> PagedKVCache:
     """A pool with room for every sequence at full context (padding is never stored)."""
-    return PagedKVCache(config, num_blocks=batch_size * num_blocks_for(config.block_size, block_size),
-                        block_size=block_size)  # fmt: skip
+    return PagedKVCache(config, num_blocks=batch_size * num_blocks_for(config.block_size, page_size),
+                        page_size=page_size)  # fmt: skip
 
 
 def _check_batch(prompts) -> list:
@@ -167,7 +167,7 @@ class BatchStats:
 
 
 def generate_batch(model, prompts, max_new_tokens, temperature=1.0, top_k=None, top_p=None, seed=0,
-                   block_size=16) -> tuple[list[list[int]], BatchStats]:  # fmt: skip
+                   page_size=16) -> tuple[list[list[int]], BatchStats]:  # fmt: skip
     """Decode B prompts of any lengths together: one forward per step -> (new tokens per row, stats).
 
     Step 1 prefills every prompt in one ragged forward; each later step feeds one token per row at
@@ -178,7 +178,7 @@ def generate_batch(model, prompts, max_new_tokens, temperature=1.0, top_k=None, 
     """
     prompts = [_check_prompt(p, max_new_tokens) for p in _check_batch(prompts)]
     B = len(prompts)
-    pool = _pool(model.config, B, block_size)
+    pool = _pool(model.config, B, page_size)
     views = [pool.sequence() for _ in prompts]
     rngs = [np.random.default_rng(s) for s in sequence_seeds(seed, B)]
     seqs = [list(p) for p in prompts]
@@ -242,7 +242,7 @@ def _draft_batch(draft, pool, states, k_round, sampling, rngs, stats):
 
 
 def speculative_generate_batch(target, draft, prompts, max_new_tokens, k=4, temperature=1.0, top_k=None,
-                               top_p=None, seed=0, policy="pad", block_size=16):  # fmt: skip
+                               top_p=None, seed=0, policy="pad", page_size=16):  # fmt: skip
     """Speculative decoding for B prompts at once -> (new tokens per row, SpecStats per row, BatchStats).
 
     Per round: each running sequence plans its draft length (``SequenceState.plan``: the policy's
@@ -257,7 +257,7 @@ def speculative_generate_batch(target, draft, prompts, max_new_tokens, k=4, temp
         raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
     prompts = [_check_args(target, draft, p, max_new_tokens, k) for p in _check_batch(prompts)]
     B = len(prompts)
-    tpool, dpool = _pool(target.config, B, block_size), _pool(draft.config, B, block_size)
+    tpool, dpool = _pool(target.config, B, page_size), _pool(draft.config, B, page_size)
     states = [SequenceState.start(p, max_new_tokens, tpool.sequence(), dpool.sequence()) for p in prompts]
     rngs = [np.random.default_rng(s) for s in sequence_seeds(seed, B)]
     stats = [SpecStats(k=k, prompt_tokens=len(p)) for p in prompts]

@@ -24,14 +24,30 @@ import math
 
 import numpy as np
 
-from .attention import get_attention
+from .attention import naive_attention
 from .backend import to_numpy, xp
 from .config import GPTConfig
+from .flash_attention import tiled_attention
+from .kernels.launch import kernel_attention
 
 LN_EPS = 1e-5  # GPT-2's LayerNorm epsilon
 GELU_C = math.sqrt(2.0 / math.pi)  # a Python float: a NumPy float64 scalar would upcast float32
 GELU_A = 0.044715  # the cubic coefficient of the tanh approximation
 INIT_STD = 0.02  # GPT-2 initialization
+
+# name -> f(q, k, v, causal=True) -> (B, nh, Tq, hs); every choice gives the same logits, paged or not
+ATTENTION = {
+    "naive": naive_attention,  # chapter 2: the (Tq, Tk) score matrix, the reference
+    "flash": tiled_attention,  # chapter 4: tiles and the online softmax in array code
+    "cuda": kernel_attention,  # chapter 4: kernels/flash_attention.cu (on a CPU: the same kernel, emulated)
+}
+
+
+def get_attention(name: str):
+    """The attention implementation called ``name`` in ``ATTENTION``; ValueError naming the choices."""
+    if name not in ATTENTION:
+        raise ValueError(f"unknown attention implementation {name!r}: use one of {', '.join(map(repr, ATTENTION))}")
+    return ATTENTION[name]
 
 
 def layer_norm(x, w, b):

@@ -5,32 +5,28 @@ that stops after 40 tokens leaves the rest of its reservation empty. PagedAttent
 "Efficient Memory Management for Large Language Model Serving with PagedAttention", SOSP 2023,
 the vLLM paper) does what an operating system does with virtual memory:
 
-    one pool per layer:  K, V  (num_blocks, nh, block_size, hs)     the physical "pages"
+    one pool per layer:  K, V  (num_blocks, nh, page_size, hs)      the physical "pages"
     per sequence:        block table [7, 2, 9]                      logical block i -> physical block
-                         token at position p  ->  block table[p // block_size], slot p % block_size
+                         token at position p  ->  block table[p // page_size], slot p % page_size
 
-A sequence holds ceil(length / block_size) blocks, so at most block_size - 1 slots are wasted per
+A sequence holds ceil(length / page_size) blocks, so at most page_size - 1 slots are wasted per
 sequence (paper section 4.2). Because blocks are found by indirection, two sequences can point at the
-same physical block (section 4.4):
-
-- ``fork``: a child sequence shares all of its parent's blocks (reference counts go up); the first
-  write into a shared block copies it (copy-on-write), so neither sequence ever sees the other's
-  later tokens. Parallel sampling and beam search rely on this.
-- prefix caching: a full block of a prompt is identified by hash(parent block's hash, its token ids);
-  a later prompt that starts with the same tokens points at the same blocks instead of recomputing
-  them (vLLM's automatic prefix caching). The last prompt token is always computed: its logits give
-  the first output token.
+same physical block (section 4.4): ``fork`` makes a child sequence that shares all of its parent's
+blocks (reference counts go up); the first write into a shared block copies it (copy-on-write), so
+neither sequence ever sees the other's later tokens. Parallel sampling and beam search rely on this;
+so does prefix caching (``minillm.prefix_blocks``), which keeps a prompt's full blocks for later
+prompts that start with the same tokens.
 
 The pieces, bottom-up:
 
 - ``BlockAllocator``: a free list and a reference count per block.
-- ``PagedKVCache``: the pools, the block tables and lengths, ``add_sequence``, ``append``, ``fork``,
-  ``truncate`` (speculative rollback), ``free``, and the prefix cache.
+- ``PagedKVCache``: the memory manager: the pools, the block tables and lengths, ``add_sequence``,
+  ``reserve``/``write`` (what a forward pass does), ``append``, ``fork``, ``truncate``, ``free``.
 - ``gather_kv`` / ``paged_attention``: read K and V through the block tables; the reference is
   ``naive_attention`` on the same keys laid out contiguously.
 - ``BatchView`` / ``SequenceView``: what ``GPT.forward`` is given as its ``cache``. A batch view runs
   sequences of *different* lengths in one forward: positions are per sequence (B, T), and each
-  query only sees its own sequence's keys.
+  query only sees its own sequence's keys, through the model's own attention implementation.
 
 Invariants (checked by ``PagedKVCache.check``; the tests drive them with random operations):
 every block's reference count equals the number of block tables holding it plus one if the prefix
@@ -40,13 +36,12 @@ is above 1 is never written.
 
 from __future__ import annotations
 
-import hashlib
 import math
-from collections import OrderedDict, deque
+from collections import deque
 
 import numpy as np
 
-from .attention import softmax
+from .attention import naive_attention, softmax
 from .backend import xp
 from .kv_cache import CacheFullError
 
@@ -55,9 +50,9 @@ class OutOfBlocksError(CacheFullError):
     """The block pool has no free (or evictable) block left; nothing was changed."""
 
 
-def num_blocks_for(n_tokens: int, block_size: int) -> int:
-    """Blocks that hold n_tokens: ceil(n_tokens / block_size).  (0, 16) -> 0, (16, 16) -> 1, (17, 16) -> 2"""
-    return -(-n_tokens // block_size)
+def num_blocks_for(n_tokens: int, page_size: int) -> int:
+    """Blocks that hold n_tokens: ceil(n_tokens / page_size).  (0, 16) -> 0, (16, 16) -> 1, (17, 16) -> 2"""
+    return -(-n_tokens // page_size)
 
 
 # --- the allocator --------------------------------------------------------------------------------
@@ -69,13 +64,14 @@ class BlockAllocator:
     ``allocate`` -> a block with reference count 1; ``incref`` adds a holder (a forked sequence, the
     prefix cache); ``free`` removes one holder and returns the block to the free list when none is
     left. Example with 2 blocks: allocate() -> 0, incref(0), free(0) (count 1, still in use),
-    free(0) (count 0, free again), free(0) -> ValueError (double free).
+    free(0) (count 0, free again), free(0) -> ValueError (double free); free(-1) or free(2) ->
+    ValueError (not a block of this pool).
     """
 
-    def __init__(self, num_blocks: int, block_size: int):
-        if num_blocks < 1 or block_size < 1:
-            raise ValueError(f"need num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
-        self.num_blocks, self.block_size = num_blocks, block_size
+    def __init__(self, num_blocks: int):
+        if num_blocks < 1:
+            raise ValueError(f"need num_blocks >= 1, got {num_blocks}")
+        self.num_blocks = num_blocks
         self.free_blocks = deque(range(num_blocks))  # handed out from the left, returned on the right
         self.ref_counts = [0] * num_blocks
 
@@ -91,48 +87,26 @@ class BlockAllocator:
         self.ref_counts[block] = 1
         return block
 
+    def check_id(self, block) -> None:
+        """Refuse anything but a block id 0..num_blocks-1 (a negative index would wrap around)."""
+        if isinstance(block, bool) or not isinstance(block, (int, np.integer)) or not 0 <= block < self.num_blocks:
+            raise ValueError(f"block {block!r} is not a block of this pool (ids 0..{self.num_blocks - 1})")
+
     def incref(self, block: int) -> None:
         """One more holder of an allocated block."""
+        self.check_id(block)
         if self.ref_counts[block] < 1:
             raise ValueError(f"block {block} is free: it cannot be shared")
         self.ref_counts[block] += 1
 
     def free(self, block: int) -> None:
         """One holder fewer; the last one returns the block to the free list."""
+        self.check_id(block)
         if self.ref_counts[block] < 1:
             raise ValueError(f"double free of block {block}: its reference count is already 0")
         self.ref_counts[block] -= 1
         if self.ref_counts[block] == 0:
             self.free_blocks.append(block)
-
-
-# --- prefix hashing -------------------------------------------------------------------------------
-
-
-def block_hash(parent_hash: str | None, token_ids) -> str:
-    """sha256 of (the parent block's hash, this block's token ids): names a block by its whole prefix.
-
-    Two blocks with the same tokens but different prefixes get different hashes (their keys and
-    values differ: attention saw different earlier tokens). A cryptographic hash rather than Python's
-    ``hash`` because a collision would silently hand one prompt another prompt's keys.
-    Example: block_hash(None, [1, 2]) != block_hash(block_hash(None, [0, 0]), [1, 2]).
-    """
-    # EXERCISE 6.4 BEGIN: hash the parent's hash together with this block's token ids
-    payload = f"{parent_hash}|{','.join(str(int(t)) for t in token_ids)}"
-    return hashlib.sha256(payload.encode()).hexdigest()
-    # EXERCISE 6.4 END
-
-
-def prefix_block_hashes(token_ids, block_size: int) -> list[str]:
-    """The chained hashes of the *full* blocks of a prompt (a partial last block has none).
-
-    Example, block_size 2: [5, 6, 7, 8, 9] -> [h0 = block_hash(None, [5, 6]), block_hash(h0, [7, 8])]
-    """
-    hashes, parent = [], None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = block_hash(parent, token_ids[start : start + block_size])
-        hashes.append(parent)
-    return hashes
 
 
 # --- reading K/V through the block tables --------------------------------------------------------
@@ -146,7 +120,7 @@ def gather_kv(cache: PagedKVCache, seq_ids, layer: int, kv_lens=None):
     ``kv_lens`` defaults to the sequences' lengths; forward passes length + T (the T new keys are
     written before the lengths advance).
     """
-    bs = cache.block_size
+    bs = cache.page_size
     kv_lens = [cache.lengths[s] for s in seq_ids] if kv_lens is None else [int(n) for n in kv_lens]
     L = max(kv_lens)
     nb = num_blocks_for(L, bs)  # blocks per row of the padded table
@@ -196,22 +170,22 @@ def paged_attention(q, cache: PagedKVCache, seq_ids, layer: int, kv_lens=None, q
 class PagedKVCache:
     """K and V pools of fixed-size blocks shared by many sequences, each with its own block table.
 
-    ``k[layer]``, ``v[layer]``: (num_blocks, nh, block_size, hs). ``block_tables[seq]``: the physical
-    blocks of a sequence in logical order; ``lengths[seq]``: its number of cached tokens. Positions
-    past ``config.block_size`` have no embedding, so a sequence holds at most that many tokens.
+    ``k[layer]``, ``v[layer]``: (num_blocks, n_kv_head, page_size, hs). ``block_tables[seq]``: the
+    physical blocks of a sequence in logical order; ``lengths[seq]``: its number of cached tokens.
+    Positions past ``config.block_size`` (the model's context) have no embedding, so a sequence holds
+    at most that many tokens.
 
-    With ``prefix_caching=True`` the full blocks of every prompt prefilled through ``prefill`` stay
-    findable by their ``block_hash`` chain after the sequence is freed. Eviction policy: a cached
-    block that no sequence holds is evicted only when a block is needed and the free list is empty,
-    least recently used first; a prompt's chain is touched leaf first, so within a chain the deepest
-    block goes before its parents (a cached block whose parent is gone could never be matched).
+    ``prefix_blocks``: the prefix-block cache attached to this pool (``minillm.prefix_blocks``), or
+    None. It is one more holder of the blocks it keeps; when the free list is empty, an allocation
+    asks it to evict one of its blocks that no sequence holds.
     """
 
-    def __init__(self, config, num_blocks: int, block_size: int = 16, prefix_caching: bool = False,
-                 dtype=None):  # fmt: skip
-        self.config, self.block_size, self.num_blocks = config, block_size, num_blocks
-        self.allocator = BlockAllocator(num_blocks, block_size)
-        shape = (num_blocks, config.n_kv_head, block_size, config.head_size)  # (num_blocks, n_kv_head, bs, hs)
+    def __init__(self, config, num_blocks: int, page_size: int = 16, dtype=None):
+        if page_size < 1:
+            raise ValueError(f"page_size (tokens per KV block) must be >= 1, got {page_size}")
+        self.config, self.page_size, self.num_blocks = config, page_size, num_blocks
+        self.allocator = BlockAllocator(num_blocks)
+        shape = (num_blocks, config.n_kv_head, page_size, config.head_size)  # (num_blocks, n_kv_head, bs, hs)
         dtype = xp.float32 if dtype is None else dtype
         self.k = [xp.zeros(shape, dtype=dtype) for _ in range(config.n_layer)]
         self.v = [xp.zeros(shape, dtype=dtype) for _ in range(config.n_layer)]
@@ -219,20 +193,18 @@ class PagedKVCache:
         self.block_tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
         self._next_seq_id = 0
-        self.prefix_caching = prefix_caching
-        self.cached_blocks: OrderedDict[str, int] = OrderedDict()  # hash -> block, LRU first
-        self.block_hashes: dict[int, str] = {}  # block -> its hash, for the blocks in cached_blocks
-        self.copies = self.evictions = self.reused_tokens = 0  # counters for the notebook and bench
+        self.prefix_blocks = None  # a PrefixBlockCache attaches itself here
+        self.copies = 0  # copy-on-write copies, for the notebook and the benchmark
 
     # -- sizes --
     @property
     def block_bytes(self) -> int:
-        """Bytes of one block across all layers, K and V: 2 * n_layer * nh * block_size * hs * itemsize."""
+        """Bytes of one block across all layers, K and V: 2 * n_layer * nh * page_size * hs * itemsize."""
         return 2 * len(self.k) * self.k[0][0].nbytes
 
     @property
     def token_bytes(self) -> int:
-        return self.block_bytes // self.block_size
+        return self.block_bytes // self.page_size
 
     @property
     def nbytes(self) -> int:
@@ -246,8 +218,9 @@ class PagedKVCache:
 
     @property
     def num_free_blocks(self) -> int:
-        """Blocks an allocation can get: the free list plus cached blocks no sequence holds."""
-        return self.allocator.num_free + sum(1 for b in self.cached_blocks.values() if self._evictable(b))
+        """Blocks an allocation can get: the free list plus prefix blocks no sequence holds."""
+        evictable = 0 if self.prefix_blocks is None else self.prefix_blocks.num_evictable
+        return self.allocator.num_free + evictable
 
     # -- sequences --
     def add_sequence(self) -> int:
@@ -268,7 +241,8 @@ class PagedKVCache:
         padded); by default all T are."""
         return BatchView(self, seq_ids, new_tokens)
 
-    def _check_seq(self, seq_id: int) -> None:
+    def check_seq(self, seq_id: int) -> None:
+        """KeyError unless seq_id is a live sequence of this pool."""
         if seq_id not in self.block_tables:
             raise KeyError(f"unknown sequence {seq_id} (freed, or never added)")
 
@@ -278,7 +252,7 @@ class PagedKVCache:
         Both sequences keep appending independently: the first write into a shared block copies
         it (see ``_copy_on_write``).
         """
-        self._check_seq(seq_id)
+        self.check_seq(seq_id)
         child = self.add_sequence()
         for block in self.block_tables[seq_id]:
             self.allocator.incref(block)
@@ -289,16 +263,16 @@ class PagedKVCache:
     def truncate(self, seq_id: int, n: int) -> None:
         """Keep the first n tokens of a sequence and release the blocks past them (speculative rollback).
 
-        Example, block_size 4, length 10 (3 blocks): truncate to 8 keeps 2 blocks, to 5 keeps 2,
+        Example, page_size 4, length 10 (3 blocks): truncate to 8 keeps 2 blocks, to 5 keeps 2,
         to 4 keeps 1, to 0 keeps none. A kept block that is shared stays shared; the next write into
         it is copied first, so the other holders keep their tokens.
         """
-        self._check_seq(seq_id)
-        # EXERCISE 6.3 BEGIN: refuse n outside 0..length; free the blocks past ceil(n / block_size)
+        self.check_seq(seq_id)
+        # EXERCISE 6.3 BEGIN: refuse n outside 0..length; free the blocks past ceil(n / page_size)
         if not 0 <= n <= self.lengths[seq_id]:
             raise ValueError(f"cannot truncate sequence {seq_id} of length {self.lengths[seq_id]} to {n}")
         table = self.block_tables[seq_id]
-        keep = num_blocks_for(n, self.block_size)
+        keep = num_blocks_for(n, self.page_size)
         for block in table[keep:]:
             self.allocator.free(block)
         del table[keep:]
@@ -307,7 +281,7 @@ class PagedKVCache:
 
     def reset_sequence(self, seq_id: int) -> None:
         """Release all blocks of a sequence; it stays registered, empty."""
-        self._check_seq(seq_id)
+        self.check_seq(seq_id)
         for block in self.block_tables[seq_id]:
             self.allocator.free(block)
         self.block_tables[seq_id], self.lengths[seq_id] = [], 0
@@ -325,7 +299,7 @@ class PagedKVCache:
         needed, writers = 0, {}
         for s, T in zip(seq_ids, counts):
             table, length = self.block_tables[s], self.lengths[s]
-            for i in range(length // self.block_size, num_blocks_for(length + T, self.block_size)):
+            for i in range(length // self.page_size, num_blocks_for(length + T, self.page_size)):
                 if i >= len(table):
                     needed += 1
                 else:
@@ -348,7 +322,7 @@ class PagedKVCache:
         if min(counts) < 1:
             raise ValueError(f"every sequence of a batch needs at least one new token, got {counts}")
         for s, T in zip(seq_ids, counts):  # pass 1
-            self._check_seq(s)
+            self.check_seq(s)
             if self.lengths[s] + T > self.max_len:
                 raise CacheFullError(
                     f"sequence {s}: {self.lengths[s]} cached + {T} new tokens > max_len={self.max_len}"
@@ -361,7 +335,7 @@ class PagedKVCache:
             )
         for s, T in zip(seq_ids, counts):  # pass 2
             table, length = self.block_tables[s], self.lengths[s]
-            for i in range(length // self.block_size, num_blocks_for(length + T, self.block_size)):
+            for i in range(length // self.page_size, num_blocks_for(length + T, self.page_size)):
                 if i == len(table):
                     table.append(self._allocate_block())
                 elif self.allocator.ref_counts[table[i]] > 1:
@@ -385,7 +359,7 @@ class PagedKVCache:
     def slot_mapping(self, seq_ids, positions):
         """Absolute positions, one row per sequence (rows may differ in length) -> (blocks, slots),
         each flat (N,) in row order: where each new token is written."""
-        bs = self.block_size
+        bs = self.page_size
         blocks = [self.block_tables[s][int(p) // bs] for s, row in zip(seq_ids, positions) for p in row]
         offsets = [int(p) % bs for row in positions for p in row]
         return xp.asarray(blocks, dtype=xp.int64), xp.asarray(offsets, dtype=xp.int64)
@@ -419,8 +393,8 @@ class PagedKVCache:
 
         One token at a time, the obvious way: the reference ``gather_kv`` is checked against.
         """
-        self._check_seq(seq_id)
-        table, bs = self.block_tables[seq_id], self.block_size
+        self.check_seq(seq_id)
+        table, bs = self.block_tables[seq_id], self.page_size
         pool_k, pool_v = self.k[layer], self.v[layer]  # (num_blocks, nh, bs, hs)
         n = self.lengths[seq_id]
         k = xp.zeros((pool_k.shape[1], n, pool_k.shape[3]), dtype=pool_k.dtype)  # (nh, length, hs)
@@ -430,97 +404,11 @@ class PagedKVCache:
             v[:, p] = pool_v[table[p // bs], :, p % bs]
         return k, v
 
-    # -- prefix caching --
-    def _evictable(self, block: int) -> bool:
-        return self.allocator.ref_counts[block] == 1  # the prefix cache is its only holder
-
     def _allocate_block(self) -> int:
-        """A free block; when the free list is empty, evict the least recently used cached block."""
-        if self.allocator.num_free == 0:
-            for h, block in self.cached_blocks.items():  # least recently used first
-                if self._evictable(block):
-                    del self.cached_blocks[h], self.block_hashes[block]
-                    self.allocator.free(block)
-                    self.evictions += 1
-                    break
+        """A free block; when the free list is empty, the prefix-block cache gives one of its blocks back."""
+        if self.allocator.num_free == 0 and self.prefix_blocks is not None:
+            self.prefix_blocks.evict()
         return self.allocator.allocate()
-
-    def _touch(self, hashes) -> None:
-        """Mark a chain most recently used, leaf first so the parents end up the most recent."""
-        for h in reversed(hashes):
-            self.cached_blocks.move_to_end(h)
-
-    def match_prefix(self, token_ids) -> list[int]:
-        """The cached blocks holding the longest run of full leading blocks of ``token_ids``."""
-        blocks = []
-        for h in prefix_block_hashes(token_ids, self.block_size):
-            if h not in self.cached_blocks:
-                break
-            blocks.append(self.cached_blocks[h])
-        return blocks
-
-    def share_prefix(self, seq_id: int, token_ids) -> int:
-        """Point an empty sequence at the cached blocks of its prompt -> number of tokens reused.
-
-        At most len(token_ids) - 1 tokens are reused: the last prompt token must be computed, since
-        its logits give the first output token (a prompt entirely in cache would otherwise leave
-        nothing to prefill). Reusing a partial block is fine: the write of the first computed token
-        copies it first, because the prefix cache still holds it.
-        """
-        self._check_seq(seq_id)
-        if self.lengths[seq_id] or self.block_tables[seq_id]:
-            raise ValueError(f"share_prefix needs an empty sequence; {seq_id} holds {self.lengths[seq_id]}")
-        blocks = self.match_prefix(token_ids)
-        reused = min(len(blocks) * self.block_size, len(token_ids) - 1)
-        blocks = blocks[: num_blocks_for(reused, self.block_size)]
-        for block in blocks:
-            self.allocator.incref(block)
-        self.block_tables[seq_id], self.lengths[seq_id] = list(blocks), reused
-        self._touch([self.block_hashes[b] for b in blocks])
-        self.reused_tokens += reused
-        return reused
-
-    def cache_prefix(self, seq_id: int, token_ids) -> int:
-        """Make the full blocks of a prefilled prompt findable by later prompts -> blocks added.
-
-        ``token_ids`` are the tokens the sequence holds (its prompt). The prefix cache takes one
-        reference on each newly cached block, so it outlives the sequence until evicted.
-        """
-        n_full = min(len(token_ids), self.lengths[seq_id]) // self.block_size
-        hashes = prefix_block_hashes(token_ids[: n_full * self.block_size], self.block_size)
-        added = 0
-        for h, block in zip(hashes, self.block_tables[seq_id]):
-            if h in self.cached_blocks or block in self.block_hashes:
-                continue  # already cached (perhaps as another physical block with the same content)
-            self.allocator.incref(block)
-            self.cached_blocks[h], self.block_hashes[block] = block, h
-            added += 1
-        self._touch([h for h in hashes if h in self.cached_blocks])
-        return added
-
-    def clear_prefix_cache(self) -> None:
-        """Drop the prefix cache's references; blocks no sequence holds return to the free list."""
-        for block in self.cached_blocks.values():
-            self.allocator.free(block)
-        self.cached_blocks.clear()
-        self.block_hashes.clear()
-
-    def prefill(self, model, prompt_ids, view: SequenceView):
-        """Prefill a prompt reusing cached prefix blocks -> (last logits (V,), tokens reused).
-
-        Resets the view's sequence, points it at the cached blocks of the prompt's prefix, runs the
-        rest of the prompt (at least its last token) and caches the prompt's full blocks.
-
-        The same call as ``PrefixCache.prefill``, so ``generate(model, prompt, cache=view,
-        prefix_cache=paged_cache)`` uses prefix caching with an unchanged ``generate``.
-        """
-        prompt_ids = [int(t) for t in prompt_ids]
-        view.reset()
-        reused = self.share_prefix(view.seq_id, prompt_ids) if self.prefix_caching else 0
-        logits = model.forward(xp.asarray([prompt_ids[reused:]]), view)[0, -1]  # at least one token
-        if self.prefix_caching:
-            self.cache_prefix(view.seq_id, prompt_ids)
-        return logits, reused
 
     # -- inspection --
     def check(self) -> None:
@@ -528,12 +416,12 @@ class PagedKVCache:
         expected = [0] * self.num_blocks
         for seq, table in self.block_tables.items():
             assert len(set(table)) == len(table), f"sequence {seq} holds a block twice: {table}"
-            assert len(table) == num_blocks_for(self.lengths[seq], self.block_size), (
+            assert len(table) == num_blocks_for(self.lengths[seq], self.page_size), (
                 f"sequence {seq}: {len(table)} blocks for {self.lengths[seq]} tokens"
             )
             for block in table:
                 expected[block] += 1
-        for block in self.cached_blocks.values():
+        for block in [] if self.prefix_blocks is None else self.prefix_blocks.held_blocks():
             expected[block] += 1
         assert self.allocator.ref_counts == expected, "reference counts != holders (tables + prefix cache)"
         free = list(self.allocator.free_blocks)
@@ -546,7 +434,8 @@ class PagedKVCache:
         for seq, table in self.block_tables.items():
             counts = ", ".join(str(self.allocator.ref_counts[b]) for b in table)
             lines.append(f"seq {seq} (len {self.lengths[seq]}): {table} (refcounts {counts})")
-        free, cached = self.allocator.num_free, len(self.cached_blocks)
+        free = self.allocator.num_free
+        cached = 0 if self.prefix_blocks is None else len(self.prefix_blocks.held_blocks())
         lines.append(f"free blocks: {free}/{self.num_blocks}, cached for reuse: {cached}")
         return "\n".join(lines)
 
@@ -559,9 +448,8 @@ class BatchView:
 
     forward(idx (B, T), view) runs B sequences together, each at its own length:
     ``positions(T)`` -> (B, T) with row b = lengths[b] .. lengths[b]+T-1 (reserving the blocks first),
-    ``attend`` writes the new k, v into each sequence's blocks and runs ``paged_attention``,
-    ``advance(T)`` adds T to every length. The model's attention choice is not used: attention
-    reads through the block tables here.
+    ``attend`` writes the new k, v into each sequence's blocks and attends with the model's attention
+    implementation over each sequence's keys, ``advance(T)`` adds T to every length.
 
     A ragged batch (``new_tokens``: row b holds n_b <= T real tokens, right-padded to T): row b's
     padding columns repeat its last position, are never written to the cache and never counted in
@@ -597,7 +485,14 @@ class BatchView:
         return positions
 
     def attend(self, layer: int, q, k, v, attention=None):
-        """Store k, v (B, nh, T, hs); attend q over each sequence's own keys -> (B, nh, T, hs)."""
+        """Store k, v (B, nh, T, hs); attend q over each sequence's own keys -> (B, nh, T, hs).
+
+        ``attention``: the model's implementation, f(q, k, v, causal) like ``naive_attention``. The
+        naive one (or None) runs as ``paged_attention``, the whole batch at once; any other runs once
+        per sequence on its keys gathered through its block table (``gather_kv``), its n real queries
+        being the last n of its keys (query t at kv_len - n + t, the usual causal offset). A ragged
+        batch's padding columns then get zeros: their outputs are discarded anyway.
+        """
         if k.shape[0] != len(self.seq_ids):
             raise ValueError(f"the view holds {len(self.seq_ids)} sequences, got batch {k.shape[0]}")
         if self.slots is None:
@@ -605,7 +500,13 @@ class BatchView:
         counts = self.counts(k.shape[2])
         self.cache.write(layer, self.slots, k, v, None if self.new_tokens is None else self.valid)
         kv_lens = [n + c for n, c in zip(self.lengths, counts)]  # the new keys are written, not yet counted
-        return paged_attention(q, self.cache, self.seq_ids, layer, kv_lens, self.q_pos)
+        if attention is None or attention is naive_attention:
+            return paged_attention(q, self.cache, self.seq_ids, layer, kv_lens, self.q_pos)
+        out = xp.zeros(q.shape, dtype=q.dtype)  # (B, nh, T, hs)
+        for b, (seq, n, kv_len) in enumerate(zip(self.seq_ids, counts, kv_lens)):
+            k_b, v_b, _ = gather_kv(self.cache, [seq], layer, [kv_len])  # (1, nh, kv_len, hs) each
+            out[b, :, :n] = attention(q[b : b + 1, :, :n], k_b, v_b, causal=True)[0]  # (nh, n, hs)
+        return out
 
     def advance(self, T: int) -> None:
         for s, n in zip(self.seq_ids, self.counts(T)):
@@ -621,7 +522,7 @@ class SequenceView(BatchView):
     """
 
     def __init__(self, cache: PagedKVCache, seq_id: int):
-        cache._check_seq(seq_id)
+        cache.check_seq(seq_id)
         super().__init__(cache, [seq_id])
         self.seq_id = seq_id
 

@@ -83,10 +83,12 @@ def test_more_queries_than_keys_is_refused():
         naive_attention(np.zeros((1, 1, 3, 4)), np.zeros((1, 1, 2, 4)), np.zeros((1, 1, 2, 4)))
 
 
-def test_get_attention_rejects_unknown_name():
-    from minillm.attention import get_attention
+def test_model_registry_names_naive_attention_and_rejects_unknown_names():
+    """GPT(attention='naive') is this chapter's naive_attention; a name not in the table is refused."""
+    from minillm.model import get_attention
 
-    with pytest.raises(ValueError, match="unknown attention"):
+    assert get_attention("naive") is naive_attention
+    with pytest.raises(ValueError, match="unknown attention implementation 'fast'"):
         get_attention("fast")
 
 

@@ -118,7 +118,7 @@ def test_pad_batch_uniform_rows_need_no_padding():
 
 def ragged_setup(model, cached, new, block_size=4):
     """A cache holding sequences of lengths len(cached[b]); one ragged forward of new[b] tokens each."""
-    cache = PagedKVCache(model.config, num_blocks=40, block_size=block_size)
+    cache = PagedKVCache(model.config, num_blocks=40, page_size=block_size)
     seqs = [cache.add_sequence() for _ in cached]
     for s, tokens in zip(seqs, cached):
         if tokens:
@@ -147,7 +147,7 @@ def test_ragged_positions_are_per_row_and_padding_repeats_the_last():
     """Lengths 5 and 2 feeding 1 and 3 tokens: positions [[5, 5, 5], [2, 3, 4]]; only real tokens
     are reserved (a block for row 1's positions 4, none for row 0's padding)."""
     cfg = GPTConfig(vocab_size=3, block_size=32, n_layer=1, n_head=1, n_embd=2)
-    cache = PagedKVCache(cfg, num_blocks=4, block_size=4)
+    cache = PagedKVCache(cfg, num_blocks=4, page_size=4)
     a, b = cache.add_sequence(), cache.add_sequence()
     cache.lengths[a], cache.block_tables[a] = 5, [cache.allocator.allocate(), cache.allocator.allocate()]
     cache.lengths[b], cache.block_tables[b] = 2, [cache.allocator.allocate()]
@@ -165,7 +165,7 @@ def test_ragged_padding_never_leaks(pair):
     target, _ = pair
     results = []
     for pad_id in (0, 12):
-        cache = PagedKVCache(target.config, num_blocks=40, block_size=4)
+        cache = PagedKVCache(target.config, num_blocks=40, page_size=4)
         seqs = [cache.add_sequence() for _ in CACHED]
         for s, tokens in zip(seqs, CACHED):
             if tokens:
@@ -180,7 +180,7 @@ def test_ragged_padding_never_leaks(pair):
 
 def test_ragged_view_rejects_bad_counts(pair):
     target, _ = pair
-    cache = PagedKVCache(target.config, num_blocks=8, block_size=4)
+    cache = PagedKVCache(target.config, num_blocks=8, page_size=4)
     seqs = [cache.add_sequence(), cache.add_sequence()]
     with pytest.raises(ValueError, match="counts"):
         cache.view(seqs, new_tokens=[1])
@@ -300,7 +300,7 @@ def test_spec_rows_lossless_per_sequence():
     prompts = [[1], [2, 3, 0, 1]]
     rows = prompts * N_PER_PROMPT
     outs, stats, batch = speculative_generate_batch(target, draft, rows, 3, k=2, temperature=1.0, seed=11,
-                                                    policy="adaptive", block_size=4)  # fmt: skip
+                                                    policy="adaptive", page_size=4)  # fmt: skip
     assert 0.5 < sum(s.accepted for s in stats) / sum(s.checked for s in stats) < 0.95
     for g, prompt in enumerate(prompts):
         mine = np.array(outs[g :: len(prompts)])  # (N, 3)

@@ -1,6 +1,6 @@
 """Chapter 4, FlashAttention: the specification of online_softmax, flash_attention, the IO model, the kernel.
 
-Every implementation is checked against minillm.attention (softmax, naive_attention) in float64 over
+Every implementation is checked against naive_attention's equation in float64 (on the host) over
 awkward shapes: N = 1, one less / equal / one more than the tile (31, 32, 33), several tiles with a
 tail (100, 257); head sizes 16, 64, 128; causal on and off; fewer queries than keys (decode,
 prefill after a cache). The checks are shown to bite: the classic wrong versions described in
@@ -27,6 +27,7 @@ import pytest
 import minillm.flash_attention as fa
 from minillm.attention import naive_attention, softmax
 from minillm.backend import is_gpu, to_numpy
+from minillm.kernels import build, launch
 
 # The tests that check each exercise, as pytest -k expressions (read by minillm.course; docs/instructors.md)
 EXERCISES = {
@@ -52,7 +53,7 @@ def kernel_mutant(name):
     """The real kernel with one classic bug edited in (tests/fixtures/flash_mutants.KERNEL_MUTANTS)."""
     out = Path(tempfile.gettempdir()) / "minillm-kernel-mutants"
     out.mkdir(exist_ok=True)
-    return mutants.write_kernel_mutant(name, fa.KERNEL_SOURCE, out)
+    return mutants.write_kernel_mutant(name, build.KERNEL_SOURCE, out)
 
 needs_gxx = pytest.mark.skipif(
     shutil.which("g++") is None, reason="g++ (C++20) is needed to emulate the kernel"
@@ -87,15 +88,23 @@ def make_qkv(case, seed=0):
 
 
 def reference(q, k, v, causal):
-    """naive_attention in float64 (and each row's log-sum-exp, computed independently)."""
+    """naive_attention's equation in float64 NumPy on the host (any backend's arrays in), and each
+    row's log-sum-exp: softmax(q k^T / sqrt(hs) + mask) v with query i at position Tk - Tq + i."""
     q, k, v = (np.asarray(to_numpy(t), dtype=np.float64) for t in (q, k, v))
     Tq, Tk, hs = q.shape[2], k.shape[2], q.shape[3]
     s = q @ k.swapaxes(-1, -2) / math.sqrt(hs)
     if causal:
         s = np.where(np.tri(Tq, Tk, k=Tk - Tq, dtype=bool), s, -np.inf)
     m = s.max(axis=-1, keepdims=True)
-    lse = (m + np.log(np.exp(s - m).sum(axis=-1, keepdims=True)))[..., 0]
-    return to_numpy(naive_attention(q, k, v, causal)), lse
+    e = np.exp(s - m)  # every row sees key 0, so m is finite
+    lse = (m + np.log(e.sum(axis=-1, keepdims=True)))[..., 0]
+    return (e / e.sum(axis=-1, keepdims=True)) @ v, lse
+
+
+def test_reference_is_naive_attention():
+    """The host reference above is chapter 2's naive_attention, on a causal Tq < Tk case."""
+    q, k, v = make_qkv((1, 2, 5, 9, 16, True))
+    np.testing.assert_allclose(reference(q, k, v, True)[0], to_numpy(naive_attention(q, k, v, True)), atol=1e-5)
 
 
 def check_attention(fn, cases, atol):
@@ -303,11 +312,11 @@ def emulator():
     """Build (or find in the cache) the emulated kernel once per session."""
     if shutil.which("g++") is None:
         pytest.skip("g++ (C++20) is needed to emulate the kernel")
-    return fa.build_emulator()
+    return build.build_emulator()
 
 
-def emulated(source=fa.KERNEL_SOURCE):
-    return lambda q, k, v, causal: fa.flash_attention_emulated(q, k, v, causal, source=source)
+def emulated(source=build.KERNEL_SOURCE):
+    return lambda q, k, v, causal: launch.flash_attention_emulated(q, k, v, causal, source=source)
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
@@ -315,7 +324,7 @@ def test_emulated_kernel_matches_naive(emulator, case):
     """The real .cu, run on the CPU through cuda_emu.h, matches naive_attention within 1e-5 (and L too)."""
     q, k, v = make_qkv(case)
     causal = case[-1]
-    out, lse = fa.flash_attention_emulated(q, k, v, causal, return_lse=True)
+    out, lse = launch.flash_attention_emulated(q, k, v, causal, return_lse=True)
     ref, ref_lse = reference(q, k, v, causal)
     assert out.dtype == np.float32
     assert np.abs(out - ref).max() <= KERNEL_ATOL
@@ -343,7 +352,7 @@ def test_emulator_catches_divergent_syncthreads():
     """A __syncthreads() inside `if (row_valid)` is reached by only some threads of a tail tile: the
     emulator's barrier reports the divergence (on a GPU: undefined behaviour, often a hang)."""
     bad = emulated(kernel_mutant("divergent_sync"))
-    with pytest.raises(fa.KernelError, match="diverged"):
+    with pytest.raises(build.KernelError, match="diverged"):
         bad(*make_qkv((1, 1, 33, 33, 16, True))[:3], True)
     check_attention(bad, [(1, 1, 64, 64, 16, True)], KERNEL_ATOL)  # no tail, every thread takes the branch
 
@@ -352,19 +361,19 @@ def test_emulator_catches_divergent_syncthreads():
 def test_emulated_kernel_checks_its_limits():
     """The kernel itself refuses head sizes over HS_MAX and too little shared memory (status codes),
     and the launchers raise clear errors before launching."""
-    q, k, v = make_qkv((1, 1, 8, 8, fa.HS_MAX + 1, True))
-    assert fa.launch_emulated(q, k, v, True, 32, 1)[2] == 1  # FLASH_BAD_HEAD_DIM
+    q, k, v = make_qkv((1, 1, 8, 8, build.HS_MAX + 1, True))
+    assert launch.launch_emulated(q, k, v, True, 32, 1)[2] == 1  # FLASH_BAD_HEAD_DIM
     with pytest.raises(ValueError, match="head sizes"):
-        fa.flash_attention_emulated(q, k, v)
+        launch.flash_attention_emulated(q, k, v)
     q, k, v = make_qkv((1, 1, 8, 8, 64, True))
-    need = fa.kernel_smem_bytes(32, 32, 64)
-    assert fa.launch_emulated(q, k, v, True, 32, 32, smem_bytes=need)[2] == 0  # the formula is the kernel's
-    assert fa.launch_emulated(q, k, v, True, 32, 32, smem_bytes=need - 4)[2] == 3  # FLASH_SMEM_TOO_SMALL
-    with pytest.raises(fa.KernelError, match="shared memory"):
-        fa.launch_emulated(q, k, v, True, 32, 32, smem_bytes=fa.EMU_SMEM_BYTES + 4)
+    need = launch.kernel_smem_bytes(32, 32, 64)
+    assert launch.launch_emulated(q, k, v, True, 32, 32, smem_bytes=need)[2] == 0  # the formula is the kernel's
+    assert launch.launch_emulated(q, k, v, True, 32, 32, smem_bytes=need - 4)[2] == 3  # FLASH_SMEM_TOO_SMALL
+    with pytest.raises(build.KernelError, match="shared memory"):
+        launch.launch_emulated(q, k, v, True, 32, 32, smem_bytes=build.DEFAULT_SMEM_BYTES + 4)
     q, k, v = make_qkv((1, 1, 8, 8, 128, True))
-    with pytest.raises(fa.SharedMemoryError, match="bytes of shared memory"):
-        fa.flash_attention_emulated(q, k, v, block_k=32)
+    with pytest.raises(launch.SharedMemoryError, match="bytes of shared memory"):
+        launch.flash_attention_emulated(q, k, v, block_k=32)
 
 
 @needs_gxx
@@ -372,8 +381,8 @@ def test_emulator_build_error_is_clear(tmp_path):
     """A kernel that does not compile raises KernelError carrying g++'s message (no silent fallback)."""
     broken = tmp_path / "broken.cu"
     broken.write_text('extern "C" __global__ void flash_attention_forward() { this is not C++ }\n')
-    with pytest.raises(fa.KernelError, match="could not build"):
-        fa.build_emulator(broken)
+    with pytest.raises(build.KernelError, match="could not build"):
+        build.build_emulator(broken)
 
 
 def test_cuda_launcher_without_gpu_says_so():
@@ -381,18 +390,18 @@ def test_cuda_launcher_without_gpu_says_so():
         pytest.skip("a GPU is present")
     q, k, v = make_qkv((1, 1, 4, 4, 16, True))
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
-        fa.flash_attention_cuda(q, k, v)
+        launch.flash_attention_cuda(q, k, v)
 
 
 def test_kernel_tiles_fit_shared_memory():
     """The launcher's tile choice fits the 48 KiB every GPU offers (sized in BYTES, not floats)."""
     for hs in (1, 16, 64, 100, 128):
-        Br, Bc = fa.kernel_tiles(hs)
+        Br, Bc = launch.kernel_tiles(hs)
         assert Br == 32 and Bc >= 8
-        assert fa.kernel_smem_bytes(Br, Bc, hs) <= fa.DEFAULT_SMEM_BYTES
-    assert fa.kernel_smem_bytes(32, 32, 64) == 4 * (2 * 32 * 65 + 2 * 32 * 64 + 32 * 33)
-    with pytest.raises(fa.SharedMemoryError):
-        fa.kernel_tiles(128, block_k=64)
+        assert launch.kernel_smem_bytes(Br, Bc, hs) <= build.DEFAULT_SMEM_BYTES
+    assert launch.kernel_smem_bytes(32, 32, 64) == 4 * (2 * 32 * 65 + 2 * 32 * 64 + 32 * 33)
+    with pytest.raises(launch.SharedMemoryError):
+        launch.kernel_tiles(128, block_k=64)
 
 
 # ---- ThreadSanitizer: no data race in the kernel, and a missing __syncthreads() is found --------------
@@ -401,7 +410,7 @@ TSAN_SCRIPT = """
 import sys
 import tempfile
 import numpy as np
-from minillm.flash_attention import launch_emulated
+from minillm.kernels.launch import launch_emulated
 rng = np.random.default_rng(0)
 q, k, v = (rng.standard_normal((1, 1, n, 16)).astype(np.float32) for n in (40, 70, 70))
 out, lse, status = launch_emulated(q, k, v, True, 32, 32, source=sys.argv[1], sanitize="thread")
@@ -418,7 +427,7 @@ def run_under_tsan(source):
     ).stdout.strip()
     if not Path(libtsan).is_file():
         pytest.skip("libtsan is not installed")
-    fa.build_emulator(source, sanitize="thread")  # build outside TSan
+    build.build_emulator(source, sanitize="thread")  # build outside TSan
     root = str(Path(fa.__file__).parents[1])
     env = dict(os.environ, LD_PRELOAD=libtsan, TSAN_OPTIONS="exitcode=66", PYTHONPATH=root)
     proc = subprocess.run([sys.executable, "-c", TSAN_SCRIPT, str(source)], capture_output=True, text=True,
@@ -431,7 +440,7 @@ def run_under_tsan(source):
 
 def test_tsan_reports_no_data_race():
     """The kernel built with -fsanitize=thread runs with no report: every shared access is ordered."""
-    rc, out = run_under_tsan(fa.KERNEL_SOURCE)
+    rc, out = run_under_tsan(build.KERNEL_SOURCE)
     assert "data race" not in out, out[-3000:]
     assert rc == 0, out[-3000:]
 
@@ -449,7 +458,7 @@ def test_tsan_catches_missing_syncthreads():
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_nvcc_builds_without_spills(arch):
     """nvcc -Xptxas -v: no spill stores or loads, no stack frame (nothing in slow local memory)."""
-    report = fa.nvcc_resource_report(arch)
+    report = build.nvcc_resource_report(arch)
     assert report["spill_stores"] == 0 and report["spill_loads"] == 0, report["report"]
     assert report["stack_frame"] == 0, report["report"]
     assert report["registers"] <= 128, report["report"]
@@ -458,7 +467,7 @@ def test_nvcc_builds_without_spills(arch):
 @needs_nvcc
 def test_nvcc_spill_check_bites():
     """Squeezed to 16 registers the same kernel spills, and the report shows it."""
-    report = fa.nvcc_resource_report("sm_90", extra_flags=("-maxrregcount=16",))
+    report = build.nvcc_resource_report("sm_90", extra_flags=("-maxrregcount=16",))
     assert report["spill_stores"] > 0
 
 
@@ -469,9 +478,9 @@ def test_parse_ptxas_report():
         "ptxas info    : Used 255 registers, used 1 barriers"
     )
     want = {"registers": 255, "stack_frame": 0, "spill_stores": 8, "spill_loads": 12}
-    assert fa.parse_ptxas_report(text) == want
+    assert build.parse_ptxas_report(text) == want
     with pytest.raises(ValueError, match="ptxas report"):
-        fa.parse_ptxas_report("ptxas info    : Used 40 registers")
+        build.parse_ptxas_report("ptxas info    : Used 40 registers")
 
 
 # ---- the model: every attention implementation gives the same logits -----------------------------------
@@ -507,10 +516,37 @@ def test_model_logits_kernel_equal_naive(tiny_model):
     check_model_logits(tiny_model, "cuda")
 
 
-def test_attention_function_names():
-    assert fa.attention_function("flash") is not None
-    with pytest.raises(ValueError, match="flash"):
-        fa.attention_function("fast")
+def test_model_registry_names_this_chapter():
+    """GPT's attention='flash' is the tiled array code and 'cuda' the kernel (emulated on a CPU)."""
+    from minillm.model import get_attention
+
+    assert get_attention("flash") is fa.tiled_attention
+    assert get_attention("cuda") is launch.kernel_attention
+
+
+def test_kernel_limits_are_read_from_the_sources():
+    """HS_MAX, the FLASH_* status codes and the 48 KiB come from the #defines of the .cu and cuda_emu.h."""
+    assert build.HS_MAX == 128 and build.DEFAULT_SMEM_BYTES == 48 * 1024
+    assert set(build.KERNEL_STATUS) == {1, 2, 3}
+    assert build.KERNEL_STATUS[3].startswith("FLASH_SMEM_TOO_SMALL")
+    with pytest.raises(build.KernelError, match="FLASH_BAD_HEAD_DIM"):
+        build.raise_status(1)
+    build.raise_status(0)
+
+
+def test_kernel_cache_dir_is_a_user_folder(monkeypatch, tmp_path):
+    """Built kernels go to $MINILLM_KERNEL_CACHE, else $XDG_CACHE_HOME/minillm/kernels: never into the
+    installed package (which may be read-only); an unwritable choice falls back to a temporary folder."""
+    monkeypatch.delenv(build.CACHE_ENV, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert build.kernel_cache_dir() == tmp_path / "xdg" / "minillm" / "kernels"
+    monkeypatch.setenv(build.CACHE_ENV, str(tmp_path / "mine"))
+    assert build.kernel_cache_dir() == tmp_path / "mine"
+    blocked = tmp_path / "file"
+    blocked.write_text("not a folder")
+    monkeypatch.setenv(build.CACHE_ENV, str(blocked / "sub"))
+    fallback = build.kernel_cache_dir()
+    assert fallback.is_dir() and build.KERNEL_DIR not in fallback.parents
 
 
 # ---- on a real GPU (skipped without one): the same grid through cupy.RawKernel ----------------------------
@@ -525,7 +561,7 @@ def test_gpu_kernel_matches_naive(case):
 
     q, k, v = make_qkv(case)
     causal = case[-1]
-    out, lse = fa.flash_attention_cuda(
+    out, lse = launch.flash_attention_cuda(
         cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), causal, return_lse=True
     )
     ref, ref_lse = reference(q, k, v, causal)
@@ -540,8 +576,8 @@ def test_gpu_kernel_refuses_too_much_shared_memory():
     import cupy
 
     q, k, v = (cupy.asarray(t) for t in make_qkv((1, 1, 64, 64, 128, True)))
-    with pytest.raises(fa.SharedMemoryError, match="bytes of shared memory"):
-        fa.flash_attention_cuda(q, k, v, block_k=4096)
+    with pytest.raises(launch.SharedMemoryError, match="bytes of shared memory"):
+        launch.flash_attention_cuda(q, k, v, block_k=4096)
 
 
 @pytest.mark.gpu
@@ -551,5 +587,5 @@ def test_gpu_kernel_with_opt_in_shared_memory():
     import cupy
 
     q, k, v = make_qkv((1, 2, 100, 257, 128, True))
-    out = fa.flash_attention_cuda(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), True, block_k=64)
+    out = launch.flash_attention_cuda(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), True, block_k=64)
     assert np.abs(to_numpy(out) - reference(q, k, v, True)[0]).max() <= KERNEL_ATOL

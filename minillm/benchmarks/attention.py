@@ -3,7 +3,7 @@
 On a CPU (NumPy): peak memory (tracemalloc) and wall time of ``naive_attention`` vs the tiled
 ``flash_attention`` for one head, hs 64, causal, N = 1K .. 16K. The claim to check: the tiled version
 never holds the N x N score matrix, so its peak memory at N = 8192 must be at most 10% of naive's.
-On a GPU (CuPy): naive CuPy attention vs the CUDA kernel (``flash_attention_cuda``), time and achieved
+On a GPU (CuPy): naive CuPy attention vs the CUDA kernel (``kernels.launch.flash_attention_cuda``), time and achieved
 TFLOP/s against the device's FP32 peak. Both: the IO-model plot (HBM bytes vs N and vs SRAM size).
 
 Discipline (see minillm.bench): validate every output against the reference first, warm up, then time
@@ -22,6 +22,7 @@ from .. import flash_attention as fa
 from ..attention import naive_attention
 from ..backend import is_gpu, synchronize, to_numpy, xp
 from ..bench import format_table, save_figure, time_fn
+from ..kernels.launch import flash_attention_cuda
 
 CPU_NS = [1024, 2048, 4096, 8192, 16384]
 GPU_NS = [1024, 2048, 4096, 8192, 16384]
@@ -202,7 +203,7 @@ def run_gpu(ns, repeat, out_dir, B=1, nh=8, plot=True):
     rows, ok = [], True
     for N in ns:
         q, k, v = make_qkv(B, nh, N, HS)
-        naive, kernel = partial(naive_attention, q, k, v, True), partial(fa.flash_attention_cuda, q, k, v, True)
+        naive, kernel = partial(naive_attention, q, k, v, True), partial(flash_attention_cuda, q, k, v, True)
         out = kernel()
         try:  # 1. validate against naive attention (which may not fit: the N x N matrices)
             ref, reference = naive(), "naive"

@@ -11,7 +11,7 @@ step). Policies, as in the paper's Figure 2 (Kwon et al. 2023):
     contiguous, max_len   reserve max_len slots per request (what ``KVCache(config)`` does; Orca "Max")
     contiguous, pow2      reserve the next power of two >= P + O                         (Orca "Pow2")
     contiguous, oracle    reserve exactly P + O, as if the output length were known      (Orca "Oracle")
-    paged, block b        hold ceil(t / b) blocks of b slots (``PagedKVCache``)                 (vLLM)
+    paged, page size b    hold ceil(t / b) blocks of b slots (``PagedKVCache``)                 (vLLM)
 
 "KV usage" = slots holding a token / slots reserved, summed over every step of every request (the
 share of memory a snapshot of the server would find in use). "Fit" = how many requests of the
@@ -38,10 +38,11 @@ from ..bench import DEFAULT_FIG_DIR, format_table, save_figure
 from ..config import GPTConfig
 from ..kv_cache import KVCache
 from ..paged_kv import OutOfBlocksError, PagedKVCache, num_blocks_for
+from ..prefix_blocks import PrefixBlockCache
 
-BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64)
+PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # tokens per KV block
 PAPER_CONTIGUOUS = {"Max": 20.4, "Pow2": 26.8, "Oracle": 38.2}  # % of KV memory holding tokens, Fig. 2
-PAPER_VLLM = 96.3  # %, block size 16, Fig. 2
+PAPER_VLLM = 96.3  # %, 16 tokens per block, Fig. 2
 SYSTEM_PROMPT = (
     "You are a player at the Globe. Answer in the voice of the play: in verse where you can, "
     "with the names and manners of the court of Verona, and never break the scene. Speak briefly.\n\n"
@@ -97,9 +98,9 @@ def slot_steps(prompts, outputs, reserved_at) -> tuple[int, int, int]:
     return held, reserved, steps
 
 
-def paged_fit(prompts, outputs, block_size: int, budget: int, config) -> int:
+def paged_fit(prompts, outputs, page_size: int, budget: int, config) -> int:
     """Requests (in order, each at its peak length P+O) a real PagedKVCache of `budget` slots holds."""
-    cache = PagedKVCache(config, num_blocks=budget // block_size, block_size=block_size)
+    cache = PagedKVCache(config, num_blocks=budget // page_size, page_size=page_size)
     for count, (P, O) in enumerate(zip(prompts, outputs)):
         seq = cache.add_sequence()
         try:
@@ -109,12 +110,12 @@ def paged_fit(prompts, outputs, block_size: int, budget: int, config) -> int:
     return len(prompts)
 
 
-def validate_paged_formula(prompts, outputs, block_sizes, config, n: int = 20) -> None:
+def validate_paged_formula(prompts, outputs, page_sizes, config, n: int = 20) -> None:
     """Replay the first n requests step by step in a real PagedKVCache; its allocator must hold
-    ceil(t / block_size) blocks at every step and get every block back at the end."""
+    ceil(t / page_size) blocks at every step and get every block back at the end."""
     one = np.zeros((1, 1, 1, 1), np.float32)
-    for bs in block_sizes:
-        cache = PagedKVCache(config, num_blocks=num_blocks_for(config.block_size, bs), block_size=bs)
+    for bs in page_sizes:
+        cache = PagedKVCache(config, num_blocks=num_blocks_for(config.block_size, bs), page_size=bs)
         for P, O in list(zip(prompts, outputs))[:n]:
             seq = cache.add_sequence()
             cache.append(seq, *[np.zeros((1, 1, P, 1), np.float32)] * 2)
@@ -123,20 +124,20 @@ def validate_paged_formula(prompts, outputs, block_sizes, config, n: int = 20) -
                     cache.append(seq, one, one)
                 held = cache.num_blocks - cache.allocator.num_free
                 if held != num_blocks_for(int(t), bs):
-                    raise AssertionError(f"block size {bs}: {held} blocks for {t} tokens")
+                    raise AssertionError(f"page size {bs}: {held} blocks for {t} tokens")
             cache.free(seq)
             if cache.allocator.num_free != cache.num_blocks:
-                raise AssertionError(f"block size {bs}: blocks leaked")
+                raise AssertionError(f"page size {bs}: blocks leaked")
 
 
-def memory_rows(prompts, outputs, max_len: int, budget: int, block_sizes):
+def memory_rows(prompts, outputs, max_len: int, budget: int, page_sizes):
     """One row per policy: KV usage, waste, requests that fit at peak and in a steady state."""
     config = GPTConfig(vocab_size=1, block_size=max_len, n_layer=1, n_head=1, n_embd=1)  # 1 number per slot
     rows = []
 
-    def row(name, block, reserved_at, peak_fit):
+    def row(name, page_size, reserved_at, peak_fit):
         held, reserved, steps = slot_steps(prompts, outputs, reserved_at)
-        rows.append({"KV cache": name, "block": block, "KV usage %": 100 * held / reserved,
+        rows.append({"KV cache": name, "page size": page_size, "KV usage %": 100 * held / reserved,
                      "waste %": 100 * (1 - held / reserved), "fit (peak)": peak_fit,
                      "fit (steady)": budget / (reserved / steps)})  # fmt: skip
 
@@ -145,7 +146,7 @@ def memory_rows(prompts, outputs, max_len: int, budget: int, block_sizes):
         peak_fit = int(np.searchsorted(np.cumsum(res), budget, side="right"))
         row(f"contiguous, {policy}", "-", lambda P, O, t, p=policy: contiguous_reservation(p, P, O, max_len),
             peak_fit)  # fmt: skip
-    for bs in block_sizes:
+    for bs in page_sizes:
         paged_at = lambda P, O, t, b=bs: num_blocks_for(t, b) * b  # noqa: E731
         row("paged", bs, paged_at, paged_fit(prompts, outputs, bs, budget, config))
     base = rows[0]["fit (steady)"]
@@ -160,18 +161,18 @@ def memory_figures(rows):
 
     paged = [r for r in rows if r["KV cache"] == "paged"]
     contiguous = [r for r in rows if r["KV cache"] != "paged"]
-    xs = [r["block"] for r in paged]
+    xs = [r["page size"] for r in paged]
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot(xs, [r["KV usage %"] for r in paged], "o-", color="C0", label="paged (ours)")
     for r, color in zip(contiguous, ("C3", "C1", "C2")):
         ax.axhline(r["KV usage %"], color=color, ls="--", label=f"{r['KV cache']} (ours)")
     ax.axhspan(min(PAPER_CONTIGUOUS.values()), max(PAPER_CONTIGUOUS.values()), color="0.85",
                label="paper: contiguous (Orca) 20.4-38.2%")  # fmt: skip
-    ax.plot([16], [PAPER_VLLM], "k*", ms=12, label=f"paper: vLLM, block 16 ({PAPER_VLLM}%)")
+    ax.plot([16], [PAPER_VLLM], "k*", ms=12, label=f"paper: vLLM, page size 16 ({PAPER_VLLM}%)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(xs, [str(x) for x in xs])
     ax.set_ylim(0, 105)
-    ax.set_xlabel("block size (tokens)")
+    ax.set_xlabel("page size (tokens per block)")
     ax.set_ylabel("reserved KV memory holding tokens (%)")
     ax.set_title("KV memory usage: contiguous reservation vs paged blocks")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
@@ -184,7 +185,7 @@ def memory_figures(rows):
            label="paged, all at peak length")  # fmt: skip
     for r, color in zip(contiguous, ("C3", "C1", "C2")):
         ax.axhline(r["fit (steady)"], color=color, ls="--", label=f"{r['KV cache']}, steady state")
-    ax.set_xlabel("block size (tokens)")
+    ax.set_xlabel("page size (tokens per block)")
     ax.set_ylabel("requests held at once")
     ax.set_title("Requests that fit in the same KV budget")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
@@ -222,11 +223,11 @@ def median_ttft(run, repeat: int):
     return statistics.median(r.stats.ttft_s for r in results), results[-1]
 
 
-def ttft_rows(model, tok, new_tokens: int, repeat: int, block_size: int, n_questions: int):
+def ttft_rows(model, tok, new_tokens: int, repeat: int, page_size: int, n_questions: int):
     from ..generate import generate
 
     cfg = model.config
-    n_blocks = 2 * num_blocks_for(cfg.block_size, block_size)
+    n_blocks = 2 * num_blocks_for(cfg.block_size, page_size)
     system = tok.encode(SYSTEM_PROMPT)
     rows, tokens = [], {}
     for question in QUESTIONS[:n_questions]:
@@ -238,16 +239,17 @@ def ttft_rows(model, tok, new_tokens: int, repeat: int, block_size: int, n_quest
             return generate(model, prompt, new_tokens, temperature=0, cache=KVCache(cfg))
 
         def paged(prompt=prompt):
-            cache = PagedKVCache(cfg, n_blocks, block_size)
+            cache = PagedKVCache(cfg, n_blocks, page_size)
             return generate(model, prompt, new_tokens, temperature=0, cache=cache.sequence())
 
         def paged_prefix(prompt=prompt):
-            cache = PagedKVCache(cfg, n_blocks, block_size, prefix_caching=True)
+            cache = PagedKVCache(cfg, n_blocks, page_size)
+            prefix = PrefixBlockCache(cache)
             warm = cache.sequence()  # an earlier request with the same system prompt, then done
-            cache.prefill(model, system + tok.encode(WARMUP_QUESTION), warm)
+            prefix.prefill(model, system + tok.encode(WARMUP_QUESTION), warm)
             warm.free()
             view = cache.sequence()
-            return generate(model, prompt, new_tokens, temperature=0, cache=view, prefix_cache=cache)
+            return generate(model, prompt, new_tokens, temperature=0, cache=view, prefix_cache=prefix)
 
         generate(model, prompt, 2, temperature=0)  # warm-up (allocations, BLAS threads)
         t_contig, r_contig = median_ttft(contiguous, repeat)
@@ -300,14 +302,14 @@ def draw_block_tables(cache: PagedKVCache, ax=None, title: str | None = None):
 
     if ax is None:
         _, ax = plt.subplots(figsize=(max(6, 0.75 * cache.num_blocks), 1.6 + 0.8 * len(cache.block_tables)))
-    bs, colors = cache.block_size, {}
+    bs, colors = cache.page_size, {}
     owner, filled = {}, [0] * cache.num_blocks
     for n, (seq, table) in enumerate(cache.block_tables.items()):
         colors[seq] = f"C{n % 10}"
         for i, b in enumerate(table):
             owner[b] = seq
             filled[b] = max(filled[b], min(bs, cache.lengths[seq] - i * bs))
-    for b in cache.cached_blocks.values():
+    for b in [] if cache.prefix_blocks is None else cache.prefix_blocks.held_blocks():
         filled[b] = bs  # only full blocks are cached
     for b in range(cache.num_blocks):  # the pool, y = 0
         count = cache.allocator.ref_counts[b]
@@ -334,7 +336,7 @@ def draw_block_tables(cache: PagedKVCache, ax=None, title: str | None = None):
     ax.set_xlim(-2.2, cache.num_blocks + 0.2)
     ax.set_ylim(-0.7, 1.6 + 0.9 * max(1, len(cache.block_tables)))
     ax.axis("off")
-    ax.set_title(title or f"block tables (block size {bs})", fontsize=10)
+    ax.set_title(title or f"block tables (page size {bs})", fontsize=10)
     return ax
 
 
@@ -349,40 +351,40 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--mean-prompt", type=float, default=32.0, help="mean prompt length (tokens)")
     ap.add_argument("--mean-output", type=float, default=64.0, help="mean output length (tokens)")
     ap.add_argument("--budget", type=int, default=4096, help="KV budget in token slots (16 x 256)")
-    ap.add_argument("--block-sizes", default=",".join(map(str, BLOCK_SIZES)))
+    ap.add_argument("--page-sizes", default=",".join(map(str, PAGE_SIZES)), help="tokens per KV block, comma-separated")
     ap.add_argument("--no-ttft", action="store_true", help="skip part 2 (no model)")
     ap.add_argument("--model", default="target", help="'target' (shipped), a checkpoint path, or 'random'")
     ap.add_argument("--questions", type=int, default=len(QUESTIONS))
     ap.add_argument("--new-tokens", type=int, default=20)
     ap.add_argument("--repeat", type=int, default=5, help="timed runs per measurement (median)")
-    ap.add_argument("--ttft-block-size", type=int, default=16)
+    ap.add_argument("--ttft-page-size", type=int, default=16, help="tokens per KV block in part 2")
     ap.add_argument("--out", default=str(DEFAULT_FIG_DIR), help="folder for the PNG plots")
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
-    block_sizes = [int(b) for b in args.block_sizes.split(",")]
+    page_sizes = [int(b) for b in args.page_sizes.split(",")]
 
     prompts, outputs = make_workload(args.requests, args.max_len, args.mean_prompt, args.mean_output,
                                      args.seed)  # fmt: skip
     one_slot = GPTConfig(vocab_size=1, block_size=args.max_len, n_layer=1, n_head=1, n_embd=1)
-    validate_paged_formula(prompts, outputs, block_sizes, one_slot)
+    validate_paged_formula(prompts, outputs, page_sizes, one_slot)
     total = prompts + outputs
     print(f"workload: {args.requests} requests (seed {args.seed}), prompt mean {prompts.mean():.1f} tokens, "
           f"output mean {outputs.mean():.1f}, total mean {total.mean():.1f} / max_len {args.max_len} "
           f"(max {total.max()}); budget {args.budget} token slots")  # fmt: skip
-    print("validated: a real PagedKVCache holds ceil(t / block) blocks at every step and frees them all\n")
-    rows = memory_rows(prompts, outputs, args.max_len, args.budget, block_sizes)
+    print("validated: a real PagedKVCache holds ceil(t / page size) blocks at every step and frees them all\n")
+    rows = memory_rows(prompts, outputs, args.max_len, args.budget, page_sizes)
     print(format_table(rows))
     print(f"\npaper (Kwon et al. 2023, Fig. 2): contiguous {PAPER_CONTIGUOUS['Max']}% (Max), "
           f"{PAPER_CONTIGUOUS['Pow2']}% (Pow2), {PAPER_CONTIGUOUS['Oracle']}% (Oracle); "
-          f"vLLM {PAPER_VLLM}% (block 16)")  # fmt: skip
+          f"vLLM {PAPER_VLLM}% (page size 16)")  # fmt: skip
     paths = [] if args.no_plots else plot_memory(rows, args.out)
 
     if not args.no_ttft:
         model, tok, label = load_target(args.model)
         print(f"\nprefix caching, {label} model: system prompt {len(tok.encode(SYSTEM_PROMPT))} tokens, "
-              f"greedy, {args.new_tokens} new tokens, block {args.ttft_block_size}, "
+              f"greedy, {args.new_tokens} new tokens, page size {args.ttft_page_size}, "
               f"median of {args.repeat}")  # fmt: skip
-        trows, _ = ttft_rows(model, tok, args.new_tokens, args.repeat, args.ttft_block_size, args.questions)
+        trows, _ = ttft_rows(model, tok, args.new_tokens, args.repeat, args.ttft_page_size, args.questions)
         print(format_table(trows))
         if not args.no_plots:
             paths.append(plot_ttft(trows, label, args.out))

@@ -6,7 +6,7 @@
 //
 // where launcher.cpp #includes the .cu, defines the dynamic shared memory with
 // CUDA_EMU_DYNAMIC_SHARED(type, name) and calls cuda_emu::launch(grid, block, smem, kernel, args...).
-// (minillm.flash_attention writes that launcher for you and caches the build.)
+// (minillm.kernels.build writes that launcher for you and caches the build.)
 //
 // The execution model, kept as close to CUDA as a CPU allows:
 //   - blocks run one after another, in blockIdx order x, then y, then z;

@@ -14,7 +14,7 @@
 //   m_i, l_i running row max and running row sum of exp(S - m_i)     (registers)
 //   O_i      running, *unnormalized* output; divided by l_i once at the end (FlashAttention-2)
 //
-// Launch (see minillm/flash_attention.py):
+// Launch (see minillm/kernels/launch.py):
 //   grid (Tr, nh, B) -- one block per (query tile, head, batch element); block (Br);
 //   dynamic shared memory flash_smem_floats(Br, Bc, d) * 4 bytes.
 // Masks: causal=1 lets query row r (absolute position Tk - Tq + r) see keys 0..Tk - Tq + r.
