@@ -77,9 +77,9 @@ def linear_backward(dout, x, w):
 
 
 def gelu_backward(dout, x):
-    """forward: y = 0.5 x (1 + tanh(u)), u = c (x + 0.044715 x^3).
+    """forward: y = 0.5 x (1 + tanh(u)), u = c (x + a x^3), c = GELU_C, a = GELU_A.  -> dx = dout * dy/dx
 
-    dy/dx = 0.5 (1 + tanh u) + 0.5 x (1 - tanh^2 u) c (1 + 3 * 0.044715 x^2).
+    Elementwise, any shape. Derive dy/dx with the product rule, then the chain rule through tanh and u.
     """
     # EXERCISE A1.1 BEGIN: the chain rule through 0.5 x (1 + tanh(u)), times the upstream gradient
     t = xp.tanh(GELU_C * (x + GELU_A * x * x * x))
