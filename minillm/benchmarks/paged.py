@@ -1,6 +1,6 @@
 """Benchmark: how much reserved KV memory holds real tokens, contiguous vs paged; prefix-caching TTFT.
 
-    python -m minillm bench paged                   # both parts, plots into docs/figures/paged_*.png
+    python -m minillm bench paged                   # both parts, plots paged_*.png (--out DIR)
     python -m minillm bench paged --no-ttft         # memory part only (no model, a second or two)
 
 Part 1, memory (no model). A seeded workload of requests with random prompt and output lengths
@@ -34,10 +34,10 @@ from pathlib import Path
 
 import numpy as np
 
-from ..bench import DEFAULT_FIG_DIR, format_table, save_figure
 from ..config import GPTConfig
 from ..kv_cache import KVCache
 from ..paged_kv import OutOfBlocksError, PagedKVCache, num_blocks_for
+from .common import BenchmarkError, add_output_args, figure_dir, format_table, save_figure
 
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64)
 PAPER_CONTIGUOUS = {"Max": 20.4, "Pow2": 26.8, "Oracle": 38.2}  # % of KV memory holding tokens, Fig. 2
@@ -123,10 +123,10 @@ def validate_paged_formula(prompts, outputs, block_sizes, config, n: int = 20) -
                     cache.append(seq, one, one)
                 held = cache.num_blocks - cache.allocator.num_free
                 if held != num_blocks_for(int(t), bs):
-                    raise AssertionError(f"block size {bs}: {held} blocks for {t} tokens")
+                    raise BenchmarkError(f"block size {bs}: {held} blocks for {t} tokens")
             cache.free(seq)
             if cache.allocator.num_free != cache.num_blocks:
-                raise AssertionError(f"block size {bs}: blocks leaked")
+                raise BenchmarkError(f"block size {bs}: blocks leaked")
 
 
 def memory_rows(prompts, outputs, max_len: int, budget: int, block_sizes):
@@ -356,7 +356,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--new-tokens", type=int, default=20)
     ap.add_argument("--repeat", type=int, default=5, help="timed runs per measurement (median)")
     ap.add_argument("--ttft-block-size", type=int, default=16)
-    ap.add_argument("--out", default=str(DEFAULT_FIG_DIR), help="folder for the PNG plots")
+    add_output_args(ap)
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
     block_sizes = [int(b) for b in args.block_sizes.split(",")]
@@ -375,7 +375,7 @@ def main(argv: list[str]) -> int:
     print(f"\npaper (Kwon et al. 2023, Fig. 2): contiguous {PAPER_CONTIGUOUS['Max']}% (Max), "
           f"{PAPER_CONTIGUOUS['Pow2']}% (Pow2), {PAPER_CONTIGUOUS['Oracle']}% (Oracle); "
           f"vLLM {PAPER_VLLM}% (block 16)")  # fmt: skip
-    paths = [] if args.no_plots else plot_memory(rows, args.out)
+    paths = [] if args.no_plots else plot_memory(rows, figure_dir(args))
 
     if not args.no_ttft:
         model, tok, label = load_target(args.model)
@@ -385,10 +385,9 @@ def main(argv: list[str]) -> int:
         trows, _ = ttft_rows(model, tok, args.new_tokens, args.repeat, args.ttft_block_size, args.questions)
         print(format_table(trows))
         if not args.no_plots:
-            paths.append(plot_ttft(trows, label, args.out))
+            paths.append(plot_ttft(trows, label, figure_dir(args)))
         if any(r["same tokens"] != "yes" for r in trows):
-            print("error: prefix caching changed the generated tokens")
-            return 1
+            raise BenchmarkError("prefix caching changed the generated tokens")
     for p in paths:
         print(f"saved {p}")
     return 0
