@@ -11,7 +11,10 @@ from minillm.benchmarks import paged as paged_bench
 from minillm.checkpoint import shipped_path
 
 # Tests that also run other exercises' code, so they fail until those are solved (minillm.course)
-NEEDS = {("3.1", "3.3"): "generate_streams or generate_uses"}
+NEEDS = {
+    ("3.1", "3.3"): "generate_streams or generate_uses",
+    ("3.1", "3.2", "3.3", "5.1", "5.2", "5.3"): "demo_options",  # the demo runs generate and speculative decoding
+}
 
 
 def run_cli(*args):
@@ -109,19 +112,13 @@ def test_benchmark_validation_failure_is_one_line_and_exit_1(monkeypatch, capsys
     assert captured.err == "error: block size 4: 3 blocks for 9 tokens\n" and captured.out == ""
 
 
+@pytest.mark.skipif(not shipped_path("target").is_file(), reason="shipped models not trained yet")
 def test_benchmarks_write_figures_to_the_named_or_default_folder_only(monkeypatch, tmp_path, capsys):
     """Figures go to --out DIR, else to the default folder outside the project; never to the working
     directory's docs/figures."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(common, "DEFAULT_FIG_DIR", tmp_path / "default")
-    assert cli.main(["bench", "paged", "--no-ttft", "--requests", "20"]) == 0
-    assert cli.main(["bench", "paged", "--no-ttft", "--requests", "20", "--out", "mine"]) == 0
-    made = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*.png"))
-    assert made == ["default/paged_memory_usage.png", "default/paged_requests_fit.png",
-                    "mine/paged_memory_usage.png", "mine/paged_requests_fit.png"]
-
-
-def test_unknown_prompt_character_is_named(tiny_checkpoint):
-    r = run_cli("generate", "--model", tiny_checkpoint, "--prompt", "abz")
-    assert r.returncode == 1
-    assert "characters not in the vocabulary: 'z'" in r.stderr and "Traceback" not in r.stderr
+    assert cli.main(["bench", "training-curves"]) == 0
+    assert cli.main(["bench", "training-curves", "--out", "mine"]) == 0
+    made = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*"))
+    assert made == ["default", "default/training_curves.png", "mine", "mine/training_curves.png"]
