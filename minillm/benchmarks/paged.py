@@ -37,7 +37,7 @@ import numpy as np
 from ..config import GPTConfig
 from ..kv_cache import KVCache
 from ..paged_kv import OutOfBlocksError, PagedKVCache, num_blocks_for
-from .common import BenchmarkError, add_output_args, figure_dir, format_table, save_figure
+from .common import BenchmarkError, add_output_args, figure_dir, format_table, progress, save_figure
 
 BLOCK_SIZES = (1, 2, 4, 8, 16, 32, 64)
 PAPER_CONTIGUOUS = {"Max": 20.4, "Pow2": 26.8, "Oracle": 38.2}  # % of KV memory holding tokens, Fig. 2
@@ -229,7 +229,7 @@ def ttft_rows(model, tok, new_tokens: int, repeat: int, block_size: int, n_quest
     n_blocks = 2 * num_blocks_for(cfg.block_size, block_size)
     system = tok.encode(SYSTEM_PROMPT)
     rows, tokens = [], {}
-    for question in QUESTIONS[:n_questions]:
+    for question in progress(QUESTIONS[:n_questions], "prefix-caching TTFT"):
         prompt = system + tok.encode(question)
         if len(prompt) + new_tokens > cfg.block_size:
             raise ValueError(f"prompt of {len(prompt)} + {new_tokens} new tokens exceeds the context")

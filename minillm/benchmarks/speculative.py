@@ -31,7 +31,16 @@ from ..drafts import BigramDraft, quantize_weights
 from ..generate import generate
 from ..kv_cache import KVCache
 from ..speculative import expected_speedup, expected_tokens_per_call, speculative_generate
-from .common import BenchmarkError, add_output_args, figure_dir, format_table, save_figure, time_fn, time_paired
+from .common import (
+    BenchmarkError,
+    add_output_args,
+    figure_dir,
+    format_table,
+    progress,
+    save_figure,
+    time_fn,
+    time_paired,
+)
 
 DRAFT_NAMES = ("draft", "int8", "bigram")
 STEP_CONTEXT = 128  # cached tokens when timing one decode step (mid-way through a generation)
@@ -158,7 +167,7 @@ def main(argv: list[str]) -> int:
 
     # 1. validate: greedy speculative decoding is the target's greedy decoding
     reference = [generate(target, p, n_new, temperature=0).tokens for p in prompts]
-    for name, draft in drafts.items():
+    for name, draft in progress(drafts.items(), "validate", total=len(drafts)):
         for k in sorted({min(args.ks), max(args.ks)}):
             outs, _ = run_speculative(target, draft, prompts, n_new, k, 0.0)
             if outs != reference:
