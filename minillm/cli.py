@@ -45,6 +45,11 @@ def finite_float(text: str) -> float:
 positive_int, nonnegative_int = int_at_least(1), int_at_least(0)
 
 
+def positive_int_list(text: str) -> list[int]:
+    """An argparse type: "1,2,4" -> [1, 2, 4], every value >= 1."""
+    return [positive_int(item) for item in text.split(",")]
+
+
 def cmd_train(args) -> int:
     from .train import train
 

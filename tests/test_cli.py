@@ -68,6 +68,8 @@ def test_generate_uses_the_shipped_target_by_default():
         (["demo", "--max-new-tokens", "0"], 2, "argument --max-new-tokens: must be >= 1"),
         (["train", "--preset", "draft", "--steps", "-5"], 2, "argument --steps: must be >= 1"),
         (["bench", "paged", "--out", "x", "--update-docs"], 2, "not allowed with argument --out"),
+        (["bench", "speculative", "--ks", "0,2"], 2, "argument --ks: must be >= 1, got 0"),
+        (["bench", "paged", "--no-ttft", "--requests", "0"], 2, "argument --requests: must be >= 1, got 0"),
         (["course", "student-edition", "/nonexistent/edition", "--chapters", "9"], 1, "no exercises in chapter(s) 9"),
     ],
 )

@@ -21,6 +21,7 @@ import numpy as np
 from .. import flash_attention as fa
 from ..attention import naive_attention
 from ..backend import is_gpu, synchronize, to_numpy, xp
+from ..cli import positive_int
 from .common import BenchmarkError, add_output_args, figure_dir, format_table, save_figure, time_fn
 
 CPU_NS = [1024, 2048, 4096, 8192, 16384]
@@ -265,8 +266,8 @@ def plot_gpu(rows, out_dir, peak):
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m minillm bench attention", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="N up to 4096, one timing repeat")
-    p.add_argument("--max-n", type=int, default=None, help="largest N to run (default 16384)")
-    p.add_argument("--repeat", type=int, default=3, help="timed repeats (median); 1 for N > 4096 on CPU")
+    p.add_argument("--max-n", type=positive_int, default=None, help="largest N to run (default 16384)")
+    p.add_argument("--repeat", type=positive_int, default=3, help="timed repeats (median); 1 for N > 4096 on CPU")
     add_output_args(p)
     p.add_argument("--no-plots", action="store_true", help="print tables only")
     args = p.parse_args(argv)

@@ -24,6 +24,7 @@ import numpy as np
 
 from ..batch_speculative import POLICIES, forward_ragged, generate_batch, speculative_generate_batch
 from ..checkpoint import load_model
+from ..cli import positive_int_list
 from ..generate import generate
 from ..paged_kv import PagedKVCache, num_blocks_for
 from .common import BenchmarkError, add_output_args, figure_dir, format_table, save_figure, time_fn, time_paired
@@ -36,7 +37,7 @@ def parse_args(argv):
     p = argparse.ArgumentParser(
         prog="python -m minillm bench batch-speculative", description=__doc__.splitlines()[0]
     )
-    p.add_argument("--batch-sizes", default="1,2,4,8,16", help="batch sizes (default 1,2,4,8,16)")
+    p.add_argument("--batch-sizes", type=positive_int_list, default="1,2,4,8,16", help="default 1,2,4,8,16")
     p.add_argument("--tokens", type=int, default=64, help="new tokens per sequence (default 64)")
     p.add_argument("--k", type=int, default=4, help="draft tokens per round, the adaptive policy's maximum")
     p.add_argument("--policies", default=",".join(POLICIES), help="policies: pad,adaptive")
@@ -48,12 +49,11 @@ def parse_args(argv):
     p.add_argument("--quick", action="store_true", help="batch sizes 1,4,16; 32 tokens; 1 run each")
     args = p.parse_args(argv)
     if args.quick:
-        args.batch_sizes, args.tokens, args.repeat = "1,4,16", 32, 1
-    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+        args.batch_sizes, args.tokens, args.repeat = [1, 4, 16], 32, 1
     args.policies = [s.strip() for s in args.policies.split(",")]
     unknown = set(args.policies) - set(POLICIES)
-    if unknown or min(args.batch_sizes) < 1 or args.k < 1 or args.tokens < 2 or args.repeat < 1:
-        p.error(f"bad options (unknown policies {sorted(unknown)}; batch sizes >= 1; k >= 1; --tokens >= 2; "
+    if unknown or args.k < 1 or args.tokens < 2 or args.repeat < 1:
+        p.error(f"bad options (unknown policies {sorted(unknown)}; k >= 1; --tokens >= 2; "
                 "--repeat >= 1)")  # fmt: skip
     if args.prompt_len <= 3 * PROMPT_STEP:
         p.error(f"--prompt-len must exceed {3 * PROMPT_STEP}")

@@ -23,6 +23,7 @@ import numpy as np
 from .. import model as model_module
 from ..backend import xp
 from ..checkpoint import load_model
+from ..cli import positive_int
 from ..data import load_corpus
 from ..generate import generate, generate_naive
 from ..kv_cache import GrowingKVCache, KVCache, PrefixCache, kv_cache_bytes
@@ -233,7 +234,7 @@ def plot_memory(out_dir):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minillm bench kv-cache", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="target")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=positive_int, default=3)
     parser.add_argument("--quick", action="store_true", help="fewer lengths, one repeat")
     add_output_args(parser)
     args = parser.parse_args(argv)

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..cli import positive_int, positive_int_list
 from ..config import GPTConfig
 from ..kv_cache import KVCache
 from ..paged_kv import OutOfBlocksError, PagedKVCache, num_blocks_for
@@ -343,23 +344,23 @@ def draw_block_tables(cache: PagedKVCache, ax=None, title: str | None = None):
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m minillm bench paged", description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=200, help="requests in the workload")
+    ap.add_argument("--requests", type=positive_int, default=200, help="requests in the workload")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-len", type=int, default=256, help="context length (contiguous reservation)")
+    ap.add_argument("--max-len", type=positive_int, default=256, help="context length (contiguous reservation)")
     ap.add_argument("--mean-prompt", type=float, default=32.0, help="mean prompt length (tokens)")
     ap.add_argument("--mean-output", type=float, default=64.0, help="mean output length (tokens)")
-    ap.add_argument("--budget", type=int, default=4096, help="KV budget in token slots (16 x 256)")
-    ap.add_argument("--block-sizes", default=",".join(map(str, BLOCK_SIZES)))
+    ap.add_argument("--budget", type=positive_int, default=4096, help="KV budget in token slots (16 x 256)")
+    ap.add_argument("--block-sizes", type=positive_int_list, default=list(BLOCK_SIZES))
     ap.add_argument("--no-ttft", action="store_true", help="skip part 2 (no model)")
     ap.add_argument("--model", default="target", help="'target' (shipped), a checkpoint path, or 'random'")
-    ap.add_argument("--questions", type=int, default=len(QUESTIONS))
-    ap.add_argument("--new-tokens", type=int, default=20)
-    ap.add_argument("--repeat", type=int, default=5, help="timed runs per measurement (median)")
-    ap.add_argument("--ttft-block-size", type=int, default=16)
+    ap.add_argument("--questions", type=positive_int, default=len(QUESTIONS))
+    ap.add_argument("--new-tokens", type=positive_int, default=20)
+    ap.add_argument("--repeat", type=positive_int, default=5, help="timed runs per measurement (median)")
+    ap.add_argument("--ttft-block-size", type=positive_int, default=16)
     add_output_args(ap)
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
-    block_sizes = [int(b) for b in args.block_sizes.split(",")]
+    block_sizes = args.block_sizes
 
     prompts, outputs = make_workload(args.requests, args.max_len, args.mean_prompt, args.mean_output,
                                      args.seed)  # fmt: skip
