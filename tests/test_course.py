@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from project_copy import run_pytest
 
-from minillm import course
+from minillm import course, project
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -148,6 +148,26 @@ def test_leak_check_finds_a_copied_solution_line(tmp_path):
     line = sorted(course.solution_lines(ROOT, ex))[0]
     (tmp_path / "helper.py").write_text(f"def check(self, n):\n    {line}\n")
     assert course.leaked_solutions(ROOT, tmp_path, [ex]) == [("3.2", "helper.py", line)]
+
+
+def test_pytest_outcomes_counts_each_test_of_a_project(tmp_path):
+    """The runner behind `course grade` and gpu_check: one outcome per test, errors count as failures."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text(
+        "import pytest\n\ndef test_a(): pass\n\ndef test_b(): assert False\n\n"
+        "@pytest.mark.skip\ndef test_c(): pass\n\n@pytest.fixture\ndef broken(): raise RuntimeError\n\n"
+        "def test_d(broken): pass\n"
+    )
+    outcomes, seconds, output = project.pytest_outcomes(tmp_path, ["tests"], timeout=120)
+    assert sorted(outcomes) == [("test_x.py", "failed"), ("test_x.py", "failed"), ("test_x.py", "passed"),
+                                ("test_x.py", "skipped")]
+    assert seconds > 0 and "1 passed" in output
+
+
+def test_project_root_is_found_or_named(tmp_path):
+    assert project.project_root() == ROOT and project.project_root(ROOT) == ROOT
+    with pytest.raises(project.ProjectRootError, match="is not a minillm project"):
+        project.project_root(tmp_path)
 
 
 @pytest.fixture(scope="module")
