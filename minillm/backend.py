@@ -9,19 +9,45 @@ code runs on a laptop (NumPy) and on a GPU (CuPy). The choice is made once, at i
 
 A working GPU is proven by a launch, not by ``import cupy``: with cupy-cuda12x installed and no
 driver, the import succeeds and only the first device call fails (``CUDARuntimeError``).
+
+CPU thread policy. NumPy's BLAS (OpenBLAS) starts one thread per core and its threads spin while
+they wait for each other. On a small machine that is also running anything else (a browser, a
+second notebook, a test runner), a spinning thread that loses its core stalls every matrix product:
+a 64-token forward of the shipped model took 744 ms on two threads under a load of two busy
+processes, and 51 ms on one; idle, two threads saved 4-16 % (docs/threads.md has the measurements).
+So minillm runs BLAS on **one thread** unless ``MINILLM_BLAS_THREADS=N`` asks for N (``all`` keeps
+the library's own default). The limit is applied once, at import, for the whole process.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 
 import numpy
 
 BACKEND_ENV = "MINILLM_BACKEND"
+BLAS_THREADS_ENV = "MINILLM_BLAS_THREADS"
+DEFAULT_BLAS_THREADS = 1  # robust under load; see the module docstring
 
 
 class BackendError(RuntimeError):
     """The requested array backend cannot be used on this machine."""
+
+
+def _fail_at_import(exc: BackendError):
+    """Raise a configuration error found at import; if nothing catches it, Python reports it as one
+    line ("minillm: ...") instead of a traceback through the import machinery."""
+    previous = sys.excepthook
+
+    def one_line(kind, value, tb):
+        if value is exc:
+            print(f"minillm: {exc}", file=sys.stderr)
+        else:
+            previous(kind, value, tb)
+
+    sys.excepthook = one_line
+    raise exc
 
 
 def _probe_cupy():
@@ -43,7 +69,7 @@ def _probe_cupy():
 def _select():
     forced = os.environ.get(BACKEND_ENV, "").strip().lower()
     if forced not in ("", "numpy", "cupy"):
-        raise BackendError(f"{BACKEND_ENV}={forced!r}: expected 'numpy' or 'cupy'")
+        raise BackendError(f"{BACKEND_ENV}={forced!r}: expected 'numpy' or 'cupy' (or unset it)")
     if forced == "numpy":
         return numpy, f"numpy (forced by {BACKEND_ENV})"
     cupy, reason = _probe_cupy()
@@ -54,7 +80,10 @@ def _select():
     return numpy, f"numpy ({reason})"
 
 
-xp, BACKEND_REASON = _select()
+try:
+    xp, BACKEND_REASON = _select()
+except BackendError as exc:
+    _fail_at_import(exc)
 
 
 def is_gpu() -> bool:
@@ -73,3 +102,67 @@ def synchronize() -> None:
     """Wait for queued GPU work (a no-op on NumPy); call it before reading a timer."""
     if is_gpu():
         xp.cuda.get_current_stream().synchronize()
+
+
+def requested_blas_threads(value: str | None = None) -> int | None:
+    """The BLAS thread count ``MINILLM_BLAS_THREADS`` asks for: unset -> 1, 'all' -> None (leave
+    BLAS alone), a positive int -> that int.  Anything else raises ``BackendError``."""
+    value = os.environ.get(BLAS_THREADS_ENV, "") if value is None else value
+    value = value.strip().lower()
+    if value == "":
+        return DEFAULT_BLAS_THREADS
+    if value == "all":
+        return None
+    if value.isdigit() and int(value) >= 1:
+        return int(value)
+    raise BackendError(f"{BLAS_THREADS_ENV}={value!r}: expected a positive number of threads or 'all'")
+
+
+def _blas_controllers():
+    """threadpoolctl's handles on the BLAS libraries NumPy loaded (OpenBLAS, MKL, ...)."""
+    from threadpoolctl import ThreadpoolController
+
+    return ThreadpoolController().select(user_api="blas").lib_controllers
+
+
+def apply_thread_policy() -> None:
+    """Limit NumPy's BLAS to ``requested_blas_threads()`` threads (a no-op on CuPy or for 'all')."""
+    n = requested_blas_threads()
+    if n is None or is_gpu():
+        return
+    for lib in _blas_controllers():
+        lib.set_num_threads(n)
+
+
+def blas_threads() -> int:
+    """Threads NumPy's BLAS uses now (the largest count over its BLAS libraries; 0 on CuPy)."""
+    return 0 if is_gpu() else max((lib.num_threads for lib in _blas_controllers()), default=1)
+
+
+def load_average() -> float | None:
+    """The 1-minute load average (None where the OS does not report one)."""
+    try:
+        return os.getloadavg()[0]
+    except (AttributeError, OSError):
+        return None
+
+
+def runtime_summary() -> str:
+    """One line for benchmark headers: backend, BLAS threads, cores and the current load, plus a
+    warning line when the load exceeds the cores (timings then measure the contention)."""
+    cores, load = os.cpu_count() or 1, load_average()
+    setting = os.environ.get(BLAS_THREADS_ENV, "")
+    threads = "GPU" if is_gpu() else f"BLAS threads {blas_threads()} ({BLAS_THREADS_ENV}={setting!r})"
+    line = f"backend {xp.__name__}, {threads}, {cores} cores"
+    if load is None:
+        return line
+    line += f", load average {load:.2f}"
+    if load > cores:
+        line += f"\nWARNING: the load average ({load:.1f}) exceeds the {cores} cores: timings will be slow and noisy"
+    return line
+
+
+try:
+    apply_thread_policy()
+except BackendError as exc:
+    _fail_at_import(exc)

@@ -45,3 +45,43 @@ def test_forced_cupy_without_gpu_says_why():
 def test_bad_backend_name():
     r = run_python("import minillm", MINILLM_BACKEND="jax")
     assert r.returncode != 0 and "expected 'numpy' or 'cupy'" in r.stderr
+
+
+def test_blas_runs_on_one_thread_by_default():
+    """The thread policy: one BLAS thread unless MINILLM_BLAS_THREADS asks for more."""
+    if backend.is_gpu():
+        return
+    r = run_python("from minillm import backend; print(backend.blas_threads())", MINILLM_BLAS_THREADS="")
+    assert r.returncode == 0 and r.stdout.strip() == "1", r.stderr
+    r = run_python("from minillm import backend; print(backend.blas_threads())", MINILLM_BLAS_THREADS="2")
+    assert r.stdout.strip() == "2", r.stderr
+
+
+def test_requested_blas_threads_parses_and_refuses():
+    assert backend.requested_blas_threads("") == backend.DEFAULT_BLAS_THREADS == 1
+    assert backend.requested_blas_threads(" 3 ") == 3
+    assert backend.requested_blas_threads("ALL") is None
+    for bad in ("0", "-1", "two", "1.5"):
+        try:
+            backend.requested_blas_threads(bad)
+        except backend.BackendError as exc:
+            assert "MINILLM_BLAS_THREADS" in str(exc)
+        else:
+            raise AssertionError(f"{bad!r} was accepted")
+
+
+def test_runtime_summary_reports_threads_and_warns_under_load(monkeypatch):
+    line = backend.runtime_summary()
+    assert "cores" in line and ("BLAS threads" in line or "GPU" in line)
+    monkeypatch.setattr(backend, "load_average", lambda: 64.0)
+    assert "WARNING: the load average (64.0) exceeds" in backend.runtime_summary()
+
+
+def test_cli_reports_a_bad_environment_in_one_line():
+    """python -m minillm with a bogus MINILLM_BACKEND: one line on stderr, no traceback."""
+    for env in ({"MINILLM_BACKEND": "bogus"}, {"MINILLM_BLAS_THREADS": "many"}):
+        r = subprocess.run([sys.executable, "-m", "minillm", "info"], capture_output=True, text=True,
+                           env={**os.environ, **env}, timeout=120)
+        assert r.returncode != 0
+        assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+        assert next(iter(env)) in r.stderr

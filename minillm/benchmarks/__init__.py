@@ -10,6 +10,7 @@ TOPICS = {
     "speculative": "minillm.benchmarks.speculative",
     "paged": "minillm.benchmarks.paged",
     "batch-speculative": "minillm.benchmarks.batch_speculative",
+    "threads": "minillm.benchmarks.threads",
     "training-curves": "minillm.benchmarks.training",
 }
 

@@ -1,0 +1,104 @@
+"""``python -m minillm bench threads``: the BLAS thread policy, measured as users run minillm.
+
+Each workload is a real command (the demo, naive generation, a speculative benchmark, a test file)
+started as its own process, once with ``MINILLM_BLAS_THREADS=1`` (minillm's default) and once with
+``MINILLM_BLAS_THREADS=all`` (NumPy's BLAS on every core, its own default). The two runs of a pair
+follow each other, and the pairs are repeated, so both policies see the same machine conditions.
+Every workload runs on the idle machine and again beside ``--load`` busy processes (pure-Python
+loops, one core each: a browser tab, another notebook), which is what a laptop looks like.
+
+A run that passes ``--timeout`` seconds is stopped and reported as ">timeout" (the slow policy
+under load can take tens of minutes otherwise).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from contextlib import contextmanager
+
+from ..backend import BLAS_THREADS_ENV, runtime_summary
+
+POLICIES = ("1", "all")  # MINILLM_BLAS_THREADS values compared
+WORKLOADS = {  # name -> arguments after `python`
+    "demo": ["-m", "minillm", "demo"],
+    "generate --no-cache (100 tokens)": ["-m", "minillm", "generate", "--prompt", "ROMEO:", "--no-cache",
+                                         "--max-new-tokens", "100", "--temperature", "0"],
+    "bench speculative (K=4, greedy)": ["-m", "minillm", "bench", "speculative", "--ks", "4", "--temperatures",
+                                        "0", "--drafts", "draft", "--prompts", "2", "--repeat", "1", "--no-plot"],
+    "pytest tests/test_speculative.py": ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_speculative.py"],
+}
+BUSY_LOOP = "while True: pass"
+
+
+@contextmanager
+def background_load(n: int):
+    """Start n busy processes (one core each) for the duration of the block."""
+    procs = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(n)]
+    try:
+        time.sleep(0.5 if n else 0)  # let them get scheduled
+        yield
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+
+
+def run_once(args: list[str], threads: str, timeout: float) -> float:
+    """Wall seconds of ``python *args`` with MINILLM_BLAS_THREADS=threads (inf if it timed out)."""
+    env = {**os.environ, BLAS_THREADS_ENV: threads}
+    t0 = time.perf_counter()
+    try:
+        r = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return float("inf")
+    if r.returncode != 0:
+        raise RuntimeError(f"`python {' '.join(args)}` failed (exit {r.returncode}): {r.stderr.strip()[-500:]}")
+    return time.perf_counter() - t0
+
+
+def fmt_seconds(s: float, timeout: float) -> str:
+    return f">{timeout:.0f}" if s == float("inf") else f"{s:.1f}"
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="python -m minillm bench threads", description=__doc__.splitlines()[0])
+    p.add_argument("--repeat", type=int, default=2, help="pairs per workload and load (default 2)")
+    p.add_argument("--load", type=int, default=2, help="busy processes in the loaded runs (default 2)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a run is stopped (default 300)")
+    p.add_argument("--workloads", default=",".join(str(i) for i in range(len(WORKLOADS))),
+                   help="indices of the workloads to run: " + "; ".join(f"{i} {n}" for i, n in enumerate(WORKLOADS)))
+    args = p.parse_args(argv)
+    if args.repeat < 1 or args.load < 0 or args.timeout <= 0:
+        p.error("--repeat must be >= 1, --load >= 0 and --timeout > 0")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    names = list(WORKLOADS)
+    chosen = [names[int(i)] for i in args.workloads.split(",")]
+    print(runtime_summary())
+    print(f"pairs of runs ({BLAS_THREADS_ENV}=1 then =all), {args.repeat} per row; seconds, median of the pairs\n")
+    header = f"{'workload':36s} {'load':>5s} {'1 thread':>9s} {'all':>9s} {'all / 1':>8s}  pairs (1 | all)"
+    print(header)
+    print("-" * len(header))
+    for name in chosen:
+        run_once(WORKLOADS[name], POLICIES[0], args.timeout)  # warm-up: file caches, compiled kernels
+        for load in dict.fromkeys((0, args.load)):  # idle, then loaded
+            times = {policy: [] for policy in POLICIES}
+            with background_load(load):
+                for _ in range(args.repeat):
+                    for policy in POLICIES:
+                        times[policy].append(run_once(WORKLOADS[name], policy, args.timeout))
+            one, every = statistics.median(times["1"]), statistics.median(times["all"])
+            pairs = " ".join(f"{fmt_seconds(a, args.timeout)}|{fmt_seconds(b, args.timeout)}"
+                             for a, b in zip(times["1"], times["all"]))
+            ratio = every / one if one > 0 else float("nan")
+            print(f"{name:36s} {load:>5d} {fmt_seconds(one, args.timeout):>9s} "
+                  f"{fmt_seconds(every, args.timeout):>9s} {ratio:>7.2f}x  {pairs}", flush=True)
+    return 0
