@@ -303,8 +303,8 @@ def run_file(out, suffix: str) -> Path:
     """Where a run's training state (".train.npz") or log (".log.json") goes: beside ``out``, or in
     the working directory when ``out`` lies in the package (its shipped models stay alone there)."""
     out = Path(out)
-    inside_package = SHIPPED_DIR.resolve() in out.resolve().parents
-    return (Path.cwd() if inside_package else out.parent) / (out.stem + suffix)
+    package = SHIPPED_DIR.resolve().parent  # minillm/, which holds models/
+    return (Path.cwd() if package in out.resolve().parents else out.parent) / (out.stem + suffix)
 
 
 def state_path(out) -> Path:
