@@ -340,7 +340,7 @@ def format_grades(grades: list[Grade]) -> str:
     from .benchmarks.common import format_table
 
     rows = [{"exercise": g.exercise, "tests passed": f"{g.passed}/{g.total}", "result": "pass" if g.ok else "FAIL",
-             "time s": round(g.seconds, 1), "grade with": g.command} for g in grades]  # fmt: skip
+             "time s": round(g.seconds, 1), "grade with": g.command} for g in grades]
     solved = sum(g.ok for g in grades)
     return format_table(rows) + f"\n\n{solved}/{len(grades)} exercises pass"
 
