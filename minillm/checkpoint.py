@@ -48,17 +48,31 @@ def encode_header(header: dict) -> np.ndarray:
 
 
 def read_npz(path) -> tuple[dict, dict]:
-    """Read any minillm .npz -> (header dict, arrays dict); errors name the file."""
+    """Read any minillm .npz -> (header dict, arrays dict); each error is one line naming the file."""
     path = Path(path)
+    if path.is_dir():
+        raise CheckpointError(f"{path} is a directory, not a checkpoint file (.npz)")
     if not path.is_file():
         raise CheckpointError(f"checkpoint not found: {path}")
+    if not zipfile.is_zipfile(path):  # before np.load, which takes any other file for a pickle
+        raise CheckpointError(f"corrupt checkpoint {path}: not an .npz archive (or cut short)")
     try:
         with np.load(path, allow_pickle=False) as f:
             arrays = {k: f[k] for k in f.files}
         header = json.loads(arrays.pop(HEADER_KEY).tobytes().decode())
     except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, UnicodeDecodeError) as exc:
         raise CheckpointError(f"corrupt checkpoint {path}: {type(exc).__name__}: {exc}") from exc
+    if not isinstance(header, dict):
+        raise CheckpointError(f"corrupt checkpoint {path}: its header is not a JSON object")
     return header, arrays
+
+
+def header_section(header: dict, key: str, path) -> dict:
+    """``header[key]``, which must be a JSON object; CheckpointError naming the file otherwise."""
+    section = header.get(key)
+    if not isinstance(section, dict):
+        raise CheckpointError(f"inconsistent checkpoint {path}: header {key!r} is not a JSON object")
+    return section
 
 
 def save_model(path, model, tokenizer: CharTokenizer, dtype=np.float32, notes: dict | None = None):
@@ -77,6 +91,11 @@ def shipped_path(name: str) -> Path:
     return SHIPPED_DIR / f"{name}.npz"
 
 
+def is_shipped(path) -> bool:
+    """Whether ``path`` is one of the models shipped in the package."""
+    return any(Path(path).resolve() == shipped_path(name).resolve() for name in SHIPPED)
+
+
 def load_model(name_or_path, attention: str = "naive"):
     """'target', 'draft' or a path -> (GPT, CharTokenizer); weights come back as float32."""
     from .model import GPT
@@ -91,17 +110,22 @@ def load_model(name_or_path, attention: str = "naive"):
     header, arrays = read_npz(path)
     if header.get("format") != "minillm-checkpoint-1":
         raise CheckpointError(f"{path} is not a minillm model checkpoint")
+    config_dict, tokenizer_dict = (header_section(header, key, path) for key in ("config", "tokenizer"))
     try:
-        config = GPTConfig.from_dict(header["config"])
-        tokenizer = CharTokenizer.from_dict(header["tokenizer"])
+        config = GPTConfig.from_dict(config_dict)
+        tokenizer = CharTokenizer.from_dict(tokenizer_dict)
         model = GPT(config, arrays, attention=attention)
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointError(f"inconsistent checkpoint {path}: {exc}") from exc
+    if tokenizer.vocab_size != config.vocab_size:
+        raise CheckpointError(f"inconsistent checkpoint {path}: its tokenizer has {tokenizer.vocab_size} tokens, "
+                              f"its config vocab_size {config.vocab_size}")
     return model, tokenizer
 
 
 def model_notes(name_or_path) -> dict:
     """The notes saved with a checkpoint (training command, losses, ...)."""
     name = str(name_or_path)
-    header, _ = read_npz(shipped_path(name) if name in SHIPPED else name)
-    return header.get("notes", {})
+    path = shipped_path(name) if name in SHIPPED else name
+    header, _ = read_npz(path)
+    return header_section(header, "notes", path) if "notes" in header else {}

@@ -1,21 +1,61 @@
 """Command-line interface: demo (default), generate, train, bench, info, course.
 
-Bad arguments print a usage error (exit 2); errors in the input (an unknown character, a missing
-checkpoint) print one line naming the problem (exit 1). Neither prints a traceback.
+Every mistake of the user is one line on stderr and no traceback: bad arguments give a usage error
+naming the option (exit 2); errors in the input or the files (an unknown character, a missing or
+corrupt checkpoint, a benchmark whose validation fails) give ``error: ...`` (exit 1). Arguments are
+checked before anything is printed.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
+
+DEMO_DEFAULT = "demo"  # `python -m minillm [demo options]` runs the demo
+
+
+def int_at_least(lowest: int):
+    """An argparse type: an int >= lowest, or a usage error that names the option."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"invalid int value: {text!r}") from None
+        if value < lowest:
+            raise argparse.ArgumentTypeError(f"must be >= {lowest}, got {value}")
+        return value
+
+    parse.__name__ = f"int >= {lowest}"
+    return parse
+
+
+def finite_float(text: str) -> float:
+    """An argparse type: a finite float (no nan, no inf)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"invalid float value: {text!r}") from None
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"must be a finite number, got {text}")
+    return value
+
+
+positive_int, nonnegative_int = int_at_least(1), int_at_least(0)
+
+
+def positive_int_list(text: str) -> list[int]:
+    """An argparse type: "1,2,4" -> [1, 2, 4], every value >= 1."""
+    return [positive_int(item) for item in text.split(",")]
 
 
 def cmd_train(args) -> int:
-    from .checkpoint import shipped_path
     from .train import train
 
-    out = args.out or shipped_path(args.preset)
-    summary = train(args.preset, out, steps=args.steps, resume=args.resume, progress=not args.quiet)
+    out = args.out or f"{args.preset}.npz"
+    summary = train(args.preset, out, steps=args.steps, resume=args.resume, progress=not args.quiet,
+                    overwrite_shipped=args.overwrite_shipped)
     print(
         f"{args.preset}: {summary['params']:,} params, {summary['steps']} steps, "
         f"val loss {summary['val_loss']:.4f} nats/char, "
@@ -27,7 +67,9 @@ def cmd_train(args) -> int:
 def cmd_generate(args) -> int:
     from .checkpoint import load_model
     from .generate import generate, generate_naive
+    from .sampling import check_sampling_args
 
+    check_sampling_args(args.temperature, args.top_k, args.top_p)
     model, tok = load_model(args.model)
     prompt = tok.encode(args.prompt)  # ValueError naming unknown characters
     print(args.prompt, end="", flush=True)
@@ -37,7 +79,7 @@ def cmd_generate(args) -> int:
         print(tok.decode([token]), end="", flush=True)
 
     result = gen(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
-                 top_p=args.top_p, seed=args.seed, on_token=show)  # fmt: skip
+                 top_p=args.top_p, seed=args.seed, on_token=show)
     s = result.stats
     print(
         f"\n\n[{s.new_tokens} tokens | TTFT {s.ttft_s * 1e3:.1f} ms | {s.tpot_s * 1e3:.2f} ms/token | "
@@ -72,77 +114,105 @@ def cmd_info(args) -> int:
 
 
 def cmd_demo(args) -> int:
-    from .demo import main as demo_main
+    from .demo import run
 
-    return demo_main(args.rest)
+    return run(args)
 
 
 def cmd_bench(args) -> int:
-    from .bench import run
+    from .benchmarks import run
 
     return run(args.topic, args.rest)
 
 
-def cmd_course(args) -> int:
-    from .course import ROOT, student_edition
+def cmd_student_edition(args) -> int:
+    from .course import student_edition
+    from .project import project_root
 
-    exercises = student_edition(ROOT, args.out_dir)
+    exercises = student_edition(project_root(args.root), args.out_dir, chapters=args.chapters)
     chapters = sorted({ex.chapter for ex in exercises})
     print(f"student edition with {len(exercises)} exercises in {len(chapters)} chapters ({', '.join(chapters)}) "
           f"-> {args.out_dir}; see {args.out_dir}/MANIFEST.md")
     return 0
 
 
+def cmd_grade(args) -> int:
+    from .course import format_grades, grade
+
+    results = grade(args.project_dir, chapters=args.chapters)
+    print(format_grades(results))
+    return 0 if all(r.passed for r in results) else 1
+
+
+def chapter_list(text: str) -> list[str]:
+    """An argparse type: "3,5,A1" -> ["3", "5", "A1"]."""
+    chapters = [c.strip() for c in text.split(",") if c.strip()]
+    if not chapters:
+        raise argparse.ArgumentTypeError("name at least one chapter, e.g. 3,5")
+    return chapters
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m minillm", description=__doc__.splitlines()[0])
+    from .benchmarks import TOPICS
+    from .demo import add_arguments as add_demo_arguments
+
+    parser = argparse.ArgumentParser(prog="python -m minillm", description=__doc__.splitlines()[0],
+                                     epilog="With no command (or only demo options) it runs the demo.")
     sub = parser.add_subparsers(dest="command")
 
-    p = sub.add_parser("demo", help="the main demo (the default): plain vs speculative decoding")
-    p.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the demo")
+    p = sub.add_parser(DEMO_DEFAULT, help="the main demo (the default): plain vs speculative decoding")
+    add_demo_arguments(p)
     p.set_defaults(func=cmd_demo)
 
     p = sub.add_parser("generate", help="generate text with a model (the shipped target by default)")
     p.add_argument("--prompt", default="ROMEO:\n", help="the text to continue")
-    p.add_argument("--max-new-tokens", type=int, default=200)
-    p.add_argument("--temperature", type=float, default=0.8, help="0 means greedy")
-    p.add_argument("--top-k", type=int, default=None)
-    p.add_argument("--top-p", type=float, default=None)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--model", default="target", help="'target', 'draft' or a checkpoint path")
+    p.add_argument("--max-new-tokens", type=positive_int, default=200)
+    p.add_argument("--temperature", type=finite_float, default=0.8, help="0 means greedy")
+    p.add_argument("--top-k", type=positive_int, default=None)
+    p.add_argument("--top-p", type=finite_float, default=None)
+    p.add_argument("--seed", type=nonnegative_int, default=0)
+    p.add_argument("--model", default="target", help="'target', 'draft' or a checkpoint file (.npz)")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole context each step")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("info", help="backend, GPU, shipped models")
     p.set_defaults(func=cmd_info)
 
-    p = sub.add_parser("train", help="train a shipped model from scratch")
+    p = sub.add_parser("train", help="train a model from scratch with a shipped model's recipe")
     p.add_argument("--preset", choices=["target", "draft"], required=True)
-    p.add_argument("--out", help="model file to write (default: the shipped model's path)")
-    p.add_argument("--steps", type=int, help="total optimizer steps (default: the preset's)")
+    p.add_argument("--out", help="model file to write (default: <preset>.npz in the working directory)")
+    p.add_argument("--steps", type=positive_int, help="total optimizer steps (default: the preset's)")
     p.add_argument("--resume", action="store_true", help="continue from <out>.train.npz")
+    p.add_argument("--overwrite-shipped", action="store_true",
+                   help="allow --out to be a model shipped in the package (replaces it)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
-
-    from .bench import TOPICS
 
     p = sub.add_parser("bench", help="run a benchmark and print its table (and save plots)")
     p.add_argument("topic", choices=list(TOPICS))
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the benchmark")
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("course", help="course kit: write the student edition (exercises stubbed, a manifest)")
+    p = sub.add_parser("course", help="course kit: the student edition (exercises stubbed) and grading")
     course = p.add_subparsers(dest="action", required=True)
-    p = course.add_parser("student-edition", help="copy the project with every exercise region stubbed")
-    p.add_argument("out_dir", metavar="OUT_DIR", help="an empty or new folder")
-    p.set_defaults(func=cmd_course)
+    p = course.add_parser("student-edition", help="copy the project with the exercise regions stubbed")
+    p.add_argument("out_dir", metavar="OUT_DIR", help="an empty or new folder outside the project")
+    p.add_argument("--chapters", type=chapter_list, default=None, help="stub only these chapters, e.g. 3,5")
+    p.add_argument("--root", default=None, help="the project to copy (default: this checkout)")
+    p.set_defaults(func=cmd_student_edition)
+    p = course.add_parser("grade", help="run each exercise's grading tests and print a score table")
+    p.add_argument("project_dir", metavar="DIR", nargs="?", default=".", help="the project to grade (default .)")
+    p.add_argument("--chapters", type=chapter_list, default=None, help="grade only these chapters, e.g. 3,5")
+    p.set_defaults(func=cmd_grade)
     return parser
 
 
 def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        argv = [DEMO_DEFAULT, *argv]  # no command: the demo, with whatever demo options were given
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command is None:  # no arguments: the main demo
-        args = parser.parse_args(["demo"])
     try:
         return args.func(args)
     except (ValueError, OSError, RuntimeError) as exc:

@@ -1,6 +1,6 @@
 """The course kit: turn the reference into a student edition, and say which tests check what.
 
-Each chapter marks the functions a student writes (DESIGN.md, "Exercises") with a line
+Each chapter marks the functions a student writes with a line
 ``# EXERCISE 3.1 BEGIN: <what to implement>`` before the reference solution and a line
 ``# EXERCISE 3.1 END`` after it, and each chapter's test file says which of its tests check each
 exercise, as literals that this module reads without importing the tests:
@@ -8,10 +8,12 @@ exercise, as literals that this module reads without importing the tests:
     EXERCISES = {"3.1": "prefill_decode or overflow", ...}   # exercise -> pytest -k expression
     NEEDS = {"3.1": "loop or shipped"}   # tests here that also run another chapter's exercise
 
-``student_edition(root, out)`` copies the project, replaces the body of every marked region by
+``student_edition(root, out)`` copies the project (``root``: a checkout, see ``minillm.project``),
+replaces the body of every marked region (or of the chosen chapters' regions) by
 ``raise NotImplementedError("Exercise 3.1: <the text after BEGIN:>")`` (markers, signature and
 docstring kept) and writes the manifest: per exercise its chapter, file, function, the pytest
 command that grades it, and the other tests that fail until it is solved (``also_fails``).
+``grade(project)`` runs each exercise's grading command there and reports passed / total.
 docs/instructors.md explains the rule; tests/test_course.py enforces it.
 """
 
@@ -24,7 +26,8 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+from .project import pytest_outcomes
+
 MARKER = re.compile(r"^(?P<indent>[ \t]*)# EXERCISE (?P<id>\S+) (?P<kind>BEGIN|END)\b:?\s*(?P<task>.*)$")
 EXERCISE_ID = re.compile(r"^(?P<chapter>A?\d+)\.\d+$")  # 3.1, A1.2
 NOTEBOOK_TEST = "tests/test_notebooks.py"
@@ -34,12 +37,13 @@ IGNORED = (".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache", ".hyp
            ".ipynb_checkpoints", "_build", "build", "*.egg-info", "*.pyc", "*.tmp", "*.train.npz",
            "*.log.json")  # fmt: skip
 # left out of the student edition: the bug zoo holds reference lines, the kit checks the reference
+# and the flash mutants hold the chapter-4 bugs with their fixes in the docstrings
 INSTRUCTORS_ONLY = ("tests/test_course.py", "tests/test_bug_zoo.py", "tests/fixtures/bug_zoo.py",
-                    "tests/fixtures/course_plugin.py")  # fmt: skip
+                    "tests/fixtures/course_plugin.py", "tests/fixtures/flash_mutants.py")  # fmt: skip
 
 
 class CourseError(ValueError):
-    """Malformed exercise markers or declarations, or an output folder that is not empty."""
+    """Malformed exercise markers or declarations, an unknown chapter, or an unusable output folder."""
 
 
 @dataclass
@@ -137,7 +141,7 @@ def _declared(tree: ast.Module, name: str, rel: str) -> list[tuple[str, str]]:
     return []
 
 
-def find_exercises(root: Path = ROOT) -> list[Exercise]:
+def find_exercises(root: Path) -> list[Exercise]:
     """Every exercise of the project, in id order, with the tests that check it and that need it.
 
     Raises CourseError for duplicate ids, an exercise no test file claims, a claim of an exercise
@@ -255,15 +259,113 @@ def manifest_markdown(exercises: list[Exercise]) -> str:
     return "\n".join(out) + "\n"
 
 
-def student_edition(root: Path, out: Path) -> list[Exercise]:
-    """Write the student edition of ``root`` to ``out`` (which must be empty or absent) -> the exercises."""
-    root, out = Path(root), Path(out)
+def select_chapters(exercises: list[Exercise], chapters=None) -> list[Exercise]:
+    """The exercises of ``chapters`` ("3", "A1"; None: all); CourseError naming an unknown chapter."""
+    if chapters is None:
+        return exercises
+    known = sorted({ex.chapter for ex in exercises}, key=lambda c: exercise_sort_key(c + ".0"))
+    unknown = [c for c in chapters if c not in known]
+    if unknown:
+        raise CourseError(f"no exercises in chapter(s) {', '.join(unknown)}; chapters: {', '.join(known)}")
+    return [ex for ex in exercises if ex.chapter in chapters]
+
+
+def student_edition(root: Path, out: Path, chapters=None) -> list[Exercise]:
+    """Write the student edition of ``root`` to ``out`` (empty or absent, and outside ``root``) with
+    the exercises of ``chapters`` (None: every chapter) stubbed -> those exercises."""
+    root, out = Path(root).resolve(), Path(out).resolve()
+    if out == root or root in out.parents:
+        raise CourseError(f"{out} is inside the project {root}: the copy would contain itself; choose a folder outside")
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise CourseError(f"{out} is not an empty folder: refusing to overwrite it")
-    exercises = find_exercises(root)
+    exercises = select_chapters(find_exercises(root), chapters)
     copy_project(root, out, leave_out=INSTRUCTORS_ONLY)
     for rel, text in stubbed_sources(root, exercises).items():
         (out / rel).write_text(text)
     (out / MANIFEST_JSON).write_text(json.dumps(manifest(exercises), indent=1) + "\n")
     (out / MANIFEST_MD).write_text(manifest_markdown(exercises))
     return exercises
+
+
+# ------------------------------------------------------------------------------------------------
+# grading and the edition's own check
+
+
+GRADE_TIMEOUT_S = 900  # per exercise
+
+
+@dataclass
+class Grade:
+    exercise: str
+    command: str
+    passed: int  # tests of the grading selection that passed
+    total: int  # tests it selected (skipped ones not counted)
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return self.total > 0 and self.passed == self.total
+
+
+def project_exercises(project: Path) -> list[Exercise]:
+    """The exercises of a project: its MANIFEST.json (a student edition) or, failing that, its markers."""
+    path = Path(project) / MANIFEST_JSON
+    if not path.is_file():
+        return find_exercises(project)
+    exercises = []
+    for row in json.loads(path.read_text()):
+        checks = Selection(**{k: row["checks"][k] for k in ("tests", "keyword")})
+        also = [Selection(s["tests"], s["keyword"]) for s in row["also_fails"]]
+        fields = {k: row[k] for k in ("id", "chapter", "task", "file", "function", "begin", "end")}
+        exercises.append(Exercise(**fields, checks=checks, also_fails=also))
+    return exercises
+
+
+def grade(project: Path, chapters=None) -> list[Grade]:
+    """Run each exercise's grading selection (of ``chapters``; None: all) in ``project`` -> its grades."""
+    project = Path(project).resolve()
+    if not (project / "tests").is_dir():
+        raise CourseError(f"{project} has no tests/ folder: point grade at a copy of the project")
+    grades = []
+    for ex in select_chapters(project_exercises(project), chapters):
+        args = [ex.checks.tests] + (["-k", ex.checks.keyword] if ex.checks.keyword else [])
+        outcomes, seconds, _ = pytest_outcomes(project, args, GRADE_TIMEOUT_S)
+        counted = [o for _, o in outcomes if o != "skipped"]
+        grades.append(Grade(ex.id, ex.command, counted.count("passed"), len(counted), seconds))
+    return grades
+
+
+def format_grades(grades: list[Grade]) -> str:
+    """The score table: one row per exercise, then the total."""
+    from .benchmarks.common import format_table
+
+    rows = [{"exercise": g.exercise, "tests passed": f"{g.passed}/{g.total}", "result": "pass" if g.ok else "FAIL",
+             "time s": round(g.seconds, 1), "grade with": g.command} for g in grades]
+    solved = sum(g.ok for g in grades)
+    return format_table(rows) + f"\n\n{solved}/{len(grades)} exercises pass"
+
+
+MIN_SOLUTION_LINE = 28  # characters: shorter lines ("return out", "self.allocator.free(block)") give nothing away
+STRUCTURE = ("#", "for ", "while ", "with ", "else", "try")  # comments and loop or block headers, not the answer
+
+
+def solution_lines(root: Path, ex: Exercise) -> set[str]:
+    """The lines of an exercise's reference solution that would give it away, stripped: at least
+    MIN_SOLUTION_LINE characters and not a comment or a loop/block header."""
+    lines = (Path(root) / ex.file).read_text().splitlines()[ex.begin : ex.end - 1]
+    return {s for s in (line.strip() for line in lines) if len(s) >= MIN_SOLUTION_LINE and not s.startswith(STRUCTURE)}
+
+
+def leaked_solutions(root: Path, edition: Path, exercises: list[Exercise]) -> list[tuple[str, str, str]]:
+    """Solution lines of ``root``'s exercises found verbatim in a text file of the student ``edition``
+    -> [(exercise, file, line)]; empty when the edition gives no answer away."""
+    wanted = {line: ex.id for ex in exercises for line in solution_lines(root, ex)}
+    leaks = []
+    for path in sorted(Path(edition).rglob("*")):
+        if not path.is_file() or path.suffix in (".npz", ".png", ".so", ".pyc"):
+            continue
+        text = path.read_text(errors="replace")
+        rel = path.relative_to(edition).as_posix()
+        leaks += [(ex_id, rel, line) for line, ex_id in wanted.items()
+                  if line in text or json.dumps(line)[1:-1] in text]  # as written, or inside a notebook's JSON
+    return leaks

@@ -12,31 +12,36 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .bench import format_table
+from .benchmarks.common import format_table
 from .checkpoint import CheckpointError, load_model
+from .cli import finite_float, nonnegative_int, positive_int
 from .generate import generate
+from .sampling import check_sampling_args
 from .speculative import speculative_generate
 
 DEFAULT_PROMPT = "ROMEO:\nBut soft, what light"
 WARMUP_TOKENS = 8  # untimed runs first, so neither method pays for first-call overheads
 
 
-def parse_args(argv):
-    p = argparse.ArgumentParser(prog="python -m minillm", description=__doc__.splitlines()[0])
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The demo's options, on its own parser or on the CLI's ``demo`` subcommand."""
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"text to continue (default {DEFAULT_PROMPT!r})")
-    p.add_argument("--max-new-tokens", type=int, default=200, help="characters to write (default 200)")
-    p.add_argument("--k", type=int, default=4, help="draft tokens per target call (default 4)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
-    args = p.parse_args(argv)
-    if args.max_new_tokens < 1 or args.k < 1 or args.temperature < 0:
-        p.error("--max-new-tokens and --k must be >= 1, --temperature >= 0")
-    return args
+    p.add_argument("--max-new-tokens", type=positive_int, default=200, help="characters to write (default 200)")
+    p.add_argument("--k", type=positive_int, default=4, help="draft tokens per target call (default 4)")
+    p.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="sampling seed (default 0)")
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    p = argparse.ArgumentParser(prog="python -m minillm", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    return run(p.parse_args(argv))
+
+
+def run(args) -> int:
+    """The demo with parsed options; an error in them or in the shipped models is one line, exit 1."""
     try:
+        check_sampling_args(args.temperature, None, None)
         target, tok = load_model("target")
         draft, _ = load_model("draft")
         prompt = tok.encode(args.prompt)

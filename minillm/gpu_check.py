@@ -1,14 +1,14 @@
 """python -m minillm.gpu_check: every GPU test and the GPU benchmarks, in one command, in under 5 minutes.
 
-Run it whenever a CUDA GPU is available (see docs/gpu.md):
+Run it from a checkout of the project whenever a CUDA GPU is available (see docs/gpu.md):
 
     python -m minillm.gpu_check                      # tests marked gpu + the attention benchmark
     python -m minillm.gpu_check --record docs/gpu.md # ... and append the summary to docs/gpu.md
+    python -m minillm.gpu_check --root PATH          # the checkout whose tests to run
 
 1. device: name, compute capability, SMs, memory, shared memory per block, CuPy / CUDA versions
-2. tests:  ``pytest -m gpu tests/`` in a subprocess (the CUDA kernel over the whole shape grid, the
-           shared-memory error, the model's logits with attention='cuda', and every other chapter's
-           GPU tests), counted per test file
+2. tests:  ``pytest -m gpu tests/`` of the checkout in a subprocess (every test marked ``gpu``: the
+           CUDA kernel over the whole shape grid and its shared-memory limits), counted per test file
 3. bench:  ``python -m minillm bench attention`` on the GPU (validates the kernel against naive
            attention, then times both; TFLOP/s against the FP32 peak)
 Then a compact table. On a machine without a usable GPU it prints that it skipped and exits 0.
@@ -20,17 +20,13 @@ import argparse
 import contextlib
 import datetime as dt
 import io
-import subprocess
-import sys
-import tempfile
 import time
-import xml.etree.ElementTree as ET
 from pathlib import Path
 
 from .backend import BACKEND_REASON, is_gpu
+from .benchmarks.common import BenchmarkError, add_output_args, figure_dir
+from .project import ProjectRootError, project_root, pytest_outcomes
 
-REPO = Path(__file__).resolve().parents[1]
-TESTS = REPO / "tests"
 TIME_BUDGET_S = 300
 TEST_TIMEOUT_S = 180
 
@@ -55,43 +51,33 @@ def device_summary() -> list[tuple[str, str]]:
     ]
 
 
-def run_gpu_tests(extra: list[str]) -> tuple[list[dict], float, str]:
-    """pytest -m gpu tests/ -> per-file rows {file, passed, failed, skipped}, seconds, output tail."""
-    with tempfile.TemporaryDirectory() as tmp:
-        junit = Path(tmp) / "junit.xml"
-        cmd = [sys.executable, "-m", "pytest", str(TESTS), "-m", "gpu", "-q", "-p", "no:cacheprovider",
-               f"--junitxml={junit}", *extra]  # fmt: skip
-        t0 = time.perf_counter()
-        try:
-            proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=TEST_TIMEOUT_S)
-            out = proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as exc:
-            out = f"pytest timed out after {TEST_TIMEOUT_S} s\n{exc.stdout or ''}"
-        seconds = time.perf_counter() - t0
-        rows: dict[str, dict] = {}
-        if junit.exists():
-            for case in ET.parse(junit).getroot().iter("testcase"):
-                name = (case.get("classname") or "?").split(".")[-1] + ".py"
-                row = rows.setdefault(name, {"file": name, "passed": 0, "failed": 0, "skipped": 0})
-                if case.find("failure") is not None or case.find("error") is not None:
-                    row["failed"] += 1
-                elif case.find("skipped") is not None:
-                    row["skipped"] += 1
-                else:
-                    row["passed"] += 1
-        if not rows:
-            rows["?"] = {"file": "(pytest produced no report)", "passed": 0, "failed": 1, "skipped": 0}
-    return list(rows.values()), seconds, out[-4000:]
+def run_gpu_tests(root: Path, extra: list[str]) -> tuple[list[dict], float, str]:
+    """pytest -m gpu tests/ in the checkout ``root`` -> per-file rows {file, passed, failed, skipped},
+    seconds, output tail."""
+    outcomes, seconds, out = pytest_outcomes(root, ["tests", "-m", "gpu", *extra], TEST_TIMEOUT_S)
+    rows: dict[str, dict] = {}
+    for name, outcome in outcomes:
+        row = rows.setdefault(name, {"file": name, "passed": 0, "failed": 0, "skipped": 0})
+        row[outcome] += 1
+    if not rows:
+        rows["?"] = {"file": "(pytest produced no report)", "passed": 0, "failed": 1, "skipped": 0}
+    return list(rows.values()), seconds, out
 
 
-def run_attention_bench(max_n: int, repeat: int, out_dir: str | None) -> tuple[bool, str, float]:
+def run_attention_bench(max_n: int, repeat: int, out_dir: Path) -> tuple[bool, str, float]:
+    """The attention benchmark on the GPU -> (validated, its output, seconds)."""
     from .benchmarks import attention
 
     buf = io.StringIO()
     t0 = time.perf_counter()
+    ok = True
     with contextlib.redirect_stdout(buf):
         print(attention.io_table())
-        ok, _ = attention.run_gpu([n for n in attention.GPU_NS if n <= max_n], repeat, out_dir)
+        try:
+            attention.run_gpu([n for n in attention.GPU_NS if n <= max_n], repeat, out_dir)
+        except BenchmarkError as exc:
+            print(f"validation failed: {exc}")
+            ok = False
     return ok, buf.getvalue(), time.perf_counter() - t0
 
 
@@ -99,7 +85,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m minillm.gpu_check", description=__doc__.split("\n")[0])
     p.add_argument("--max-n", type=int, default=16384, help="largest N of the attention benchmark")
     p.add_argument("--repeat", type=int, default=5, help="timed repeats per benchmark point")
-    p.add_argument("--out-dir", default=None, help="where the benchmark saves PNGs (default docs/figures)")
+    p.add_argument("--root", default=None, help="the project checkout whose GPU tests to run (default: found)")
+    add_output_args(p)
     p.add_argument("--record", default=None, help="append the summary to this markdown file (docs/gpu.md)")
     p.add_argument("--skip-tests", action="store_true")
     p.add_argument("pytest_args", nargs="*", help="extra arguments for pytest (after --)")
@@ -108,23 +95,26 @@ def main(argv: list[str] | None = None) -> int:
     if not is_gpu():
         print(f"gpu_check: skipped -- no usable CUDA GPU here ({BACKEND_REASON}). Nothing to check.")
         return 0
+    try:
+        root = None if args.skip_tests else project_root(args.root)
+        out_dir = figure_dir(args)
+    except ProjectRootError as exc:
+        p.error(str(exc))
     t_start = time.perf_counter()
     lines = [f"gpu_check {dt.datetime.now(dt.timezone.utc):%Y-%m-%d %H:%M} UTC"]
     lines += [f"  {k:<22} {v}" for k, v in device_summary()]
 
     summary = []  # (check, result, seconds)
     test_tail = ""
-    if not args.skip_tests and TESTS.is_dir():
-        rows, secs, test_tail = run_gpu_tests(args.pytest_args)
+    if not args.skip_tests:
+        rows, secs, test_tail = run_gpu_tests(root, args.pytest_args)
         for r in rows:
             result = "FAIL" if r["failed"] else "ok"
             summary.append((f"tests {r['file']}", f"{result}: {r['passed']} passed, {r['failed']} failed, "
                                                   f"{r['skipped']} skipped", None))  # fmt: skip
         summary.append(("tests (all, -m gpu)", "", secs))
-    elif not TESTS.is_dir():
-        summary.append(("tests", f"not found at {TESTS} (run from a source checkout)", None))
 
-    ok_bench, bench_out, secs = run_attention_bench(args.max_n, args.repeat, args.out_dir)
+    ok_bench, bench_out, secs = run_attention_bench(args.max_n, args.repeat, out_dir)
     summary.append(("bench attention (kernel vs naive)", "ok" if ok_bench else "FAIL (validation)", secs))
 
     total = time.perf_counter() - t_start

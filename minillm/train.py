@@ -5,11 +5,13 @@ reuses the model's own functions (``layer_norm``, ``gelu``, ``linear``, ``attent
 keeps the activations the backward pass needs; each ``*_backward`` restates its forward as a
 docstring and returns the gradient for every input.
 
-    python -m minillm train --preset target --out minillm/models/target.npz [--steps N] [--resume]
+    python -m minillm train --preset target --out target.npz [--steps N] [--resume]
 
 Training state (weights, AdamW moments, step, the data generator's state, loss history) is saved
 atomically every ``ckpt_every`` steps to ``<out>.train.npz``; ``--resume`` continues from it and
-draws exactly the batches an uninterrupted run would have drawn.
+draws exactly the batches an uninterrupted run would have drawn. The summary goes to
+``<out>.log.json``. Both sit beside ``out``, or in the working directory when ``out`` is a model
+shipped in the package, which is replaced only when asked (``overwrite_shipped=True``).
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ import numpy as np
 
 from .attention import attention_weights, softmax
 from .backend import to_numpy, xp
-from .checkpoint import HEADER_KEY, atomic_save_npz, encode_header, read_npz, save_model
+from .checkpoint import HEADER_KEY, SHIPPED_DIR, atomic_save_npz, encode_header, is_shipped, read_npz, save_model
 from .config import GPTConfig
 from .data import corpus_tokenizer, train_val_split
 from .model import GELU_A, GELU_C, GPT, LN_EPS, gelu, layer_norm, linear, merge_heads, split_heads
@@ -297,9 +299,16 @@ def preset(name: str, vocab_size: int) -> tuple[GPTConfig, TrainConfig]:
     raise ValueError(f"unknown preset {name!r}: use 'target' or 'draft'")
 
 
-def state_path(out) -> Path:
+def run_file(out, suffix: str) -> Path:
+    """Where a run's training state (".train.npz") or log (".log.json") goes: beside ``out``, or in
+    the working directory when ``out`` lies in the package (its shipped models stay alone there)."""
     out = Path(out)
-    return out.with_name(out.stem + ".train.npz")
+    package = SHIPPED_DIR.resolve().parent  # minillm/, which holds models/
+    return (Path.cwd() if package in out.resolve().parents else out.parent) / (out.stem + suffix)
+
+
+def state_path(out) -> Path:
+    return run_file(out, ".train.npz")
 
 
 def save_state(path, model, opt, tc, step, rng, history, elapsed):
@@ -327,10 +336,19 @@ def train(
     train_config: TrainConfig | None = None,
     model_config: GPTConfig | None = None,
     progress: bool = True,
+    overwrite_shipped: bool = False,
 ) -> dict:
-    """Train a preset (or explicit configs) and write the model to ``out``; -> summary dict."""
+    """Train a preset (or explicit configs) for ``steps`` optimizer steps in all (default: the
+    preset's) and write the model to ``out``; -> summary dict. ValueError, before any work, for
+    steps < 1, a resumed run already at ``steps``, or ``out`` being a shipped model (unless
+    ``overwrite_shipped``)."""
     from tqdm import tqdm
 
+    if is_shipped(out) and not overwrite_shipped:
+        raise ValueError(f"{out} is a model shipped with minillm: write elsewhere (--out PATH), "
+                         "or pass --overwrite-shipped to replace it")
+    if steps is not None and steps < 1:
+        raise ValueError(f"steps must be >= 1, got {steps}")
     tokenizer = corpus_tokenizer()
     train_data, val_data = train_val_split(tokenizer)
     cfg, tc = preset(preset_name, tokenizer.vocab_size)
@@ -355,6 +373,8 @@ def train(
         rng = np.random.default_rng(tc.seed)
     if steps is not None:
         tc = replace(tc, max_steps=steps)
+    if start >= tc.max_steps:
+        raise ValueError(f"{spath} is already at step {start} of {tc.max_steps}: nothing to train")
 
     t0 = time.perf_counter()
     bar = tqdm(range(start, tc.max_steps), initial=start, total=tc.max_steps, disable=not progress,
@@ -385,12 +405,10 @@ def history_val(history) -> str:
 
 
 def export(model, tokenizer, out, preset_name, tc, history, val_data) -> dict:
-    """Save the model in float16 and measure its val loss *as shipped* (after rounding)."""
-    save_model(out, model, tokenizer, dtype=np.float16)
-    from .checkpoint import load_model
-
-    shipped, _ = load_model(out)
-    val_loss = evaluate(shipped, val_data)
+    """Save the model in float16 (one atomic write) with its val loss measured *as shipped*:
+    on the weights rounded to float16, as loading the file gives them back."""
+    rounded = GPT(model.config, {k: v.astype(np.float16) for k, v in model.numpy_params().items()})
+    val_loss = evaluate(rounded, val_data)
     summary = {
         "preset": preset_name,
         "params": model.num_params(),
@@ -403,32 +421,5 @@ def export(model, tokenizer, out, preset_name, tc, history, val_data) -> dict:
         "history": history,
     }
     save_model(out, model, tokenizer, dtype=np.float16, notes=summary)
-    log_path = Path(out).with_suffix(".log.json")
-    log_path.write_text(json.dumps(summary, indent=1))
+    run_file(out, ".log.json").write_text(json.dumps(summary, indent=1))
     return summary
-
-
-def plot_curves(names=("target", "draft"), path="docs/figures/training_curves.png"):
-    """Train (smoothed) and validation loss of the shipped models, from their checkpoint notes."""
-    import matplotlib.pyplot as plt
-
-    from .checkpoint import model_notes
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    for name in names:
-        history = model_notes(name)["history"]
-        steps = np.array([r["step"] for r in history])
-        loss = np.array([r["loss"] for r in history])
-        smooth = np.convolve(loss, np.ones(25) / 25, mode="valid")
-        ax.plot(steps[12 : 12 + len(smooth)], smooth, label=f"{name}: train (25-step mean)")
-        val = [(r["step"], r["val_loss"]) for r in history if "val_loss" in r]
-        ax.plot(*zip(*val), "o--", label=f"{name}: val (estimate)")
-    ax.set_xlabel("step (16 x 256 characters)")
-    ax.set_ylabel("loss, nats per character")
-    ax.set_ylim(1.2, 3.2)
-    ax.grid(alpha=0.3)
-    ax.legend()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110, bbox_inches="tight")
-    plt.close(fig)
-    return path

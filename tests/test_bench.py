@@ -1,12 +1,17 @@
 """Benchmark helpers: they print numbers, so what is tested is what they time and return."""
 
+import argparse
 import time
 
 import numpy as np
+import pytest
 
 from minillm import model as model_module
-from minillm.bench import format_table, time_fn, time_paired, time_pairs
+from minillm import project
+from minillm.benchmarks import common
+from minillm.benchmarks.common import format_table, time_fn, time_paired, time_pairs
 from minillm.benchmarks.kv_cache import STAND_INS, decode_step_parts
+from minillm.project import project_root
 
 # Tests that also run other exercises' code, so they fail until those are solved (minillm.course)
 NEEDS = {("3.1", "3.2"): "decode_step_parts"}
@@ -55,3 +60,22 @@ def test_decode_step_parts_swaps_each_part_and_then_restores_the_model(tiny_mode
     assert rows[0]["share"] == 1.0 and all(r["step us"] > 0 for r in rows)
     assert {name: getattr(model_module, name) for name in originals} == originals
     np.testing.assert_array_equal(tiny_model.forward(idx), before)  # the real attention is back too
+
+
+def test_figures_go_where_the_options_say(tmp_path, monkeypatch):
+    """Default: a folder outside the project; --out DIR: that folder; --update-docs: the project's docs/figures."""
+    parser = argparse.ArgumentParser()
+    common.add_output_args(parser)
+    assert common.figure_dir(parser.parse_args([])) == common.DEFAULT_FIG_DIR
+    assert common.figure_dir(parser.parse_args(["--out", str(tmp_path)])) == tmp_path
+    assert common.figure_dir(parser.parse_args(["--update-docs"])) == project_root() / "docs" / "figures"
+    assert project_root() not in common.DEFAULT_FIG_DIR.resolve().parents
+
+
+def test_update_docs_outside_a_checkout_names_the_problem(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(project, "__file__", str(tmp_path / "site-packages" / "minillm" / "project.py"))
+    parser = argparse.ArgumentParser()
+    common.add_output_args(parser)
+    with pytest.raises(project.ProjectRootError, match="no minillm project found"):
+        common.figure_dir(parser.parse_args(["--update-docs"]))

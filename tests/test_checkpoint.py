@@ -5,6 +5,7 @@ import pytest
 
 from minillm import CharTokenizer, CheckpointError, load_model, save_model
 from minillm.backend import to_numpy
+from minillm.checkpoint import HEADER_KEY, atomic_save_npz, encode_header, read_npz
 
 
 def test_round_trip_float32_and_float16(tmp_path, tiny_model):
@@ -54,3 +55,48 @@ def test_failed_write_leaves_previous_checkpoint_intact(tmp_path, tiny_model, mo
 def test_unknown_shipped_name_is_treated_as_path():
     with pytest.raises(CheckpointError, match="not found"):
         load_model("no-such-model")
+
+
+def write_checkpoint(path, header, arrays):
+    atomic_save_npz(path, arrays | {HEADER_KEY: encode_header(header)})
+
+
+def one_line(exc_info) -> str:
+    message = str(exc_info.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.mark.parametrize(
+    "edit,message",
+    [
+        (lambda h: h | {"tokenizer": {"type": "char", "chars": "abcdefghijkl"}},
+         "tokenizer has 12 tokens, its config vocab_size 13"),
+        (lambda h: [h], "header is not a JSON object"),
+        (lambda h: h | {"config": "GPT-2"}, "header 'config' is not a JSON object"),
+        (lambda h: h | {"tokenizer": ["a", "b"]}, "header 'tokenizer' is not a JSON object"),
+        (lambda h: h | {"config": h["config"] | {"n_layer": "two"}}, "inconsistent checkpoint"),
+    ],
+    ids=["tokenizer-vs-vocab", "header-list", "config-string", "tokenizer-list", "config-bad-value"],
+)
+def test_inconsistent_headers_are_one_line_checkpoint_errors(tmp_path, tiny_model, edit, message):
+    """A header of the wrong shape, or a tokenizer that does not fit the model's vocabulary, fails at
+    load time (not mid-generation, not with an AttributeError) with one line naming the file."""
+    good = tmp_path / "good.npz"
+    save_model(good, tiny_model, CharTokenizer("abcdefghijklm"))
+    header, arrays = read_npz(good)
+    bad = tmp_path / "bad.npz"
+    write_checkpoint(bad, edit(header), arrays)
+    with pytest.raises(CheckpointError) as exc_info:
+        load_model(bad)
+    assert message in one_line(exc_info) and "bad.npz" in str(exc_info.value)
+
+
+def test_a_text_file_or_a_folder_is_not_a_checkpoint(tmp_path):
+    text = tmp_path / "notes.npz"
+    text.write_text("these are my notes, not a model\n")
+    with pytest.raises(CheckpointError, match="notes.npz: not an .npz archive") as exc_info:
+        load_model(text)
+    assert "allow_pickle" not in one_line(exc_info)
+    with pytest.raises(CheckpointError, match="is a directory, not a checkpoint file"):
+        load_model(tmp_path)

@@ -5,11 +5,16 @@ import sys
 
 import pytest
 
-from minillm import CharTokenizer, save_model
+from minillm import CharTokenizer, cli, save_model
+from minillm.benchmarks import common
+from minillm.benchmarks import paged as paged_bench
 from minillm.checkpoint import shipped_path
 
 # Tests that also run other exercises' code, so they fail until those are solved (minillm.course)
-NEEDS = {("3.1", "3.3"): "generate_streams or generate_uses"}
+NEEDS = {
+    ("3.1", "3.3"): "generate_streams or generate_uses",
+    ("3.1", "3.2", "3.3", "5.1", "5.2", "5.3"): "demo_options",  # the demo runs generate and speculative decoding
+}
 
 
 def run_cli(*args):
@@ -55,15 +60,67 @@ def test_generate_uses_the_shipped_target_by_default():
         (["bench", "nope"], 2, "invalid choice"),
         (["train"], 2, "--preset"),
         (["generate", "--model", "/nonexistent/model.npz"], 1, "checkpoint not found"),
+        (["generate", "--model", "tests"], 1, "tests is a directory, not a checkpoint file"),
+        (["generate", "--seed", "-1"], 2, "argument --seed: must be >= 0, got -1"),
+        (["generate", "--temperature", "nan"], 2, "argument --temperature: must be a finite number"),
+        (["generate", "--top-p", "2"], 1, "top_p must be in (0, 1]"),
+        (["--k", "0"], 2, "argument --k: must be >= 1"),
+        (["demo", "--max-new-tokens", "0"], 2, "argument --max-new-tokens: must be >= 1"),
+        (["train", "--preset", "draft", "--steps", "-5"], 2, "argument --steps: must be >= 1"),
+        (["bench", "paged", "--out", "x", "--update-docs"], 2, "not allowed with argument --out"),
+        (["bench", "speculative", "--ks", "0,2"], 2, "argument --ks: must be >= 1, got 0"),
+        (["bench", "paged", "--no-ttft", "--requests", "0"], 2, "argument --requests: must be >= 1, got 0"),
+        (["course", "student-edition", "/nonexistent/edition", "--chapters", "9"], 1, "no exercises in chapter(s) 9"),
     ],
 )
 def test_bad_arguments_give_usage_errors_not_tracebacks(args, code, message):
+    """One line on stderr naming the problem (after argparse's usage line for a usage error), nothing on
+    stdout: the arguments are checked before the prompt or anything else is printed."""
     r = run_cli(*args)
     assert r.returncode == code
     assert message in r.stderr and "Traceback" not in r.stderr
+    assert r.stdout == ""
+    assert len(r.stderr.strip().splitlines()[-1]) > 0 and message in r.stderr.strip().splitlines()[-1]
 
 
-def test_unknown_prompt_character_is_named(tiny_checkpoint):
-    r = run_cli("generate", "--model", tiny_checkpoint, "--prompt", "abz")
-    assert r.returncode == 1
-    assert "characters not in the vocabulary: 'z'" in r.stderr and "Traceback" not in r.stderr
+@pytest.mark.skipif(not shipped_path("draft").is_file(), reason="shipped draft not trained yet")
+def test_train_never_overwrites_a_shipped_model_unless_asked(capsys):
+    before = shipped_path("draft").read_bytes()
+    code = cli.main(["train", "--preset", "draft", "--steps", "2", "--out", str(shipped_path("draft"))])
+    assert code == 1
+    assert "--overwrite-shipped" in capsys.readouterr().err
+    assert shipped_path("draft").read_bytes() == before
+
+
+DEMO_ARGS = [["--max-new-tokens", "12", "--k", "3"], ["demo", "--k", "3", "--max-new-tokens", "9"]]
+
+
+@pytest.mark.skipif(not shipped_path("target").is_file(), reason="shipped models not trained yet")
+@pytest.mark.parametrize("args", DEMO_ARGS, ids=["no command", "demo"])
+def test_demo_options_with_and_without_the_demo_command(args, capsys):
+    """`python -m minillm --k 3` and `python -m minillm demo --k 3` both run the demo with K = 3."""
+    assert cli.main(args) == 0
+    out = capsys.readouterr().out
+    assert "K=3" in out and "speculative K=3" in out and "identical: yes" in out
+
+
+def test_benchmark_validation_failure_is_one_line_and_exit_1(monkeypatch, capsys, tmp_path):
+    def broken(*args, **kwargs):
+        raise common.BenchmarkError("block size 4: 3 blocks for 9 tokens")
+
+    monkeypatch.setattr(paged_bench, "validate_paged_formula", broken)
+    assert cli.main(["bench", "paged", "--no-ttft", "--out", str(tmp_path)]) == 1
+    captured = capsys.readouterr()
+    assert captured.err == "error: block size 4: 3 blocks for 9 tokens\n" and captured.out == ""
+
+
+@pytest.mark.skipif(not shipped_path("target").is_file(), reason="shipped models not trained yet")
+def test_benchmarks_write_figures_to_the_named_or_default_folder_only(monkeypatch, tmp_path, capsys):
+    """Figures go to --out DIR, else to the default folder outside the project; never to the working
+    directory's docs/figures."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(common, "DEFAULT_FIG_DIR", tmp_path / "default")
+    assert cli.main(["bench", "training-curves"]) == 0
+    assert cli.main(["bench", "training-curves", "--out", "mine"]) == 0
+    made = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*"))
+    assert made == ["default", "default/training_curves.png", "mine", "mine/training_curves.png"]

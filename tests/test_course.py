@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from project_copy import run_pytest
 
-from minillm import course
+from minillm import course, project
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -121,6 +121,55 @@ def test_cli_refuses_a_non_empty_folder(tmp_path):
     assert (tmp_path / "keep.txt").read_text() == "mine"
 
 
+def test_cli_refuses_a_folder_inside_the_project():
+    """An edition inside the project would copy itself without end: refused before anything is written."""
+    out = ROOT / "docs" / "student-edition-test"
+    r = run_cli("course", "student-edition", str(out))
+    assert r.returncode == 1
+    assert "is inside the project" in r.stderr and "Traceback" not in r.stderr
+    assert not out.exists()
+
+
+def test_chapters_selects_what_is_stubbed(tmp_path):
+    exercises = course.student_edition(ROOT, tmp_path / "ed", chapters=["1", "A1"])
+    assert sorted({ex.chapter for ex in exercises}) == ["1", "A1"]
+    for ex in course.find_exercises(ROOT):
+        stubbed = f'raise NotImplementedError("Exercise {ex.id}: ' in (tmp_path / "ed" / ex.file).read_text()
+        assert stubbed == (ex.chapter in ("1", "A1")), ex.id
+    rows = json.loads((tmp_path / "ed" / course.MANIFEST_JSON).read_text())
+    assert [r["id"] for r in rows] == [ex.id for ex in exercises]
+    with pytest.raises(course.CourseError, match="no exercises in chapter"):
+        course.student_edition(ROOT, tmp_path / "ed2", chapters=["9"])
+
+
+def test_leak_check_finds_a_copied_solution_line(tmp_path):
+    """The check below can fail: a file holding one line of exercise 3.2's solution is a leak."""
+    ex = next(e for e in course.find_exercises(ROOT) if e.id == "3.2")
+    line = sorted(course.solution_lines(ROOT, ex))[0]
+    (tmp_path / "helper.py").write_text(f"def check(self, n):\n    {line}\n")
+    assert course.leaked_solutions(ROOT, tmp_path, [ex]) == [("3.2", "helper.py", line)]
+
+
+def test_pytest_outcomes_counts_each_test_of_a_project(tmp_path):
+    """The runner behind `course grade` and gpu_check: one outcome per test, errors count as failures."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "test_x.py").write_text(
+        "import pytest\n\ndef test_a(): pass\n\ndef test_b(): assert False\n\n"
+        "@pytest.mark.skip\ndef test_c(): pass\n\n@pytest.fixture\ndef broken(): raise RuntimeError\n\n"
+        "def test_d(broken): pass\n"
+    )
+    outcomes, seconds, output = project.pytest_outcomes(tmp_path, ["tests"], timeout=120)
+    assert sorted(outcomes) == [("test_x.py", "failed"), ("test_x.py", "failed"), ("test_x.py", "passed"),
+                                ("test_x.py", "skipped")]
+    assert seconds > 0 and "1 passed" in output
+
+
+def test_project_root_is_found_or_named(tmp_path):
+    assert project.project_root() == ROOT and project.project_root(ROOT) == ROOT
+    with pytest.raises(project.ProjectRootError, match="is not a minillm project"):
+        project.project_root(tmp_path)
+
+
 @pytest.fixture(scope="module")
 def edition(tmp_path_factory):
     out = tmp_path_factory.mktemp("h9_student") / "edition"
@@ -146,6 +195,26 @@ def test_student_edition_contents(edition):
     compiled = subprocess.run([sys.executable, "-m", "compileall", "-q", "minillm", "tests"], cwd=edition,
                               capture_output=True, text=True)  # fmt: skip
     assert compiled.returncode == 0, compiled.stdout
+
+
+def test_student_edition_gives_no_answer_away(edition):
+    """No file of the student edition (code, tests, notebooks with their outputs, docs) holds a
+    non-trivial line of any exercise's reference solution."""
+    leaks = course.leaked_solutions(ROOT, edition, course.find_exercises(ROOT))
+    assert not leaks, "solution lines in the student edition:\n" + "\n".join(map(str, leaks))
+
+
+def test_grade_prints_a_score_table(edition):
+    """`course grade` passes the reference and fails the student edition, exercise by exercise."""
+    r = run_cli("course", "grade", str(ROOT), "--chapters", "1")
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "2/2 exercises pass" in r.stdout and "FAIL" not in r.stdout
+    r = run_cli("course", "grade", str(edition), "--chapters", "1")
+    assert r.returncode == 1
+    lines = [line.split() for line in r.stdout.splitlines()]
+    rows = {cells[0]: cells[1:3] for cells in lines if cells and cells[0] in ("1.1", "1.2")}
+    assert rows.keys() == {"1.1", "1.2"} and all(c[0].startswith("0/") and c[1] == "FAIL" for c in rows.values())
+    assert "0/2 exercises pass" in r.stdout
 
 
 @pytest.mark.slow

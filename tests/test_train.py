@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from minillm import GPT, GPTConfig, load_model
+from minillm import GPT, GPTConfig, checkpoint, load_model
 from minillm import train as tr
 from minillm.backend import to_numpy
 
@@ -14,7 +14,8 @@ CFG = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=8)
 # The tests that check each exercise, as pytest -k expressions (read by minillm.course; docs/instructors.md)
 EXERCISES = {"A1.1": "gelu_backward", "A1.2": "layernorm_backward", "A1.3": "adamw"}
 # Tests that run the whole training step, so they fail until these exercises are solved
-NEEDS = {("A1.1", "A1.2", "A1.3"): "gradient_check or loss_equals or float32_training or overfits or resume_continues"}
+NEEDS = {("A1.1", "A1.2", "A1.3"): "gradient_check or loss_equals or float32_training or overfits or resume_continues "
+                                  "or overwrites_a_shipped or finished_run"}
 
 
 def float64_params(seed=0):
@@ -219,3 +220,40 @@ def test_resume_continues_exactly(tmp_path, monkeypatch):
 def test_resume_without_state_names_the_file(tmp_path):
     with pytest.raises(ValueError, match="nothing.train.npz"):
         tr.train("draft", tmp_path / "nothing.npz", resume=True, progress=False)
+
+
+def test_never_overwrites_a_shipped_model_unless_asked(tmp_path, monkeypatch):
+    """Training into a shipped model's path is refused before any work (the file untouched, no state
+    written); with overwrite_shipped=True it is replaced, and the state and log go to the working
+    directory, not into the package."""
+    models, work = tmp_path / "package" / "models", tmp_path / "work"
+    models.mkdir(parents=True)
+    work.mkdir()
+    monkeypatch.setattr(checkpoint, "SHIPPED_DIR", models)
+    monkeypatch.setattr(tr, "SHIPPED_DIR", models)
+    monkeypatch.chdir(work)
+    shipped = models / "draft.npz"
+    shipped.write_bytes(b"the shipped model")
+    with pytest.raises(ValueError, match="shipped with minillm.*--overwrite-shipped"):
+        tr.train("draft", shipped, train_config=TINY_TRAIN, model_config=TINY_MODEL, progress=False)
+    assert shipped.read_bytes() == b"the shipped model" and sorted(p.name for p in models.iterdir()) == ["draft.npz"]
+
+    tr.train("draft", shipped, train_config=TINY_TRAIN, model_config=TINY_MODEL, progress=False,
+             overwrite_shipped=True)
+    assert load_model(shipped)[0].config == TINY_MODEL
+    assert sorted(p.name for p in models.iterdir()) == ["draft.npz"]
+    assert sorted(p.name for p in work.iterdir()) == ["draft.log.json", "draft.train.npz"]
+
+
+@pytest.mark.parametrize("steps", [0, -5])
+def test_steps_below_one_are_refused_before_anything_is_written(tmp_path, steps):
+    with pytest.raises(ValueError, match=f"steps must be >= 1, got {steps}"):
+        tr.train("draft", tmp_path / "m.npz", steps=steps, train_config=TINY_TRAIN, model_config=TINY_MODEL,
+                 progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_resuming_a_finished_run_is_refused(tmp_path):
+    tr.train("draft", tmp_path / "m.npz", steps=3, train_config=TINY_TRAIN, model_config=TINY_MODEL, progress=False)
+    with pytest.raises(ValueError, match="already at step 3 of 3"):
+        tr.train("draft", tmp_path / "m.npz", steps=3, resume=True, progress=False)

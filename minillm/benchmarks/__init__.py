@@ -1,0 +1,22 @@
+"""The benchmarks, one module per chapter: ``python -m minillm bench <topic>`` runs ``TOPICS[topic].main``."""
+
+from __future__ import annotations
+
+import importlib
+
+TOPICS = {
+    "kv-cache": "minillm.benchmarks.kv_cache",
+    "attention": "minillm.benchmarks.attention",
+    "speculative": "minillm.benchmarks.speculative",
+    "paged": "minillm.benchmarks.paged",
+    "batch-speculative": "minillm.benchmarks.batch_speculative",
+    "threads": "minillm.benchmarks.threads",
+    "training-curves": "minillm.benchmarks.training",
+}
+
+
+def run(topic: str, argv: list[str]) -> int:
+    """Run one benchmark topic: its module's ``main(argv)``."""
+    if topic not in TOPICS:
+        raise ValueError(f"unknown benchmark {topic!r}; choose from {', '.join(TOPICS)}")
+    return importlib.import_module(TOPICS[topic]).main(argv)

@@ -6,7 +6,7 @@ never holds the N x N score matrix, so its peak memory at N = 8192 must be at mo
 On a GPU (CuPy): naive CuPy attention vs the CUDA kernel (``kernels.launch.flash_attention_cuda``), time and achieved
 TFLOP/s against the device's FP32 peak. Both: the IO-model plot (HBM bytes vs N and vs SRAM size).
 
-Discipline (see minillm.bench): validate every output against the reference first, warm up, then time
+Discipline (see minillm.benchmarks.common): validate every output against the reference first, warm up, then time
 (synchronizing the GPU), print aligned tables, save PNGs. Nothing here asserts a timing.
 """
 
@@ -21,8 +21,9 @@ import numpy as np
 from .. import flash_attention as fa
 from ..attention import naive_attention
 from ..backend import is_gpu, synchronize, to_numpy, xp
-from ..bench import format_table, save_figure, time_fn
+from ..cli import positive_int
 from ..kernels.launch import flash_attention_cuda
+from .common import BenchmarkError, add_output_args, figure_dir, format_table, save_figure, time_fn
 
 CPU_NS = [1024, 2048, 4096, 8192, 16384]
 GPU_NS = [1024, 2048, 4096, 8192, 16384]
@@ -66,7 +67,8 @@ def run_cpu(ns, repeat, out_dir, plot=True):
         ref = naive_attention(q, k, v, True)  # 1. validate (this is also the warm-up)
         out = tiled(q, k, v)
         err = float(np.abs(out - ref).max())
-        ok &= err <= VALIDATE_ATOL
+        if err > VALIDATE_ATOL:
+            raise BenchmarkError(f"N={N}: tiled output differs from naive_attention by {err:.2g} > {VALIDATE_ATOL}")
         del ref, out
         naive, flash = partial(naive_attention, q, k, v, True), partial(tiled, q, k, v)
         naive_peak, tiled_peak = peak_bytes(naive), peak_bytes(flash)  # 2. memory
@@ -91,8 +93,6 @@ def run_cpu(ns, repeat, out_dir, plot=True):
             f"{r['tiled MiB']:.1f} MiB vs {r['naive MiB']:.1f} MiB = {r['mem tiled/naive']:.2%}  {verdict}"
         )
         ok &= verdict == "PASS"
-    if not all(r["max |err|"] <= VALIDATE_ATOL for r in rows):
-        print(f"VALIDATION FAILED: tiled output differs from naive_attention by more than {VALIDATE_ATOL}")
     if plot:
         print("saved", plot_cpu(rows, out_dir))
     return ok
@@ -200,7 +200,7 @@ def run_gpu(ns, repeat, out_dir, B=1, nh=8, plot=True):
     import cupy
 
     peak, how = fp32_peak_tflops()
-    rows, ok = [], True
+    rows = []
     for N in ns:
         q, k, v = make_qkv(B, nh, N, HS)
         naive, kernel = partial(naive_attention, q, k, v, True), partial(flash_attention_cuda, q, k, v, True)
@@ -211,7 +211,8 @@ def run_gpu(ns, repeat, out_dir, B=1, nh=8, plot=True):
             cupy.get_default_memory_pool().free_all_blocks()
             ref, reference = fa.flash_attention(q, k, v, True, 256, 256)[0], "tiled array code"
         err = float(to_numpy(xp.abs(out - ref).max()))
-        ok &= err <= VALIDATE_ATOL
+        if err > VALIDATE_ATOL:
+            raise BenchmarkError(f"N={N}: the kernel differs from {reference} attention by {err:.2g} > {VALIDATE_ATOL}")
         del ref, out
         row = {"N": N, "checked vs": reference, "max |err|": err}
         flops = attention_flops(N, HS, True, B, nh)
@@ -236,11 +237,9 @@ def run_gpu(ns, repeat, out_dir, B=1, nh=8, plot=True):
     print(f"FP32 peak {peak:.1f} TFLOP/s ({how}); FLOPs = 4 N^2 hs / 2 per head (causal);")
     print("pool MiB: what CuPy's memory pool holds after one call from empty (outputs + temporaries)")
     print(format_table(rows, columns))
-    if not ok:
-        print(f"VALIDATION FAILED: the kernel differs from its reference by more than {VALIDATE_ATOL}")
     if plot:
         print("saved", plot_gpu(rows, out_dir, peak))
-    return ok, rows
+    return rows
 
 
 def plot_gpu(rows, out_dir, peak):
@@ -268,11 +267,12 @@ def plot_gpu(rows, out_dir, peak):
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m minillm bench attention", description=__doc__.split("\n")[0])
     p.add_argument("--quick", action="store_true", help="N up to 4096, one timing repeat")
-    p.add_argument("--max-n", type=int, default=None, help="largest N to run (default 16384)")
-    p.add_argument("--repeat", type=int, default=3, help="timed repeats (median); 1 for N > 4096 on CPU")
-    p.add_argument("--out-dir", default=None, help="where to save PNGs (default docs/figures)")
+    p.add_argument("--max-n", type=positive_int, default=None, help="largest N to run (default 16384)")
+    p.add_argument("--repeat", type=positive_int, default=3, help="timed repeats (median); 1 for N > 4096 on CPU")
+    add_output_args(p)
     p.add_argument("--no-plots", action="store_true", help="print tables only")
     args = p.parse_args(argv)
+    out_dir = figure_dir(args)
     max_n = args.max_n or (4096 if args.quick else 16384)
     repeat = 1 if args.quick else args.repeat
     plot = not args.no_plots
@@ -280,12 +280,11 @@ def main(argv: list[str]) -> int:
     print("IO model (attention_io_bytes), one head, d = 64, float32:")
     print(io_table())
     if plot:
-        print("saved", plot_io_model(args.out_dir))
+        print("saved", plot_io_model(out_dir))
     if is_gpu():
-        ok, _ = run_gpu([n for n in GPU_NS if n <= max_n], repeat, args.out_dir, plot=plot)
-    else:
-        ok = run_cpu([n for n in CPU_NS if n <= max_n], repeat, args.out_dir, plot=plot)
-    return 0 if ok else 1
+        run_gpu([n for n in GPU_NS if n <= max_n], repeat, out_dir, plot=plot)
+        return 0
+    return 0 if run_cpu([n for n in CPU_NS if n <= max_n], repeat, out_dir, plot=plot) else 1
 
 
 if __name__ == "__main__":

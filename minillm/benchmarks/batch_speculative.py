@@ -9,11 +9,11 @@ validation split), greedy by default:
    forward over B x (K + 1) tokens / one over B x 1 (the verification; theory assumes v = 1), and
    c(B) = one draft step / one target step (both (B, 1));
 3. time batched speculative decoding under each policy in alternation with plain batched decoding
-   (``bench.time_paired``: medians of ``--repeat`` runs each after a warm-up): tokens/s = B x new
+   (``common.time_paired``: medians of ``--repeat`` runs each after a warm-up): tokens/s = B x new
    tokens / wall time;
 4. print a table: tokens/s, speed-up over plain batched decoding at the same B, alpha, tokens per
    target call per row, the share of verified positions thrown away (padding + rejections), and a
-   cost model tok/call / (draft steps per round x c(B) + v(B)); save docs/figures/batch_speculative.png.
+   cost model tok/call / (draft steps per round x c(B) + v(B)); save the figure batch_speculative.png.
 """
 
 from __future__ import annotations
@@ -23,10 +23,11 @@ import argparse
 import numpy as np
 
 from ..batch_speculative import POLICIES, forward_ragged, generate_batch, speculative_generate_batch
-from ..bench import format_table, save_figure, time_fn, time_paired
 from ..checkpoint import load_model
+from ..cli import positive_int_list
 from ..generate import generate
 from ..paged_kv import PagedKVCache, num_blocks_for
+from .common import BenchmarkError, add_output_args, figure_dir, format_table, save_figure, time_fn, time_paired
 from .speculative import STEP_CONTEXT, validation_prompts
 
 PROMPT_STEP = 8  # prompt i is PROMPT_STEP * (i % 4) characters shorter than --prompt-len: ragged rows
@@ -36,24 +37,23 @@ def parse_args(argv):
     p = argparse.ArgumentParser(
         prog="python -m minillm bench batch-speculative", description=__doc__.splitlines()[0]
     )
-    p.add_argument("--batch-sizes", default="1,2,4,8,16", help="batch sizes (default 1,2,4,8,16)")
+    p.add_argument("--batch-sizes", type=positive_int_list, default="1,2,4,8,16", help="default 1,2,4,8,16")
     p.add_argument("--tokens", type=int, default=64, help="new tokens per sequence (default 64)")
     p.add_argument("--k", type=int, default=4, help="draft tokens per round, the adaptive policy's maximum")
     p.add_argument("--policies", default=",".join(POLICIES), help="policies: pad,adaptive")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--prompt-len", type=int, default=48, help="characters of the longest prompt (default 48)")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per configuration (median)")
-    p.add_argument("--out", default=None, help="folder for the PNG (default docs/figures)")
+    add_output_args(p)
     p.add_argument("--no-plot", action="store_true", help="do not write the figure")
     p.add_argument("--quick", action="store_true", help="batch sizes 1,4,16; 32 tokens; 1 run each")
     args = p.parse_args(argv)
     if args.quick:
-        args.batch_sizes, args.tokens, args.repeat = "1,4,16", 32, 1
-    args.batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+        args.batch_sizes, args.tokens, args.repeat = [1, 4, 16], 32, 1
     args.policies = [s.strip() for s in args.policies.split(",")]
     unknown = set(args.policies) - set(POLICIES)
-    if unknown or min(args.batch_sizes) < 1 or args.k < 1 or args.tokens < 2 or args.repeat < 1:
-        p.error(f"bad options (unknown policies {sorted(unknown)}; batch sizes >= 1; k >= 1; --tokens >= 2; "
+    if unknown or args.k < 1 or args.tokens < 2 or args.repeat < 1:
+        p.error(f"bad options (unknown policies {sorted(unknown)}; k >= 1; --tokens >= 2; "
                 "--repeat >= 1)")  # fmt: skip
     if args.prompt_len <= 3 * PROMPT_STEP:
         p.error(f"--prompt-len must exceed {3 * PROMPT_STEP}")
@@ -134,8 +134,7 @@ def main(argv: list[str]) -> int:
     # 1. validate
     wrong = validate(target, draft, prompts, n_new, args.k, args.policies)
     if wrong:
-        print(f"VALIDATION FAILED: {wrong} differs from generate() alone")
-        return 1
+        raise BenchmarkError(f"{wrong} differs from generate() alone")
     print(f"validated: at B = {len(prompts)} every row of every batched method == generate(target) alone")
 
     # 2. costs per batch size, in target decode steps of the same batch
@@ -185,5 +184,5 @@ def main(argv: list[str]) -> int:
     print()
     print(format_table(rows, columns))
     if not args.no_plot:
-        print(f"figure: {plot(rows, args.out)}")
+        print(f"figure: {plot(rows, figure_dir(args))}")
     return 0

@@ -22,11 +22,21 @@ import numpy as np
 
 from .. import model as model_module
 from ..backend import xp
-from ..bench import format_table, save_figure, time_fn, time_pairs
 from ..checkpoint import load_model
+from ..cli import positive_int
 from ..data import load_corpus
 from ..generate import generate, generate_naive
 from ..kv_cache import GrowingKVCache, KVCache, PrefixCache, kv_cache_bytes
+from .common import (
+    BenchmarkError,
+    add_output_args,
+    figure_dir,
+    format_table,
+    progress,
+    save_figure,
+    time_fn,
+    time_pairs,
+)
 
 # (name, layers, KV heads, head dim) from the published configs
 KV_MODELS = [
@@ -64,11 +74,11 @@ def naive_vs_cached(model, prompt, lengths, repeat) -> tuple[list[dict], dict]:
     """Time naive and cached generation in alternating pairs. The speed-up is the median of the
     per-pair ratios; "pairs" gives their range, the run-to-run spread on this machine."""
     rows, traces = [], {}
-    for n in lengths:
+    for n in progress(lengths, "naive vs cached"):
         naive = generate_naive(model, prompt, n, temperature=0)
         cached = generate(model, prompt, n, temperature=0)
         if naive.tokens != cached.tokens:
-            raise AssertionError(f"cached generation differs from naive at {n} new tokens")
+            raise BenchmarkError(f"cached generation differs from naive at {n} new tokens")
         naive_s, cached_s, _ = time_pairs(lambda n=n: generate_naive(model, prompt, n, temperature=0),
                                           lambda n=n: generate(model, prompt, n, temperature=0), repeat)  # fmt: skip
         t_naive, t_cached = float(np.median(naive_s)), float(np.median(cached_s))
@@ -84,7 +94,7 @@ def naive_vs_cached(model, prompt, lengths, repeat) -> tuple[list[dict], dict]:
 
 def ttft_rows(model, tokenizer, lengths, repeat) -> list[dict]:
     rows = []
-    for n in lengths:
+    for n in progress(lengths, "TTFT"):
         prompt = prompt_ids(tokenizer, n)
         ttft = time_fn(lambda p=prompt: generate(model, p, 1, temperature=0), warmup=1, repeat=repeat)
         tpot = generate(model, prompt, 9, temperature=0).stats.tpot_s
@@ -128,7 +138,7 @@ def prefix_cache_rows(model, tokenizer, repeat) -> list[dict]:
                      "tokens prefilled": 24 if use_cache else len(system) + 24,
                      "mean TTFT ms": 1e3 * float(np.mean(ttfts)), "_outputs": outputs})  # fmt: skip
     if rows[0]["_outputs"] != rows[1]["_outputs"]:
-        raise AssertionError("prefix caching changed the generated tokens")
+        raise BenchmarkError("prefix caching changed the generated tokens")
     for r in rows:
         del r["_outputs"]
     rows[1]["TTFT speed-up"] = rows[0]["mean TTFT ms"] / rows[1]["mean TTFT ms"]
@@ -166,7 +176,7 @@ def decode_step_parts(model, context: int, steps: int, rounds: int) -> list[dict
     variants |= {part: mock.patch.object(model_module, name, fn) for part, (name, fn) in STAND_INS.items()}
     variants["attention math"] = mock.patch.object(model, "attention", _without_attention_math)
     times = {part: [] for part in variants}
-    for r in range(rounds):
+    for r in progress(range(rounds), "decode step parts"):
         for part in list(variants)[:: 1 if r % 2 else -1]:
             with variants[part]:
                 times[part].append(1e6 * time_fn(step, warmup=1, repeat=1) / steps)
@@ -224,10 +234,11 @@ def plot_memory(out_dir):
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minillm bench kv-cache", description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="target")
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--repeat", type=positive_int, default=3)
     parser.add_argument("--quick", action="store_true", help="fewer lengths, one repeat")
-    parser.add_argument("--out-dir", default=None, help="where to save PNGs (default docs/figures)")
+    add_output_args(parser)
     args = parser.parse_args(argv)
+    out_dir = figure_dir(args)
     repeat = 1 if args.quick else args.repeat
     model, tok = load_model(args.model)
     T = model.config.block_size
@@ -239,14 +250,14 @@ def main(argv=None) -> int:
     print(f"   {repeat} alternating pairs each: medians, speed-up = median of the pair ratios, pairs = their range")
     rows, traces = naive_vs_cached(model, prompt, lengths, repeat)
     print(format_table(rows), "\n")
-    print("2. time per step vs position:", plot_steps(traces, lengths[-1], args.out_dir))
+    print("2. time per step vs position:", plot_steps(traces, lengths[-1], out_dir))
     naive, cached = (1e3 * np.array(t) for t in traces[lengths[-1]])
     print(f"   ms per step, tokens 2-9 -> the last 8: naive {naive[1:9].mean():.2f} -> {naive[-8:].mean():.2f}, "
           f"cached {cached[1:9].mean():.2f} -> {cached[-8:].mean():.2f}\n")  # fmt: skip
     print("3. time to first token vs prompt length")
     ttft = ttft_rows(model, tok, [16, 64, 128, 255] if args.quick else [16, 32, 64, 128, 192, 255], repeat)
     print(format_table(ttft))
-    print("  ", plot_ttft(ttft, args.out_dir), "\n")
+    print("  ", plot_ttft(ttft, out_dir), "\n")
     print(f"4. preallocated vs growing cache ({lengths[-1]} new tokens)")
     print(format_table(prealloc_vs_growing(model, prompt, lengths[-1], repeat)), "\n")
     print("5. prompt caching: 200-token shared system prompt + 24-token questions (outputs checked equal)")
@@ -254,7 +265,7 @@ def main(argv=None) -> int:
     print("6. KV cache size in FP16 (GiB), batch 1 -- kv_cache_bytes(n_layer, n_kv_head, head_dim, seq_len)")
     target = [("target", model.config)]
     print(format_table(kv_memory_rows(target)))
-    print("  ", plot_memory(args.out_dir), "\n")
+    print("  ", plot_memory(out_dir), "\n")
     context = (32 + T) // 2  # the mean context of section 1's longest run
     print(f"7. where a decode step's time goes ({context} tokens cached): each part swapped for a free stand-in")
     steps, rounds = (10, 4) if args.quick else (30, 40)

@@ -1,6 +1,6 @@
 """Benchmark: how much reserved KV memory holds real tokens, contiguous vs paged; prefix-caching TTFT.
 
-    python -m minillm bench paged                   # both parts, plots into docs/figures/paged_*.png
+    python -m minillm bench paged                   # both parts, plots paged_*.png (--out DIR)
     python -m minillm bench paged --no-ttft         # memory part only (no model, a second or two)
 
 Part 1, memory (no model). A seeded workload of requests with random prompt and output lengths
@@ -34,11 +34,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..bench import DEFAULT_FIG_DIR, format_table, save_figure
+from ..cli import positive_int, positive_int_list
 from ..config import GPTConfig
 from ..kv_cache import KVCache
 from ..paged_kv import OutOfBlocksError, PagedKVCache, num_blocks_for
 from ..prefix_blocks import PrefixBlockCache
+from .common import BenchmarkError, add_output_args, figure_dir, format_table, progress, save_figure
 
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # tokens per KV block
 PAPER_CONTIGUOUS = {"Max": 20.4, "Pow2": 26.8, "Oracle": 38.2}  # % of KV memory holding tokens, Fig. 2
@@ -124,10 +125,10 @@ def validate_paged_formula(prompts, outputs, page_sizes, config, n: int = 20) ->
                     cache.append(seq, one, one)
                 held = cache.num_blocks - cache.allocator.num_free
                 if held != num_blocks_for(int(t), bs):
-                    raise AssertionError(f"page size {bs}: {held} blocks for {t} tokens")
+                    raise BenchmarkError(f"page size {bs}: {held} blocks for {t} tokens")
             cache.free(seq)
             if cache.allocator.num_free != cache.num_blocks:
-                raise AssertionError(f"page size {bs}: blocks leaked")
+                raise BenchmarkError(f"page size {bs}: blocks leaked")
 
 
 def memory_rows(prompts, outputs, max_len: int, budget: int, page_sizes):
@@ -230,7 +231,7 @@ def ttft_rows(model, tok, new_tokens: int, repeat: int, page_size: int, n_questi
     n_blocks = 2 * num_blocks_for(cfg.block_size, page_size)
     system = tok.encode(SYSTEM_PROMPT)
     rows, tokens = [], {}
-    for question in QUESTIONS[:n_questions]:
+    for question in progress(QUESTIONS[:n_questions], "prefix-caching TTFT"):
         prompt = system + tok.encode(question)
         if len(prompt) + new_tokens > cfg.block_size:
             raise ValueError(f"prompt of {len(prompt)} + {new_tokens} new tokens exceeds the context")
@@ -345,23 +346,24 @@ def draw_block_tables(cache: PagedKVCache, ax=None, title: str | None = None):
 
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m minillm bench paged", description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=200, help="requests in the workload")
+    ap.add_argument("--requests", type=positive_int, default=200, help="requests in the workload")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-len", type=int, default=256, help="context length (contiguous reservation)")
+    ap.add_argument("--max-len", type=positive_int, default=256, help="context length (contiguous reservation)")
     ap.add_argument("--mean-prompt", type=float, default=32.0, help="mean prompt length (tokens)")
     ap.add_argument("--mean-output", type=float, default=64.0, help="mean output length (tokens)")
-    ap.add_argument("--budget", type=int, default=4096, help="KV budget in token slots (16 x 256)")
-    ap.add_argument("--page-sizes", default=",".join(map(str, PAGE_SIZES)), help="tokens per KV block, comma-separated")
+    ap.add_argument("--budget", type=positive_int, default=4096, help="KV budget in token slots (16 x 256)")
+    ap.add_argument("--page-sizes", type=positive_int_list, default=list(PAGE_SIZES),
+                    help="tokens per KV block, comma-separated")
     ap.add_argument("--no-ttft", action="store_true", help="skip part 2 (no model)")
     ap.add_argument("--model", default="target", help="'target' (shipped), a checkpoint path, or 'random'")
-    ap.add_argument("--questions", type=int, default=len(QUESTIONS))
-    ap.add_argument("--new-tokens", type=int, default=20)
-    ap.add_argument("--repeat", type=int, default=5, help="timed runs per measurement (median)")
-    ap.add_argument("--ttft-page-size", type=int, default=16, help="tokens per KV block in part 2")
-    ap.add_argument("--out", default=str(DEFAULT_FIG_DIR), help="folder for the PNG plots")
+    ap.add_argument("--questions", type=positive_int, default=len(QUESTIONS))
+    ap.add_argument("--new-tokens", type=positive_int, default=20)
+    ap.add_argument("--repeat", type=positive_int, default=5, help="timed runs per measurement (median)")
+    ap.add_argument("--ttft-page-size", type=positive_int, default=16, help="tokens per KV block in part 2")
+    add_output_args(ap)
     ap.add_argument("--no-plots", action="store_true")
     args = ap.parse_args(argv)
-    page_sizes = [int(b) for b in args.page_sizes.split(",")]
+    page_sizes = args.page_sizes
 
     prompts, outputs = make_workload(args.requests, args.max_len, args.mean_prompt, args.mean_output,
                                      args.seed)  # fmt: skip
@@ -377,7 +379,7 @@ def main(argv: list[str]) -> int:
     print(f"\npaper (Kwon et al. 2023, Fig. 2): contiguous {PAPER_CONTIGUOUS['Max']}% (Max), "
           f"{PAPER_CONTIGUOUS['Pow2']}% (Pow2), {PAPER_CONTIGUOUS['Oracle']}% (Oracle); "
           f"vLLM {PAPER_VLLM}% (page size 16)")  # fmt: skip
-    paths = [] if args.no_plots else plot_memory(rows, args.out)
+    paths = [] if args.no_plots else plot_memory(rows, figure_dir(args))
 
     if not args.no_ttft:
         model, tok, label = load_target(args.model)
@@ -387,10 +389,9 @@ def main(argv: list[str]) -> int:
         trows, _ = ttft_rows(model, tok, args.new_tokens, args.repeat, args.ttft_page_size, args.questions)
         print(format_table(trows))
         if not args.no_plots:
-            paths.append(plot_ttft(trows, label, args.out))
+            paths.append(plot_ttft(trows, label, figure_dir(args)))
         if any(r["same tokens"] != "yes" for r in trows):
-            print("error: prefix caching changed the generated tokens")
-            return 1
+            raise BenchmarkError("prefix caching changed the generated tokens")
     for p in paths:
         print(f"saved {p}")
     return 0

@@ -7,11 +7,11 @@ corpus bigram), K = 1..8, greedy and temperature 1:
 2. measure costs: c = draft decode step / target decode step, and v(K) = target forward over
    K + 1 tokens / target decode step (the theory assumes v = 1);
 3. time every speculative configuration in alternation with the target's own cached decoding
-   (``bench.time_paired``: same prompts, same number of new tokens, medians of ``--repeat`` runs
+   (``common.time_paired``: same prompts, same number of new tokens, medians of ``--repeat`` runs
    each after a warm-up), so each speed-up compares runs made under the same machine load;
 4. print a table: alpha, tokens per target call measured beside (1 - a^(K+1)) / (1 - a), the
    measured speed-up beside Leviathan et al.'s (1 - a^(K+1)) / ((1 - a)(K c + 1)) and beside a
-   cost model that uses the measured v(K); save docs/figures/spec_speedup.png.
+   cost model that uses the measured v(K); save the figure spec_speedup.png.
 
 Prompts come from the validation split (text the models never trained on); prompt + generation
 fits the 256-token context, so no window is re-prefilled.
@@ -25,13 +25,23 @@ import statistics
 import numpy as np
 
 from ..backend import xp
-from ..bench import format_table, save_figure, time_fn, time_paired
 from ..checkpoint import load_model
+from ..cli import positive_int_list
 from ..data import train_val_split
 from ..drafts import BigramDraft, quantize_weights
 from ..generate import generate
 from ..kv_cache import KVCache
 from ..speculative import expected_speedup, expected_tokens_per_call, speculative_generate
+from .common import (
+    BenchmarkError,
+    add_output_args,
+    figure_dir,
+    format_table,
+    progress,
+    save_figure,
+    time_fn,
+    time_paired,
+)
 
 DRAFT_NAMES = ("draft", "int8", "bigram")
 STEP_CONTEXT = 128  # cached tokens when timing one decode step (mid-way through a generation)
@@ -44,24 +54,23 @@ def parse_args(argv):
     p.add_argument("--tokens", type=int, default=200, help="new tokens per prompt (default 200)")
     p.add_argument("--prompts", type=int, default=3, help="prompts from the validation split (default 3)")
     p.add_argument("--prompt-len", type=int, default=48, help="characters per prompt (default 48)")
-    p.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="draft lengths K (default 1..8)")
+    p.add_argument("--ks", type=positive_int_list, default="1,2,3,4,5,6,7,8", help="draft lengths K (default 1..8)")
     p.add_argument("--temperatures", default="0,1", help="temperatures (default 0,1; 0 = greedy)")
     p.add_argument("--drafts", default=",".join(DRAFT_NAMES), help="drafts to try: draft,int8,bigram")
     p.add_argument("--repeat", type=int, default=3, help="timed runs per configuration (median)")
-    p.add_argument("--out", default=None, help="folder for the PNG (default docs/figures)")
+    add_output_args(p)
     p.add_argument("--no-plot", action="store_true", help="do not write the figure")
     p.add_argument("--target", default="target", help="target model: 'target' or a .npz path")
     p.add_argument("--draft", default="draft", help="draft model: 'draft' or a .npz path")
     p.add_argument("--quick", action="store_true", help="K in 1,2,4,8; 2 prompts; 1 run each")
     args = p.parse_args(argv)
     if args.quick:
-        args.ks, args.prompts, args.repeat = "1,2,4,8", 2, 1
-    args.ks = [int(k) for k in args.ks.split(",")]
+        args.ks, args.prompts, args.repeat = [1, 2, 4, 8], 2, 1
     args.temperatures = [float(t) for t in args.temperatures.split(",")]
     args.drafts = [d.strip() for d in args.drafts.split(",")]
     unknown = set(args.drafts) - set(DRAFT_NAMES)
-    if unknown or min(args.ks) < 1 or args.tokens < 2 or args.repeat < 1:
-        p.error(f"bad options (unknown drafts {sorted(unknown)}; K >= 1; --tokens >= 2; --repeat >= 1)")
+    if unknown or args.tokens < 2 or args.repeat < 1:
+        p.error(f"bad options (unknown drafts {sorted(unknown)}; --tokens >= 2; --repeat >= 1)")
     return args
 
 
@@ -158,13 +167,11 @@ def main(argv: list[str]) -> int:
 
     # 1. validate: greedy speculative decoding is the target's greedy decoding
     reference = [generate(target, p, n_new, temperature=0).tokens for p in prompts]
-    for name, draft in drafts.items():
+    for name, draft in progress(drafts.items(), "validate", total=len(drafts)):
         for k in sorted({min(args.ks), max(args.ks)}):
             outs, _ = run_speculative(target, draft, prompts, n_new, k, 0.0)
             if outs != reference:
-                print(f"VALIDATION FAILED: greedy speculative decoding with {name}, K={k} "
-                      "differs from generate()")  # fmt: skip
-                return 1
+                raise BenchmarkError(f"greedy speculative decoding with {name}, K={k} differs from generate()")
     print("validated: greedy speculative output == generate(target, temperature=0) for every draft")
 
     # 2. costs in target decode steps
@@ -218,6 +225,6 @@ def main(argv: list[str]) -> int:
             print(f"best K for {name}, T={temp:g}: K={best['K']} -> {best['speed-up']:.2f}x "
                   f"(alpha {best['alpha']:.3f}, {best['tok/call']:.2f} tokens per target call)")  # fmt: skip
     if not args.no_plot:
-        path = plot([r for r in rows if r["K"] > 0], args.ks, args.out)
+        path = plot([r for r in rows if r["K"] > 0], args.ks, figure_dir(args))
         print(f"figure: {path}")
     return 0

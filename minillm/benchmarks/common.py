@@ -1,32 +1,34 @@
-"""Benchmark helpers and the ``python -m minillm bench <topic>`` dispatcher.
+"""What every benchmark shares: timing, the aligned table, where figures go, progress, the error.
 
 Every benchmark follows the same discipline (see llm.c's dev/cuda): validate the fast path against
-its reference first, warm up, then time (synchronizing the GPU before reading the clock), and print
-an aligned table with ratios. Plots go to ``docs/figures/`` by default. Benchmarks print numbers;
-they never assert timings (tests do not time anything).
+its reference first (``BenchmarkError`` when it disagrees), warm up, then time (synchronizing the GPU
+before reading the clock), and print an aligned table with ratios. Benchmarks print numbers; they
+never assert timings (tests do not time anything).
+
+Figures go to the folder named by ``--out DIR``, by default a folder in the system's temporary
+directory (printed with each figure); ``--update-docs`` regenerates the project's ``docs/figures``.
+A benchmark never writes into the package or the checkout unless asked to.
 """
 
 from __future__ import annotations
 
-import importlib
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
-from .backend import synchronize
+from ..backend import synchronize
+from ..project import project_root
 
-TOPICS = {
-    "kv-cache": "minillm.benchmarks.kv_cache",
-    "attention": "minillm.benchmarks.attention",
-    "speculative": "minillm.benchmarks.speculative",
-    "paged": "minillm.benchmarks.paged",
-    "batch-speculative": "minillm.benchmarks.batch_speculative",
-    "threads": "minillm.benchmarks.threads",
-}
-DEFAULT_FIG_DIR = Path("docs") / "figures"
+DEFAULT_FIG_DIR = Path(tempfile.gettempdir()) / "minillm-figures"
+DOCS_FIG_DIR = Path("docs") / "figures"  # relative to the project root
 
 
-def _timed(fn):
+class BenchmarkError(RuntimeError):
+    """A benchmark's validation failed: a fast path disagrees with its reference, so nothing is timed."""
+
+
+def timed(fn):
     """Run ``fn()`` once -> (wall seconds, its result), the GPU synchronized before both clock reads."""
     synchronize()
     t0 = time.perf_counter()
@@ -39,7 +41,7 @@ def time_fn(fn, warmup: int = 1, repeat: int = 3) -> float:
     """Median wall time of ``fn()`` in seconds after ``warmup`` untimed calls."""
     for _ in range(warmup):
         fn()
-    return statistics.median(_timed(fn)[0] for _ in range(repeat))
+    return statistics.median(timed(fn)[0] for _ in range(repeat))
 
 
 def time_pairs(baseline, candidate, repeat: int = 3):
@@ -54,8 +56,8 @@ def time_pairs(baseline, candidate, repeat: int = 3):
     result = candidate()
     base_times, cand_times = [], []
     for _ in range(repeat):
-        base_times.append(_timed(baseline)[0])
-        seconds, result = _timed(candidate)
+        base_times.append(timed(baseline)[0])
+        seconds, result = timed(candidate)
         cand_times.append(seconds)
     return base_times, cand_times, result
 
@@ -83,8 +85,34 @@ def format_table(rows: list[dict], columns: list[str] | None = None) -> str:
     return "\n".join(lines)
 
 
-def save_figure(fig, name: str, out_dir=None) -> Path:
-    """Save a matplotlib figure as PNG under out_dir (default docs/figures) and close it."""
+def progress(iterable, desc: str, total: int | None = None):
+    """``iterable`` with a progress bar on stderr (one step per configuration), shown on a terminal only."""
+    from tqdm import tqdm
+
+    return tqdm(iterable, desc=desc, total=total, disable=None, leave=False)
+
+
+# ---- where figures go ----------------------------------------------------------------------------
+
+
+def add_output_args(parser) -> None:
+    """``--out DIR`` and ``--update-docs``: the two ways a benchmark's figures can leave the temp folder."""
+    where = parser.add_mutually_exclusive_group()
+    where.add_argument("--out", default=None, metavar="DIR",
+                       help=f"folder for the PNG figures (default {DEFAULT_FIG_DIR})")
+    where.add_argument("--update-docs", action="store_true",
+                       help="write the figures into the project's docs/figures (regenerates the docs)")
+
+
+def figure_dir(args) -> Path:
+    """The folder ``add_output_args``' options name: --out, the project's docs/figures, or the default."""
+    if args.update_docs:
+        return project_root() / DOCS_FIG_DIR
+    return Path(args.out) if args.out else DEFAULT_FIG_DIR
+
+
+def save_figure(fig, name: str, out_dir) -> Path:
+    """Save a matplotlib figure as ``out_dir/name.png`` (out_dir None: the default folder) and close it."""
     import matplotlib.pyplot as plt
 
     out = Path(out_dir or DEFAULT_FIG_DIR)
@@ -93,10 +121,3 @@ def save_figure(fig, name: str, out_dir=None) -> Path:
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
-
-
-def run(topic: str, argv: list[str]) -> int:
-    """Run one benchmark topic: its module's ``main(argv)``."""
-    if topic not in TOPICS:
-        raise ValueError(f"unknown benchmark {topic!r}; choose from {', '.join(TOPICS)}")
-    return importlib.import_module(TOPICS[topic]).main(argv)
