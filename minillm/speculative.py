@@ -33,9 +33,10 @@ dividing by all proposed tokens would underestimate alpha (at alpha = 0.8, K = 8
 
 Context policy: ``minillm.generate.fit_context``, the one ``generate`` uses. When the target's
 pending tokens no longer fit its cache, the cache is reset and the last ``max_len // 2`` tokens are
-prefilled again; near the limit a round proposes fewer drafts so that verification never crosses it. Because the window
-moves exactly when ``generate`` moves it, greedy speculative decoding equals ``generate`` token for
-token even past the context length. The draft's window is its own business (any draft is lossless).
+prefilled again; near the limit a round proposes fewer drafts so that verification never crosses
+it. Because the window moves exactly when ``generate`` moves it, greedy speculative decoding equals
+``generate`` token for token even past the context length (with caches of the same size). The
+draft's window is its own business (any draft is lossless).
 """
 
 from __future__ import annotations
@@ -331,7 +332,7 @@ class SequenceState:
         tcache.reset()
         dcache.reset()
         seq = list(prompt_ids)
-        return cls(seq, len(seq), len(seq) + max_new_tokens, tcache, dcache, seq, seq)
+        return cls(seq, len(seq), len(seq) + max_new_tokens, tcache, dcache, list(seq), list(seq))
 
     @property
     def done(self) -> bool:
