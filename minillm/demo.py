@@ -53,7 +53,8 @@ def run(args) -> int:
     speculative_generate(target, draft, prompt, WARMUP_TOKENS, k=args.k, **kw)
 
     plain = generate(target, prompt, n, **kw)
-    tokens, spec = speculative_generate(target, draft, prompt, n, k=args.k, **kw)
+    fast = speculative_generate(target, draft, prompt, n, k=args.k, **kw)
+    tokens, spec = fast.tokens, fast.stats
 
     print(f"target {target.num_params():,} params, draft {draft.num_params():,} params; prompt "
           f"{args.prompt!r}; {n} new characters, K={args.k}, temperature {args.temperature:g}\n")  # fmt: skip
