@@ -340,12 +340,12 @@ class Engine:
                 return True
             except OutOfBlocksError:
                 victim = self.running[-1]
-                self._preempt(victim)
+                self.preempt(victim)
                 preempted.append(victim.id)
                 if victim is state:
                     return False
 
-    def _preempt(self, state: RequestState) -> None:
+    def preempt(self, state: RequestState) -> None:
         """Preemption by recompute: free the request's blocks; it waits at the front of the queue."""
         # EXERCISE 10.3 BEGIN: free its blocks, forget what was computed, requeue it first; keep its tokens and rng
         self.running.remove(state)
