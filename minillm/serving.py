@@ -206,7 +206,7 @@ class RealClock:
     def now(self) -> float:
         return time.perf_counter()
 
-    def tick(self, record: StepRecord) -> None:
+    def advance(self, padded_slots: int) -> None:
         synchronize()  # the step's time has passed on its own; wait for the device to finish it
 
     def wait_until(self, t: float) -> None:
@@ -228,8 +228,9 @@ class SimulatedClock:
     def now(self) -> float:
         return self.t
 
-    def tick(self, record: StepRecord) -> None:
-        self.t += self.step_s + self.slot_s * record.padded_slots
+    def advance(self, padded_slots: int) -> None:
+        """One forward of padded_slots (rows x columns) has run."""
+        self.t += self.step_s + self.slot_s * padded_slots
 
     def wait_until(self, t: float) -> None:
         self.t = max(self.t, t)
@@ -422,7 +423,7 @@ class Engine:
         record = StepRecord(time_s=0.0, scheduled=scheduled, prefill_tokens=prefill, num_running=len(self.running),
                             num_waiting=len(self.waiting), blocks_used=0, preempted=preempted,
                             padded_slots=len(batch) * max(len(f) for f in feeds))  # fmt: skip
-        self.clock.tick(record)
+        self.clock.advance(record.padded_slots)
         record.time_s = self.clock.now()
         for state in batch:
             if state.id in new:
