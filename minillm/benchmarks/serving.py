@@ -29,7 +29,6 @@ import time
 
 import numpy as np
 
-from ..backend import synchronize
 from ..batch_speculative import generate_batch
 from ..bench import format_table, save_figure
 from ..checkpoint import load_model
@@ -63,6 +62,13 @@ def trace_requests(rows, tokenizer, seed) -> list[Request]:
 # --- the three servers -----------------------------------------------------------------------------
 
 
+def static_slots(prompt_lengths, steps) -> list:
+    """The padded slots (rows x columns) of each forward of one static batch: the prefill of every
+    prompt padded to the longest, then one column per row for steps - 1 decodes."""
+    B = len(prompt_lengths)
+    return [B * max(prompt_lengths)] + [B] * (steps - 1)
+
+
 def run_static(model, requests, arrivals, batch_size, clock=None):
     """Static batching on ``generate_batch`` -> (outputs, metrics per request).
 
@@ -75,7 +81,8 @@ def run_static(model, requests, arrivals, batch_size, clock=None):
         clock.wait_until(start + max(arrivals[i] for i in members))  # the batch is full
         longest = max(requests[i].max_new_tokens for i in members)
         rows, _ = generate_batch(model, [requests[i].prompt for i in members], longest, temperature=0)
-        synchronize()
+        for slots in static_slots([len(requests[i].prompt) for i in members], longest):
+            clock.advance(slots)  # a simulated clock pays for each forward; real time has passed
         t1 = clock.now()
         for i, row in zip(members, rows):
             outputs.append(row[: requests[i].max_new_tokens])
@@ -110,22 +117,19 @@ def stall_itls(metrics, requests, long_prompt) -> list:
 
 
 def summarize(mode, outputs, metrics, requests, long_prompt, preemptions=None) -> dict:
-    """One table row: throughput over the replay, TTFT / ITL percentiles (ms), stall ITL, e2e."""
+    """One table row: throughput over the replay, TTFT (s) and ITL (ms) percentiles, the longest ITL
+    during a long prefill (ms), median end-to-end latency (s). "-" where a mode streams no tokens."""
     first = min(m.arrival_s for m in metrics)
     makespan = max(m.token_times_s[-1] for m in metrics) - first
-    ttft = [m.ttft_s for m in metrics]
-    itl = [g for m in metrics for g in m.itl_s]
-    stall = stall_itls(metrics, requests, long_prompt)
-    ms = 1000.0
-
-    def pct(xs, q):
-        return float(np.percentile(xs, q)) * ms if xs else float("nan")
-
+    itl = [g * 1000.0 for m in metrics for g in m.itl_s]
+    stall = [g * 1000.0 for g in stall_itls(metrics, requests, long_prompt)]
+    ttft, e2e = [m.ttft_s for m in metrics], [m.e2e_s for m in metrics]
     return {"mode": mode, "tok/s": sum(len(o) for o in outputs) / makespan,
-            "TTFT p50 ms": pct(ttft, 50), "TTFT p99 ms": pct(ttft, 99),
-            "ITL p50 ms": pct(itl, 50), "ITL p99 ms": pct(itl, 99),
-            "max ITL, long prefill ms": max(stall) * ms if stall else float("nan"),
-            "e2e p50 s": float(np.percentile([m.e2e_s for m in metrics], 50)),
+            "TTFT p50 s": float(np.percentile(ttft, 50)), "TTFT p99 s": float(np.percentile(ttft, 99)),
+            "ITL p50 ms": float(np.percentile(itl, 50)) if itl else "-",
+            "ITL p99 ms": float(np.percentile(itl, 99)) if itl else "-",
+            "max ITL in long prefill ms": max(stall) if stall else "-",
+            "e2e p50 s": float(np.percentile(e2e, 50)),
             "preemptions": "-" if preemptions is None else preemptions}  # fmt: skip
 
 
