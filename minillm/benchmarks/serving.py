@@ -102,6 +102,27 @@ def run_engine(model, requests, arrivals, args, chunk):
     return [handles[i].output for i in range(len(requests))], [handles[i].metrics for i in range(len(requests))], engine
 
 
+def replay_all(model, requests, arrivals, args):
+    """The trace served three ways -> (metrics per mode, engines, table rows); the tokens must agree."""
+    outputs, metrics, engines = {}, {}, {}
+    outputs["static"], metrics["static"] = run_static(model, requests, arrivals, args.max_num_seqs)
+    for mode, chunk in (("continuous", None), ("chunked", args.chunk)):
+        outputs[mode], metrics[mode], engines[mode] = run_engine(model, requests, arrivals, args, chunk)
+    mismatched = [i for i in range(len(requests)) if not outputs["static"][i] == outputs["continuous"][i]
+                  == outputs["chunked"][i]]  # fmt: skip
+    if mismatched:
+        raise AssertionError(f"requests {mismatched} got different tokens in different modes")
+    rows = [summarize(m, outputs[m], metrics[m], requests, args.long_prompt,
+                      None if m == "static" else engines[m].num_preemptions) for m in MODES]  # fmt: skip
+    return metrics, engines, rows
+
+
+def median_rows(runs) -> list:
+    """Per mode, the median of each numeric column over the replays (text columns from the first)."""
+    return [{k: float(np.median([run[i][k] for run in runs])) if isinstance(v, (int, float)) else v
+             for k, v in row.items()} for i, row in enumerate(runs[0])]  # fmt: skip
+
+
 # --- metrics ---------------------------------------------------------------------------------------
 
 
@@ -214,6 +235,7 @@ def parse_args(argv):
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--chunk", type=int, default=32, help="prefill chunk of the chunked mode")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--repeat", type=int, default=3, help="replays of the three modes; the table holds medians")
     p.add_argument("--out", help="folder for the plots (default: a new temporary folder)")
     return p.parse_args(argv)
 
@@ -249,23 +271,19 @@ def main(argv=None) -> int:
     run_engine(model, requests[:1], [0.0], args, args.chunk)  # warm-up
     print(f"validated and warmed up in {time.perf_counter() - t0:.1f} s; replaying ...")
 
-    outputs, metrics, engines = {}, {}, {}
-    outputs["static"], metrics["static"] = run_static(model, requests, arrivals, args.max_num_seqs)
-    for mode, chunk in (("continuous", None), ("chunked", args.chunk)):
-        outputs[mode], metrics[mode], engines[mode] = run_engine(model, requests, arrivals, args, chunk)
-    mismatched = [i for i in range(len(requests)) if not outputs["static"][i] == outputs["continuous"][i]
-                  == outputs["chunked"][i]]  # fmt: skip
-    if mismatched:
-        raise AssertionError(f"requests {mismatched} got different tokens in different modes")
-
-    rows_out = [summarize(m, outputs[m], metrics[m], requests, args.long_prompt,
-                          None if m == "static" else engines[m].num_preemptions) for m in MODES]  # fmt: skip
+    runs = []
+    for rep in range(args.repeat):  # the three modes back to back, repeated: paired under the same load
+        metrics, engines, rows_out = replay_all(model, requests, arrivals, args)
+        runs.append(rows_out)
+        print(f"replay {rep + 1}/{args.repeat}: " + ", ".join(f"{r['mode']} {r['tok/s']:.1f} tok/s" for r in rows_out))
+    rows_out = median_rows(runs)
     base = rows_out[0]["tok/s"]
     for r in rows_out:
         r["throughput vs static"] = f"{r['tok/s'] / base:.2f}x"
+    print(f"medians over {args.repeat} replay(s):" if args.repeat > 1 else "")
     print(format_table(rows_out))
     print("static batching returns a batch's tokens when the batch ends: its TTFT is its end-to-end "
           "latency, and it has no ITL")  # fmt: skip
     paths = [plot_engine_history(engines, out), plot_latencies(metrics, out), plot_timelines(metrics, out)]
-    print("plots:", ", ".join(str(p) for p in paths))
+    print("plots (last replay):", ", ".join(str(p) for p in paths))
     return 0
