@@ -10,6 +10,7 @@ What the tests prove, group by group:
                              empty at the end; the budgets hold; FCFS; the newest request is the victim
     test_request_*, test_engine_*  bad input: clear errors, nothing disturbed
     test_trace_*             the arrival trace, its CSV file format and its bad rows
+    test_bench_*             the benchmark's static baseline and its metrics
 
 Each classic mistake of the chapter (tests/fixtures/bug_zoo.py, chapter 10) is caught by one of these.
 """
@@ -20,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minillm import GPT, GPTConfig, generate, serving
+from minillm.benchmarks import serving as bench
 from minillm.serving import (
     Engine,
     Request,
@@ -38,7 +40,7 @@ EXERCISES = {
     "10.2": "prefill_chunk or serve_greedy or serve_chunked or serve_budgets",
     "10.3": "preempt or serve_greedy or serve_sampled",
 }
-NEEDS = {("3.1", "3.3", "6.1", "7.1"): "serve", "1.1": "serve_sampled", ("6.2", "6.4"): "serve_prefix"}
+NEEDS = {("3.1", "3.3", "6.1", "7.1"): "serve or bench_static", "1.1": "serve_sampled", ("6.2", "6.4"): "serve_prefix"}
 
 CFG = GPTConfig(vocab_size=13, block_size=32, n_layer=2, n_head=2, n_embd=16)
 MODEL = GPT.init(CFG, seed=0)
@@ -392,3 +394,29 @@ def test_trace_bad_rows_name_their_line(tmp_path, body, message):
 def test_trace_rows_fit_a_context():
     rows = poisson_trace(200, rate=1.0, mean_prompt=30, mean_output=30, max_tokens=32, seed=0)
     assert all(r.prompt_tokens + r.output_tokens - 1 <= 32 for r in rows)
+
+
+# --- the benchmark's pieces ----------------------------------------------------------------------
+
+
+def test_bench_static_baseline_waits_for_full_batches_and_the_slowest_member():
+    """Static batching on a simulated clock: a batch starts when its last member has arrived, every
+    member gets its tokens (those of ``generate`` alone) when the batch's slowest member is done, and
+    the batch pays for its padded prefill and its longest member's decodes."""
+    requests = [Request(prompt, n, temperature=0) for prompt, n in [((1, 2, 3), 2), ((4,), 5), ((5, 6), 3)]]
+    clock = SimulatedClock(step_s=1.0, slot_s=0.0)
+    outputs, metrics = bench.run_static(MODEL, requests, [0.0, 2.0, 3.0], batch_size=2, clock=clock)
+    assert outputs == [solo(r) for r in requests]
+    assert bench.static_slots([3, 1], 5) == [6, 2, 2, 2, 2]
+    assert [m.token_times_s for m in metrics] == [[7.0], [7.0], [10.0]]  # 2 + 5 steps; then 7 + 3 steps
+    assert [m.ttft_s for m in metrics] == [m.e2e_s for m in metrics] == [7.0, 5.0, 7.0]
+
+
+def test_bench_stall_itls_are_the_gaps_ending_during_a_long_prefill():
+    """A long request (prompt >= 5 tokens) waits from t=2 to its first token at t=4: the other
+    request's gaps that end in [2, 4] are the stall gaps."""
+    long_request, short = Request((1,) * 5, 2), Request((1,), 4)
+    metrics = [serving.RequestMetrics(2.0, [4.0, 4.5]), serving.RequestMetrics(0.0, [1.0, 1.5, 3.5, 4.0])]
+    assert bench.stall_itls(metrics, [long_request, short], long_prompt=5) == [2.0, 0.5]
+    row = bench.summarize("x", [[1, 2], [1, 2, 3, 4]], metrics, [long_request, short], long_prompt=5)
+    assert row["max ITL in long prefill ms"] == 2000.0 and row["tok/s"] == 6 / 4.5
