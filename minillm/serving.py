@@ -359,16 +359,19 @@ class Engine:
 
     def _admit(self, state: RequestState, budget_left: int) -> int:
         """Start a waiting request: a sequence, its cached prefix, blocks for its first chunk -> tokens
-        scheduled, or 0 (then nothing changed)."""
+        scheduled, or 0 (then nothing changed). Admitted only if the free blocks hold its whole
+        prefill, not just the first chunk (vLLM's rule): a request admitted on its first chunk alone
+        would soon be preempted again, its chunks recomputed for nothing."""
         state.seq_id = self.pool.add_sequence()
         state.num_computed = reuse_prefix(self.pool, state.seq_id, state.tokens)
         n = prefill_chunk(state.num_pending, budget_left, self.chunk_size)
-        try:
-            if n:
+        held = len(self.pool.block_tables[state.seq_id])  # blocks of its cached prefix
+        if n and num_blocks_for(len(state.tokens), self.pool.block_size) - held <= self.pool.num_free_blocks:
+            try:
                 self.pool.reserve([state.seq_id], n)
                 return n
-        except OutOfBlocksError:
-            pass
+            except OutOfBlocksError:
+                pass
         self.pool.free(state.seq_id)
         state.seq_id, state.num_computed = None, 0
         return 0

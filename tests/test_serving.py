@@ -223,6 +223,18 @@ def test_serve_fcfs_nobody_overtakes_the_head_of_the_queue():
     assert starts == [0, 6, 7]
 
 
+def test_serve_admits_only_when_the_free_blocks_hold_the_whole_prefill():
+    """With chunks of 4, a 16-token prompt (4 blocks) arriving when only 2 blocks are free is not
+    admitted, though its first chunk would fit: admitted on one chunk, it would be preempted as soon
+    as the running request grows. It starts when the running request has finished; no preemption."""
+    engine = Engine(MODEL, num_blocks=6, block_size=BS, max_num_batched_tokens=16, chunk_size=4,
+                    clock=SimulatedClock())  # fmt: skip
+    first, second = Request(tuple(range(1, 13)), 8, temperature=0), Request(tuple(range(1, 13)) + (1, 2, 3, 4), 2)
+    handles, _ = run_checked(engine, [first, second], arrive_at=[0, 4])
+    steps = [[i for i, r in enumerate(engine.history) if h.id in r.scheduled] for h in handles]
+    assert steps[1][0] > steps[0][-1] and engine.num_preemptions == 0
+
+
 def test_serve_chunked_and_one_shot_prefill_give_the_same_cache_and_logits(monkeypatch):
     """A 21-token prompt prefilled in one step, or in chunks of 1, 4 and 8 beside another request's
     decodes: the same K/V in the cache (to float32 rounding) and the same first-token logits, equal
