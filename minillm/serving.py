@@ -51,9 +51,6 @@ from .batch_speculative import forward_ragged
 from .paged_kv import OutOfBlocksError, PagedKVCache, num_blocks_for
 from .sampling import check_sampling_args, next_token
 
-FINISH_REASONS = ("length", "eos", "stop")
-
-
 # --- touch points: the paged cache and the sampler -------------------------------------------------
 
 
@@ -278,11 +275,23 @@ class Engine:
     prompt is prefilled in one step, so it must fit the token budget).
     """
 
-    def __init__(self, model, num_blocks: int, block_size: int = 16, max_num_batched_tokens: int = 256,
-                 max_num_seqs: int = 16, chunk_size: int | None = None, prefix_caching: bool = False,
-                 clock=None):  # fmt: skip
-        for name, value in [("num_blocks", num_blocks), ("block_size", block_size), ("max_num_seqs", max_num_seqs),
-                            ("max_num_batched_tokens", max_num_batched_tokens)]:  # fmt: skip
+    def __init__(
+        self,
+        model,
+        num_blocks: int,
+        block_size: int = 16,
+        max_num_batched_tokens: int = 256,
+        max_num_seqs: int = 16,
+        chunk_size: int | None = None,
+        prefix_caching: bool = False,
+        clock=None,
+    ):
+        for name, value in [
+            ("num_blocks", num_blocks),
+            ("block_size", block_size),
+            ("max_num_seqs", max_num_seqs),
+            ("max_num_batched_tokens", max_num_batched_tokens),
+        ]:
             if int(value) < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
         if chunk_size is not None and int(chunk_size) < 1:
@@ -303,9 +312,13 @@ class Engine:
     def add_request(self, request: Request, arrival_s: float | None = None) -> RequestState:
         """Queue a request -> its handle. One that could never run is refused here, changing nothing."""
         self.check_fits(request)
-        state = RequestState(id=self._next_id, request=request, rng=np.random.default_rng(request.seed),
-                             metrics=RequestMetrics(self.clock.now() if arrival_s is None else arrival_s),
-                             tokens=list(request.prompt))  # fmt: skip
+        state = RequestState(
+            id=self._next_id,
+            request=request,
+            rng=np.random.default_rng(request.seed),
+            metrics=RequestMetrics(self.clock.now() if arrival_s is None else arrival_s),
+            tokens=list(request.prompt),
+        )
         self._next_id += 1
         self.waiting.append(state)
         return state
@@ -317,15 +330,20 @@ class Engine:
         if max(request.prompt) >= V or (request.eos_id is not None and not 0 <= request.eos_id < V):
             raise ValueError(f"token ids must lie in 0..{V - 1}")
         if n > self.pool.max_len:
-            raise ValueError(f"request too long: {len(request.prompt)} prompt + {request.max_new_tokens} new "
-                             f"tokens need {n} cached tokens > the context of {self.pool.max_len}")  # fmt: skip
+            raise ValueError(
+                f"request too long: {len(request.prompt)} prompt + {request.max_new_tokens} new "
+                f"tokens need {n} cached tokens > the context of {self.pool.max_len}"
+            )
         blocks = num_blocks_for(n, self.pool.block_size)
         if blocks > self.pool.num_blocks:
-            raise ValueError(f"request too long: {n} cached tokens need {blocks} blocks > the pool's "
-                             f"{self.pool.num_blocks}")  # fmt: skip
+            raise ValueError(
+                f"request too long: {n} cached tokens need {blocks} blocks > the pool's {self.pool.num_blocks}"
+            )
         if self.chunk_size is None and n > self.max_num_batched_tokens:
-            raise ValueError(f"request too long: without chunking its prefill (up to {n} tokens after a "
-                             f"preemption) must fit max_num_batched_tokens={self.max_num_batched_tokens}")  # fmt: skip
+            raise ValueError(
+                f"request too long: without chunking its prefill (up to {n} tokens after a "
+                f"preemption) must fit max_num_batched_tokens={self.max_num_batched_tokens}"
+            )
 
     @property
     def has_unfinished(self) -> bool:
@@ -423,9 +441,16 @@ class Engine:
                 prefill += len(logits) - 1
             else:
                 prefill += len(logits)
-        record = StepRecord(time_s=0.0, scheduled=scheduled, prefill_tokens=prefill, num_running=len(self.running),
-                            num_waiting=len(self.waiting), blocks_used=0, preempted=preempted,
-                            padded_slots=len(batch) * max(len(f) for f in feeds))  # fmt: skip
+        record = StepRecord(
+            time_s=0.0,
+            scheduled=scheduled,
+            prefill_tokens=prefill,
+            num_running=len(self.running),
+            num_waiting=len(self.waiting),
+            blocks_used=0,
+            preempted=preempted,
+            padded_slots=len(batch) * max(len(f) for f in feeds),
+        )
         self.clock.advance(record.padded_slots)
         record.time_s = self.clock.now()
         for state in batch:
@@ -464,8 +489,9 @@ class TraceRow:
 TRACE_COLUMNS = ("arrival_s", "prompt_tokens", "output_tokens")
 
 
-def poisson_trace(n: int, rate: float, mean_prompt: float, mean_output: float, max_tokens: int,
-                  seed: int) -> list[TraceRow]:  # fmt: skip
+def poisson_trace(
+    n: int, rate: float, mean_prompt: float, mean_output: float, max_tokens: int, seed: int
+) -> list[TraceRow]:
     """n requests arriving as a Poisson process of ``rate`` per second (exponential gaps), with
     exponential (long-tailed) prompt and output lengths, clipped so prompt + output <= max_tokens + 1."""
     if n < 1 or rate <= 0 or mean_prompt <= 0 or mean_output <= 0:

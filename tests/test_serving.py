@@ -89,11 +89,23 @@ def run_checked(engine: Engine, requests, arrive_at=None) -> tuple[list, dict]:
 # --- 10.2 the chunk ------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("pending,budget,chunk,expected", [
-    (1, 5, None, 1), (1, 5, 16, 1), (1, 0, None, 0), (1, 0, 4, 0),  # a decode
-    (40, 64, None, 40), (40, 40, None, 40), (40, 39, None, 0),  # one shot: all or nothing
-    (40, 64, 16, 16), (40, 10, 16, 10), (7, 64, 16, 7), (16, 16, 16, 16), (17, 100, 1, 1),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "pending,budget,chunk,expected",
+    [
+        (1, 5, None, 1),
+        (1, 5, 16, 1),
+        (1, 0, None, 0),
+        (1, 0, 4, 0),  # a decode
+        (40, 64, None, 40),
+        (40, 40, None, 40),
+        (40, 39, None, 0),  # one shot: all or nothing
+        (40, 64, 16, 16),
+        (40, 10, 16, 10),
+        (7, 64, 16, 7),
+        (16, 16, 16, 16),
+        (17, 100, 1, 1),
+    ],
+)
 def test_prefill_chunk_examples(pending, budget, chunk, expected):
     """Capped by the chunk size and by the token budget left; without chunking, all or nothing."""
     assert prefill_chunk(pending, budget, chunk) == expected
@@ -133,21 +145,37 @@ TRACE = st.lists(
 
 def make_requests(shape, seed, temperature=0.0, **kw):
     rng = np.random.default_rng(seed)
-    requests = [Request(tuple(int(t) for t in rng.integers(0, CFG.vocab_size, p)), n, temperature=temperature,
-                        seed=seed + i, **kw) for i, (p, n, _) in enumerate(shape)]  # fmt: skip
+    requests = [
+        Request(
+            tuple(int(t) for t in rng.integers(0, CFG.vocab_size, p)), n, temperature=temperature, seed=seed + i, **kw
+        )
+        for i, (p, n, _) in enumerate(shape)
+    ]
     return requests, [a for _, _, a in shape]
 
 
 @settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
-@given(shape=TRACE, chunk=st.sampled_from([None, 1, 3, 8]), num_blocks=st.sampled_from([6, 8, 64]),
-       max_num_seqs=st.sampled_from([1, 3, 8]), seed=st.integers(0, 100))  # fmt: skip
+@given(
+    shape=TRACE,
+    chunk=st.sampled_from([None, 1, 3, 8]),
+    num_blocks=st.sampled_from([6, 8, 64]),
+    max_num_seqs=st.sampled_from([1, 3, 8]),
+    seed=st.integers(0, 100),
+)
 def test_serve_greedy_equals_solo_generate(shape, chunk, num_blocks, max_num_seqs, seed):
     """Greedy: every request's tokens equal ``generate`` alone, whatever else runs beside it, however
     its prompt is chunked, however often it is preempted; the stream is exactly its output."""
     requests, arrive_at = make_requests(shape, seed)
     budget = 24 if chunk is None else 8
-    engine = Engine(MODEL, num_blocks=num_blocks, block_size=BS, max_num_batched_tokens=budget,
-                    max_num_seqs=max_num_seqs, chunk_size=chunk, clock=SimulatedClock())  # fmt: skip
+    engine = Engine(
+        MODEL,
+        num_blocks=num_blocks,
+        block_size=BS,
+        max_num_batched_tokens=budget,
+        max_num_seqs=max_num_seqs,
+        chunk_size=chunk,
+        clock=SimulatedClock(),
+    )
     handles, streamed = run_checked(engine, requests, arrive_at)
     for h, r in zip(handles, requests):
         assert h.output == solo(r) == streamed[h.id]
@@ -161,8 +189,15 @@ def test_serve_sampled_equals_solo_with_the_same_seed(shape, chunk, seed):
     so its tokens equal ``generate(..., seed=seed_i)`` alone, also across preemptions (a resumed
     request never samples an emitted token again, so its generator makes the same draws)."""
     requests, arrive_at = make_requests(shape, seed, temperature=1.0, top_k=8)
-    engine = Engine(MODEL, num_blocks=6, block_size=BS, max_num_batched_tokens=24, max_num_seqs=4,
-                    chunk_size=chunk, clock=SimulatedClock())  # fmt: skip
+    engine = Engine(
+        MODEL,
+        num_blocks=6,
+        block_size=BS,
+        max_num_batched_tokens=24,
+        max_num_seqs=4,
+        chunk_size=chunk,
+        clock=SimulatedClock(),
+    )
     handles, streamed = run_checked(engine, requests, arrive_at)
     for h, r in zip(handles, requests):
         assert h.output == solo(r) == streamed[h.id]
@@ -171,10 +206,13 @@ def test_serve_sampled_equals_solo_with_the_same_seed(shape, chunk, seed):
 def crowded(temperature):
     """Six requests of 8 prompt + 12 new tokens (5 blocks each at the end) in a pool of 12 blocks:
     they all start, then run out of blocks."""
-    requests = [Request(tuple((3 * i + j) % CFG.vocab_size for j in range(8)), 12, temperature=temperature, seed=i)
-                for i in range(6)]  # fmt: skip
-    return requests, Engine(MODEL, num_blocks=12, block_size=BS, max_num_batched_tokens=64, max_num_seqs=6,
-                            clock=SimulatedClock())  # fmt: skip
+    requests = [
+        Request(tuple((3 * i + j) % CFG.vocab_size for j in range(8)), 12, temperature=temperature, seed=i)
+        for i in range(6)
+    ]
+    return requests, Engine(
+        MODEL, num_blocks=12, block_size=BS, max_num_batched_tokens=64, max_num_seqs=6, clock=SimulatedClock()
+    )
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
@@ -202,8 +240,15 @@ def test_serve_preempts_the_newest_and_resumes_exactly(temperature):
 def test_serve_budgets_count_prefill_and_decode_tokens():
     """The token budget holds decode tokens AND prefill tokens: with 3 requests decoding, a 20-token
     prompt gets chunks of at most budget - 3 tokens, and no forward ever holds more than the budget."""
-    engine = Engine(MODEL, num_blocks=64, block_size=BS, max_num_batched_tokens=8, max_num_seqs=4, chunk_size=16,
-                    clock=SimulatedClock())  # fmt: skip
+    engine = Engine(
+        MODEL,
+        num_blocks=64,
+        block_size=BS,
+        max_num_batched_tokens=8,
+        max_num_seqs=4,
+        chunk_size=16,
+        clock=SimulatedClock(),
+    )
     short = [Request((i + 1,), 10) for i in range(3)]
     requests = short + [Request(tuple(range(1, 13)) + tuple(range(1, 9)), 3)]
     handles, _ = run_checked(engine, requests, arrive_at=[0, 0, 0, 2])
@@ -215,8 +260,9 @@ def test_serve_budgets_count_prefill_and_decode_tokens():
 def test_serve_fcfs_nobody_overtakes_the_head_of_the_queue():
     """Requests start in arrival order: a 16-token prompt that does not fit beside a running decode
     (budget 16) waits, and the one-token request behind it, which would fit, waits too."""
-    engine = Engine(MODEL, num_blocks=64, block_size=BS, max_num_batched_tokens=16, max_num_seqs=3,
-                    clock=SimulatedClock())  # fmt: skip
+    engine = Engine(
+        MODEL, num_blocks=64, block_size=BS, max_num_batched_tokens=16, max_num_seqs=3, clock=SimulatedClock()
+    )
     requests = [Request((1, 2), 6), Request(tuple(range(1, 13)) + (1, 2, 3, 4), 1), Request((3,), 2)]
     handles, _ = run_checked(engine, requests)
     starts = [next(i for i, r in enumerate(engine.history) if h.id in r.scheduled) for h in handles]
@@ -227,8 +273,7 @@ def test_serve_admits_only_when_the_free_blocks_hold_the_whole_prefill():
     """With chunks of 4, a 16-token prompt (4 blocks) arriving when only 2 blocks are free is not
     admitted, though its first chunk would fit: admitted on one chunk, it would be preempted as soon
     as the running request grows. It starts when the running request has finished; no preemption."""
-    engine = Engine(MODEL, num_blocks=6, block_size=BS, max_num_batched_tokens=16, chunk_size=4,
-                    clock=SimulatedClock())  # fmt: skip
+    engine = Engine(MODEL, num_blocks=6, block_size=BS, max_num_batched_tokens=16, chunk_size=4, clock=SimulatedClock())
     first, second = Request(tuple(range(1, 13)), 8, temperature=0), Request(tuple(range(1, 13)) + (1, 2, 3, 4), 2)
     handles, _ = run_checked(engine, [first, second], arrive_at=[0, 4])
     steps = [[i for i, r in enumerate(engine.history) if h.id in r.scheduled] for h in handles]
@@ -250,8 +295,9 @@ def test_serve_chunked_and_one_shot_prefill_give_the_same_cache_and_logits(monke
     reference = np.asarray(MODEL.forward(np.array([prompt]))[0, -1])
     caches = {}
     for chunk in (None, 1, 4, 8):
-        engine = Engine(MODEL, num_blocks=32, block_size=BS, max_num_batched_tokens=32, chunk_size=chunk,
-                        clock=SimulatedClock())  # fmt: skip
+        engine = Engine(
+            MODEL, num_blocks=32, block_size=BS, max_num_batched_tokens=32, chunk_size=chunk, clock=SimulatedClock()
+        )
         engine.add_request(Request((5, 6), 30, temperature=0, seed=100))
         engine.step()
         h = engine.add_request(Request(prompt, 2, temperature=0, seed=chunk or 0))
@@ -273,8 +319,15 @@ def test_serve_prefix_caching_reuses_a_shared_prompt_prefix():
     requests = [Request(prefix + (i + 1, i + 2), 5, temperature=0) for i in range(4)]
     runs = {}
     for caching in (False, True):
-        engine = Engine(MODEL, num_blocks=24, block_size=BS, max_num_batched_tokens=32, max_num_seqs=2,
-                        prefix_caching=caching, clock=SimulatedClock())  # fmt: skip
+        engine = Engine(
+            MODEL,
+            num_blocks=24,
+            block_size=BS,
+            max_num_batched_tokens=32,
+            max_num_seqs=2,
+            prefix_caching=caching,
+            clock=SimulatedClock(),
+        )
         handles, _ = run_checked(engine, requests)
         runs[caching] = sum(r.num_batched_tokens for r in engine.history)
         for h, r in zip(handles, requests):
@@ -305,8 +358,11 @@ def test_serve_metrics_on_a_simulated_clock():
     assert [t for _, t in engine.stream()] == h.output
     assert h.metrics.ttft_s == 1.0 and h.metrics.itl_s == [1.0] * 4 and h.metrics.e2e_s == 5.0
     clock = SimulatedClock(step_s=0.5, slot_s=0.01)
-    handles = replay(Engine(MODEL, num_blocks=16, block_size=BS, clock=clock),
-                     [Request((1, 2), 3), Request((4, 5, 6), 2)], arrivals=[0.0, 7.0])  # fmt: skip
+    handles = replay(
+        Engine(MODEL, num_blocks=16, block_size=BS, clock=clock),
+        [Request((1, 2), 3), Request((4, 5, 6), 2)],
+        arrivals=[0.0, 7.0],
+    )
     assert handles[1].metrics.arrival_s == 7.0 and handles[1].metrics.token_times_s[0] > 7.0
     assert handles[0].metrics.token_times_s[-1] < 7.0  # the first was done before the second arrived
 
@@ -318,8 +374,11 @@ def test_serve_rejects_a_request_that_can_never_fit_without_disturbing_others():
     ok = [Request((1, 2, 3), 4, temperature=0), Request((4, 5), 6, temperature=0)]
     handles = [engine.add_request(ok[0])]
     engine.step()
-    too_long = [(Request(tuple([1] * 30), 4), "context of 32"), (Request(tuple([1] * 18), 4), "the pool's 5"),
-                (Request(tuple([1] * 14), 4), "max_num_batched_tokens=16")]  # fmt: skip
+    too_long = [
+        (Request(tuple([1] * 30), 4), "context of 32"),
+        (Request(tuple([1] * 18), 4), "the pool's 5"),
+        (Request(tuple([1] * 14), 4), "max_num_batched_tokens=16"),
+    ]
     for request, message in too_long:
         with pytest.raises(ValueError, match=message):
             engine.add_request(request)
@@ -332,18 +391,21 @@ def test_serve_rejects_a_request_that_can_never_fit_without_disturbing_others():
 # --- bad input -----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("kwargs,error,message", [
-    (dict(prompt=(1,), max_new_tokens=0), ValueError, "max_new_tokens must be >= 1"),
-    (dict(prompt=(1,), max_new_tokens=-2), ValueError, "max_new_tokens must be >= 1"),
-    (dict(prompt=(), max_new_tokens=3), ValueError, "at least one token"),
-    (dict(prompt="ROMEO", max_new_tokens=3), TypeError, "token ids"),
-    (dict(prompt=(1,), max_new_tokens=3, stop="END"), TypeError, "list of token-id sequences"),
-    (dict(prompt=(1,), max_new_tokens=3, stop=["END"]), TypeError, "unknown stop condition 'END'"),
-    (dict(prompt=(1,), max_new_tokens=3, stop=[[]]), TypeError, "unknown stop condition"),
-    (dict(prompt=(1,), max_new_tokens=3, stop=[[1, -1]]), TypeError, "unknown stop condition"),
-    (dict(prompt=(1,), max_new_tokens=3, temperature=-1), ValueError, "temperature"),
-    (dict(prompt=(1,), max_new_tokens=3, top_p=0), ValueError, "top_p"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs,error,message",
+    [
+        (dict(prompt=(1,), max_new_tokens=0), ValueError, "max_new_tokens must be >= 1"),
+        (dict(prompt=(1,), max_new_tokens=-2), ValueError, "max_new_tokens must be >= 1"),
+        (dict(prompt=(), max_new_tokens=3), ValueError, "at least one token"),
+        (dict(prompt="ROMEO", max_new_tokens=3), TypeError, "token ids"),
+        (dict(prompt=(1,), max_new_tokens=3, stop="END"), TypeError, "list of token-id sequences"),
+        (dict(prompt=(1,), max_new_tokens=3, stop=["END"]), TypeError, "unknown stop condition 'END'"),
+        (dict(prompt=(1,), max_new_tokens=3, stop=[[]]), TypeError, "unknown stop condition"),
+        (dict(prompt=(1,), max_new_tokens=3, stop=[[1, -1]]), TypeError, "unknown stop condition"),
+        (dict(prompt=(1,), max_new_tokens=3, temperature=-1), ValueError, "temperature"),
+        (dict(prompt=(1,), max_new_tokens=3, top_p=0), ValueError, "top_p"),
+    ],
+)
 def test_request_bad_input_is_a_clear_error(kwargs, error, message):
     with pytest.raises(error, match=message):
         Request(**kwargs)
@@ -354,11 +416,16 @@ def test_request_stop_sequences_are_normalized():
     assert Request((1,), 2, stop=[[np.int64(3)]]).stop == ((3,),)
 
 
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(num_blocks=0), "num_blocks must be >= 1"), (dict(block_size=-1), "block_size must be >= 1"),
-    (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be >= 1"),
-    (dict(max_num_seqs=0), "max_num_seqs must be >= 1"), (dict(chunk_size=0), "chunk_size must be >= 1"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "kwargs,message",
+    [
+        (dict(num_blocks=0), "num_blocks must be >= 1"),
+        (dict(block_size=-1), "block_size must be >= 1"),
+        (dict(max_num_batched_tokens=0), "max_num_batched_tokens must be >= 1"),
+        (dict(max_num_seqs=0), "max_num_seqs must be >= 1"),
+        (dict(chunk_size=0), "chunk_size must be >= 1"),
+    ],
+)
 def test_engine_bad_budgets_are_clear_errors(kwargs, message):
     with pytest.raises(ValueError, match=message):
         Engine(MODEL, **{"num_blocks": 8, **kwargs})
@@ -378,8 +445,10 @@ def test_engine_refuses_ids_outside_the_vocabulary_changing_nothing():
 def test_trace_is_seeded_poisson_and_round_trips_through_csv(tmp_path):
     """Same seed, same trace; arrivals increase with mean gap 1 / rate; lengths within bounds; the
     CSV file reads back to the same rows."""
-    a, b = poisson_trace(400, rate=4.0, mean_prompt=20, mean_output=10, max_tokens=64, seed=1), \
-        poisson_trace(400, rate=4.0, mean_prompt=20, mean_output=10, max_tokens=64, seed=1)  # fmt: skip
+    a, b = (
+        poisson_trace(400, rate=4.0, mean_prompt=20, mean_output=10, max_tokens=64, seed=1),
+        poisson_trace(400, rate=4.0, mean_prompt=20, mean_output=10, max_tokens=64, seed=1),
+    )
     assert a == b and a != poisson_trace(400, 4.0, 20, 10, 64, seed=2)
     arrivals = np.array([r.arrival_s for r in a])
     assert (np.diff(arrivals) >= 0).all() and 0.2 < np.diff(arrivals).mean() < 0.3
@@ -388,11 +457,16 @@ def test_trace_is_seeded_poisson_and_round_trips_through_csv(tmp_path):
     assert load_trace(tmp_path / "t.csv") == a
 
 
-@pytest.mark.parametrize("body,message", [
-    ("0.5,3,4\n0.25,3,4\n", "line 3: arrival 0.25"), ("0.5,3\n", "line 2: 2 fields"),
-    ("0.5,three,4\n", "line 2: invalid literal"), ("0.5,3,0\n", "line 2: prompt_tokens and output_tokens"),
-    ("nan,3,4\n", "line 2: arrival nan"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    "body,message",
+    [
+        ("0.5,3,4\n0.25,3,4\n", "line 3: arrival 0.25"),
+        ("0.5,3\n", "line 2: 2 fields"),
+        ("0.5,three,4\n", "line 2: invalid literal"),
+        ("0.5,3,0\n", "line 2: prompt_tokens and output_tokens"),
+        ("nan,3,4\n", "line 2: arrival nan"),
+    ],
+)
 def test_trace_bad_rows_name_their_line(tmp_path, body, message):
     path = tmp_path / "bad.csv"
     path.write_text("arrival_s,prompt_tokens,output_tokens\n" + body)

@@ -91,8 +91,14 @@ def run_static(model, requests, arrivals, batch_size, clock=None):
 
 
 def make_engine(model, args, chunk):
-    return Engine(model, num_blocks=args.num_blocks, block_size=args.block_size, max_num_seqs=args.max_num_seqs,
-                  max_num_batched_tokens=args.max_num_batched_tokens, chunk_size=chunk)  # fmt: skip
+    return Engine(
+        model,
+        num_blocks=args.num_blocks,
+        block_size=args.block_size,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        chunk_size=chunk,
+    )
 
 
 def run_engine(model, requests, arrivals, args, chunk):
@@ -108,19 +114,26 @@ def replay_all(model, requests, arrivals, args):
     outputs["static"], metrics["static"] = run_static(model, requests, arrivals, args.max_num_seqs)
     for mode, chunk in (("continuous", None), ("chunked", args.chunk)):
         outputs[mode], metrics[mode], engines[mode] = run_engine(model, requests, arrivals, args, chunk)
-    mismatched = [i for i in range(len(requests)) if not outputs["static"][i] == outputs["continuous"][i]
-                  == outputs["chunked"][i]]  # fmt: skip
+    mismatched = [
+        i for i in range(len(requests)) if not outputs["static"][i] == outputs["continuous"][i] == outputs["chunked"][i]
+    ]
     if mismatched:
         raise AssertionError(f"requests {mismatched} got different tokens in different modes")
-    rows = [summarize(m, outputs[m], metrics[m], requests, args.long_prompt,
-                      None if m == "static" else engines[m].num_preemptions) for m in MODES]  # fmt: skip
+    rows = [
+        summarize(
+            m, outputs[m], metrics[m], requests, args.long_prompt, None if m == "static" else engines[m].num_preemptions
+        )
+        for m in MODES
+    ]
     return metrics, engines, rows
 
 
 def median_rows(runs) -> list:
     """Per mode, the median of each numeric column over the replays (text columns from the first)."""
-    return [{k: float(np.median([run[i][k] for run in runs])) if isinstance(v, (int, float)) else v
-             for k, v in row.items()} for i, row in enumerate(runs[0])]  # fmt: skip
+    return [
+        {k: float(np.median([run[i][k] for run in runs])) if isinstance(v, (int, float)) else v for k, v in row.items()}
+        for i, row in enumerate(runs[0])
+    ]
 
 
 # --- metrics ---------------------------------------------------------------------------------------
@@ -145,13 +158,17 @@ def summarize(mode, outputs, metrics, requests, long_prompt, preemptions=None) -
     itl = [g * 1000.0 for m in metrics for g in m.itl_s]
     stall = [g * 1000.0 for g in stall_itls(metrics, requests, long_prompt)]
     ttft, e2e = [m.ttft_s for m in metrics], [m.e2e_s for m in metrics]
-    return {"mode": mode, "tok/s": sum(len(o) for o in outputs) / makespan,
-            "TTFT p50 s": float(np.percentile(ttft, 50)), "TTFT p99 s": float(np.percentile(ttft, 99)),
-            "ITL p50 ms": float(np.percentile(itl, 50)) if itl else "-",
-            "ITL p99 ms": float(np.percentile(itl, 99)) if itl else "-",
-            "max ITL in long prefill ms": max(stall) if stall else "-",
-            "e2e p50 s": float(np.percentile(e2e, 50)),
-            "preemptions": "-" if preemptions is None else preemptions}  # fmt: skip
+    return {
+        "mode": mode,
+        "tok/s": sum(len(o) for o in outputs) / makespan,
+        "TTFT p50 s": float(np.percentile(ttft, 50)),
+        "TTFT p99 s": float(np.percentile(ttft, 99)),
+        "ITL p50 ms": float(np.percentile(itl, 50)) if itl else "-",
+        "ITL p99 ms": float(np.percentile(itl, 99)) if itl else "-",
+        "max ITL in long prefill ms": max(stall) if stall else "-",
+        "e2e p50 s": float(np.percentile(e2e, 50)),
+        "preemptions": "-" if preemptions is None else preemptions,
+    }
 
 
 # --- plots -----------------------------------------------------------------------------------------
@@ -247,8 +264,16 @@ def main(argv=None) -> int:
     if args.trace:
         rows = load_trace(args.trace)
     else:
-        rows = make_trace(args.requests, args.rate, args.mean_prompt, args.mean_output, context, args.long_prompt,
-                          args.long_prompts, args.seed)  # fmt: skip
+        rows = make_trace(
+            args.requests,
+            args.rate,
+            args.mean_prompt,
+            args.mean_output,
+            context,
+            args.long_prompt,
+            args.long_prompts,
+            args.seed,
+        )
     requests, arrivals = trace_requests(rows, tok, args.seed), [r.arrival_s for r in rows]
     for r in requests:
         make_engine(model, args, args.chunk).check_fits(r)  # a request that can never run: say so now
@@ -256,9 +281,11 @@ def main(argv=None) -> int:
         save_trace(rows, args.save_trace)
     out = args.out or tempfile.mkdtemp(prefix="minillm_serving_")
     prompt_tokens, output_tokens = sum(len(r.prompt) for r in requests), sum(r.max_new_tokens for r in requests)
-    print(f"trace: {len(rows)} requests over {arrivals[-1]:.1f} s, prompts {prompt_tokens} tokens, outputs "
-          f"{output_tokens} tokens; pool {args.num_blocks} blocks of {args.block_size}, max_num_seqs "
-          f"{args.max_num_seqs}, budget {args.max_num_batched_tokens} tokens")  # fmt: skip
+    print(
+        f"trace: {len(rows)} requests over {arrivals[-1]:.1f} s, prompts {prompt_tokens} tokens, outputs "
+        f"{output_tokens} tokens; pool {args.num_blocks} blocks of {args.block_size}, max_num_seqs "
+        f"{args.max_num_seqs}, budget {args.max_num_batched_tokens} tokens"
+    )
 
     # validate first: the first requests alone, then the same tokens in every mode (below)
     t0 = time.perf_counter()
@@ -282,8 +309,10 @@ def main(argv=None) -> int:
         r["throughput vs static"] = f"{r['tok/s'] / base:.2f}x"
     print(f"medians over {args.repeat} replay(s):" if args.repeat > 1 else "")
     print(format_table(rows_out))
-    print("static batching returns a batch's tokens when the batch ends: its TTFT is its end-to-end "
-          "latency, and it has no ITL")  # fmt: skip
+    print(
+        "static batching returns a batch's tokens when the batch ends: its TTFT is its end-to-end "
+        "latency, and it has no ITL"
+    )
     paths = [plot_engine_history(engines, out), plot_latencies(metrics, out), plot_timelines(metrics, out)]
     print("plots (last replay):", ", ".join(str(p) for p in paths))
     return 0
