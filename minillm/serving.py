@@ -534,9 +534,10 @@ def load_trace(path) -> list[TraceRow]:
     return rows
 
 
-def replay(engine: Engine, requests, arrivals) -> dict:
+def replay(engine: Engine, requests, arrivals, on_step=None) -> dict:
     """Feed requests to the engine at their arrival times (on its clock) and run it until all are
-    done -> {request id: handle}. When nothing runs, the clock waits for the next arrival."""
+    done -> {index in requests: handle}. When nothing runs, the clock waits for the next arrival.
+    ``on_step(new)``, if given, sees each step's new tokens ({request id: [token]}) as they come."""
     pending = deque(sorted(zip(arrivals, range(len(requests))), key=lambda p: p[0]))
     start, handles = engine.clock.now(), {}
     while pending or engine.has_unfinished:
@@ -545,5 +546,7 @@ def replay(engine: Engine, requests, arrivals) -> dict:
         while pending and start + pending[0][0] <= engine.clock.now():
             arrival, i = pending.popleft()
             handles[i] = engine.add_request(requests[i], arrival_s=start + arrival)
-        engine.step()
+        new = engine.step()
+        if on_step is not None:
+            on_step(new)
     return handles

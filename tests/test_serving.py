@@ -15,6 +15,8 @@ What the tests prove, group by group:
 Each classic mistake of the chapter (tests/fixtures/bug_zoo.py, chapter 10) is caught by one of these.
 """
 
+import io
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -506,3 +508,12 @@ def test_bench_stall_itls_are_the_gaps_ending_during_a_long_prefill():
     assert bench.stall_itls(metrics, [long_request, short], long_prompt=5) == [2.0, 0.5]
     row = bench.summarize("x", [[1, 2], [1, 2, 3, 4]], metrics, [long_request, short], long_prompt=5)
     assert row["max ITL in long prefill ms"] == 2000.0 and row["tok/s"] == 6 / 4.5
+
+
+def test_serve_demo_prints_progress_and_every_requests_metrics():
+    """The live demo on the shipped model: a status line, then one row per request."""
+    out = io.StringIO()
+    assert bench.demo(["--requests", "3", "--rate", "50", "--chunk", "8"], out=out) == 0
+    text = out.getvalue()
+    assert "running" in text and "TTFT ms" in text and "preempted" in text
+    assert len([line for line in text.splitlines() if line.strip().startswith(("0 ", "1 ", "2 "))]) == 3

@@ -4,6 +4,9 @@
     python -m minillm bench serving --out docs/figures     # plots for the docs
     python -m minillm bench serving --trace my_trace.csv   # replay a saved trace (serving.load_trace)
 
+``demo(argv)`` replays a short trace on one engine with a live status line and prints each request's
+metrics and text (the ``serve-demo`` command).
+
 The workload: a seeded Poisson arrival trace (``serving.poisson_trace``; exponential prompt and output
 lengths) plus a few long prompts placed in it, with prompts cut from the validation part of the
 shipped corpus; greedy decoding with the shipped character model (``load_model("target")``). The
@@ -24,6 +27,7 @@ running request while a long prompt is being prefilled, end-to-end latency, pree
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import time
 
@@ -315,4 +319,64 @@ def main(argv=None) -> int:
     )
     paths = [plot_engine_history(engines, out), plot_latencies(metrics, out), plot_timelines(metrics, out)]
     print("plots (last replay):", ", ".join(str(p) for p in paths))
+    return 0
+
+
+# --- the live demo ---------------------------------------------------------------------------------
+
+
+def demo(argv=None, out=None) -> int:
+    """Replay a short trace on one engine in real time: a live status line per step, then every
+    request's metrics and the start of its text. ``out``: where to print (default stdout)."""
+    p = argparse.ArgumentParser(prog="python -m minillm serve-demo", description=demo.__doc__.split("\n")[0])
+    p.add_argument("--requests", type=int, default=12)
+    p.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second")
+    p.add_argument("--chunk", type=int, default=32, help="prefill chunk (0: none)")
+    p.add_argument("--num-blocks", type=int, default=48)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    out = out or sys.stdout
+    model, tok = load_model("target")
+    rows = poisson_trace(args.requests, args.rate, 30, 40, model.config.block_size, args.seed)
+    requests = [
+        Request(r.prompt, r.max_new_tokens, temperature=args.temperature, seed=args.seed + i)
+        for i, r in enumerate(trace_requests(rows, tok, args.seed))
+    ]
+    engine = Engine(model, num_blocks=args.num_blocks, block_size=16, max_num_seqs=8, chunk_size=args.chunk or None)
+    live, made = out.isatty(), 0
+
+    def status(new):
+        nonlocal made
+        made += len(new)
+        if not engine.history:
+            return
+        r = engine.history[-1]
+        line = (
+            f"t={r.time_s - engine.history[0].time_s:6.2f}s  running {r.num_running}  waiting {r.num_waiting}  "
+            f"done {len(engine.finished)}/{len(requests)}  blocks {r.blocks_used}/{args.num_blocks}  "
+            f"tokens {made}  preemptions {engine.num_preemptions}"
+        )
+        if live:
+            print("\r" + line, end="", file=out, flush=True)
+        elif len(engine.history) % 20 == 1:
+            print(line, file=out)
+
+    handles = replay(engine, requests, [r.arrival_s for r in rows], on_step=status)
+    if live:
+        print(file=out)  # end the status line
+    table = [
+        {
+            "request": i,
+            "prompt": len(requests[i].prompt),
+            "tokens": len(h.output),
+            "TTFT ms": h.metrics.ttft_s * 1000,
+            "mean ITL ms": float(np.mean(h.metrics.itl_s) * 1000) if h.metrics.itl_s else "-",
+            "e2e s": h.metrics.e2e_s,
+            "preempted": h.preemptions,
+            "text": repr(tok.decode(h.output[:24])),
+        }
+        for i, h in sorted(handles.items())
+    ]
+    print(format_table(table), file=out)
     return 0
