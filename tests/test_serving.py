@@ -145,14 +145,18 @@ TRACE = st.lists(
 )  # (prompt length, max_new_tokens, arrival step)
 
 
-def make_requests(shape, seed, temperature=0.0, **kw):
+def make_requests(shape, seed, temperature=0.0, shared_prefix=False, **kw):
+    """Requests of the given (prompt length, max_new_tokens, arrival step) with random prompts; with
+    ``shared_prefix`` each prompt starts with a random number of tokens of one common 12-token prompt."""
     rng = np.random.default_rng(seed)
-    requests = [
-        Request(
-            tuple(int(t) for t in rng.integers(0, CFG.vocab_size, p)), n, temperature=temperature, seed=seed + i, **kw
-        )
-        for i, (p, n, _) in enumerate(shape)
-    ]
+    common = rng.integers(0, CFG.vocab_size, 12)
+    requests = []
+    for i, (p, n, _) in enumerate(shape):
+        prompt = rng.integers(0, CFG.vocab_size, p)
+        if shared_prefix:
+            k = int(rng.integers(0, p + 1))
+            prompt[:k] = common[:k]
+        requests.append(Request(tuple(int(t) for t in prompt), n, temperature=temperature, seed=seed + i, **kw))
     return requests, [a for _, _, a in shape]
 
 
@@ -182,6 +186,27 @@ def test_serve_greedy_equals_solo_generate(shape, chunk, num_blocks, max_num_seq
     for h, r in zip(handles, requests):
         assert h.output == solo(r) == streamed[h.id]
         assert h.finish_reason == "length"
+
+
+@settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(shape=TRACE, chunk=st.sampled_from([None, 3]), num_blocks=st.sampled_from([6, 10]), seed=st.integers(0, 100))
+def test_serve_prefix_caching_random_traces_equal_solo(shape, chunk, num_blocks, seed):
+    """Prompts sharing prefixes, with prefix caching, chunking and preemptions together: the same tokens
+    as ``generate`` alone; the pool is consistent after every step (cached blocks counted once)."""
+    requests, arrive_at = make_requests(shape, seed, shared_prefix=True)
+    engine = Engine(
+        MODEL,
+        num_blocks=num_blocks,
+        block_size=BS,
+        max_num_batched_tokens=24,
+        max_num_seqs=4,
+        chunk_size=chunk,
+        prefix_caching=True,
+        clock=SimulatedClock(),
+    )
+    handles, streamed = run_checked(engine, requests, arrive_at)
+    for h, r in zip(handles, requests):
+        assert h.output == solo(r) == streamed[h.id]
 
 
 @settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
