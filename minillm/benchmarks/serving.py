@@ -38,7 +38,17 @@ from ..bench import format_table, save_figure
 from ..checkpoint import load_model
 from ..data import load_corpus
 from ..generate import generate
-from ..serving import Engine, RealClock, Request, RequestMetrics, load_trace, poisson_trace, replay, save_trace
+from ..serving import (
+    Engine,
+    RealClock,
+    Request,
+    RequestMetrics,
+    TraceRow,
+    load_trace,
+    poisson_trace,
+    replay,
+    save_trace,
+)
 
 MODES = ("static", "continuous", "chunked")
 
@@ -51,7 +61,7 @@ def make_trace(n, rate, mean_prompt, mean_output, context, long_prompt, n_long, 
     rows = poisson_trace(n, rate, mean_prompt, mean_output, context, seed)
     for i in sorted({min(n - 1, (k + 1) * n // (n_long + 1)) for k in range(n_long)}):
         r = rows[i]
-        rows[i] = type(r)(r.arrival_s, long_prompt, min(r.output_tokens, context + 1 - long_prompt))
+        rows[i] = TraceRow(r.arrival_s, long_prompt, min(r.output_tokens, context + 1 - long_prompt))
     return rows
 
 
