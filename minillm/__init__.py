@@ -7,12 +7,15 @@
 """
 
 from .backend import is_gpu, to_numpy, xp
+from .batch_speculative import BatchResult, BatchStats, generate_batch, speculative_generate_batch
+from .cache_contract import CacheFullError, DecodeCache, ForwardCache, PromptCache
 from .checkpoint import CheckpointError, load_model, save_model
 from .config import GPTConfig
-from .generate import GenerationResult, GenerationStats, generate, generate_naive
-from .kv_cache import CacheFullError, GrowingKVCache, KVCache, PrefixCache, kv_cache_bytes
+from .generate import GenerationResult, GenerationStats, fit_context, generate, generate_naive
+from .kv_cache import GrowingKVCache, KVCache, PrefixCache, kv_cache_bytes
 from .model import GPT
 from .paged_kv import BlockAllocator, OutOfBlocksError, PagedKVCache, paged_attention
+from .sampling import SamplingSettings
 from .speculative import (
     SpecStats,
     expected_speedup,
@@ -27,8 +30,10 @@ __version__ = "0.1.0"
 
 __all__ = [
     "GPT", "GPTConfig", "CharTokenizer", "KVCache", "GrowingKVCache", "PrefixCache",
-    "CacheFullError", "CheckpointError", "GenerationResult", "GenerationStats", "generate",
+    "ForwardCache", "DecodeCache", "PromptCache", "CacheFullError", "CheckpointError",
+    "SamplingSettings", "GenerationResult", "GenerationStats", "fit_context", "generate",
     "generate_naive", "kv_cache_bytes", "load_model", "save_model", "is_gpu", "to_numpy", "xp",
     "BlockAllocator", "OutOfBlocksError", "PagedKVCache", "paged_attention",
     "SpecStats", "expected_speedup", "expected_tokens_per_call", "speculative_generate", "verify", "verify_greedy",
+    "BatchResult", "BatchStats", "generate_batch", "speculative_generate_batch",
 ]  # fmt: skip

@@ -14,7 +14,10 @@ cache and is never attended to, and its logits are dropped (``forward_ragged``).
                                 each row accepts its own number and rolls back only its own caches
 
 Per-sequence bookkeeping (make room, roll back) is ``speculative.SequenceState``, the same code the
-single-sequence loop runs; verification is ``speculative._judge`` (``verify`` / ``verify_greedy``).
+single-sequence loop runs; proposals and verification are ``speculative.propose`` and
+``speculative.judge`` (``verify`` / ``verify_greedy``); the context policy is ``generate.fit_context``.
+Both loops return a ``BatchResult``: one ``GenerationResult`` per row (the row's tokens and its own
+stats, as the row would have them alone) plus the batch's ``BatchStats``.
 
 The cost of batching speculation (the source's warning). A verify forward has B x (max K_b + 1)
 positions, but row b keeps only n_b + 1 of them (n_b accepted drafts + the residual or bonus token):
@@ -41,10 +44,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backend import synchronize, xp
-from .generate import _check_args as _check_prompt
+from .generate import GenerationResult, Throughput, check_prompt, fit_context, step_stats
 from .paged_kv import PagedKVCache, num_blocks_for
-from .sampling import next_token
-from .speculative import SequenceState, SpecStats, _check_args, _finish, _judge, _propose
+from .sampling import SamplingSettings
+from .speculative import SequenceState, SpecStats, check_speculative_args, judge, propose
 
 POLICIES = ("pad", "adaptive")
 PAD_ID = 0  # the token id in padding columns (any valid id: its results are discarded)
@@ -121,7 +124,7 @@ def round_waste(k_rounds, accepted) -> tuple[int, int, int]:
 
 
 @dataclass
-class BatchStats:
+class BatchStats(Throughput):
     """Counters of one batched generation (plain or speculative), for the batch as a whole.
 
     ``rounds`` (speculative only): per round, the draft length and the number accepted of each
@@ -157,9 +160,18 @@ class BatchStats:
         slots, padded, rejected = self._waste()
         return float((padded + rejected) / slots) if slots else float("nan")
 
+
+@dataclass
+class BatchResult:
+    """What both batched loops return: one GenerationResult per prompt, in order, and the batch's stats."""
+
+    rows: list  # GenerationResult per row: its new tokens and its own stats (GenerationStats or SpecStats)
+    stats: BatchStats
+
     @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.total_s if self.total_s > 0 else float("inf")
+    def tokens(self) -> list[list[int]]:
+        """The new tokens of every row."""
+        return [row.tokens for row in self.rows]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -167,40 +179,50 @@ class BatchStats:
 
 
 def generate_batch(model, prompts, max_new_tokens, temperature=1.0, top_k=None, top_p=None, seed=0,
-                   page_size=16) -> tuple[list[list[int]], BatchStats]:  # fmt: skip
-    """Decode B prompts of any lengths together: one forward per step -> (new tokens per row, stats).
+                   page_size=16) -> BatchResult:  # fmt: skip
+    """Decode B prompts of any lengths together: one forward per step -> BatchResult.
 
     Step 1 prefills every prompt in one ragged forward; each later step feeds one token per row at
     that row's own position. Sampling options are ``generate``'s; row i uses its own generator
     (``sequence_seeds``), so it equals ``generate(model, prompts[i], ..., seed=sequence_seeds(seed,
-    B)[i])`` token for token, greedy or sampled. Context policy as ``generate``: a row whose cache is
-    full is reset and its last block_size // 2 tokens are prefilled again, inside the batched forward.
+    B)[i])`` token for token, greedy or sampled. Context policy as ``generate`` (``fit_context``),
+    row by row, inside the batched forward. Row i's stats are a ``GenerationStats`` timed by the
+    batch's steps.
     """
-    prompts = [_check_prompt(p, max_new_tokens) for p in _check_batch(prompts)]
+    prompts = [check_prompt(p, max_new_tokens) for p in _check_batch(prompts)]
+    settings = SamplingSettings(temperature, top_k, top_p)
     B = len(prompts)
     pool = _pool(model.config, B, page_size)
     views = [pool.sequence() for _ in prompts]
     rngs = [np.random.default_rng(s) for s in sequence_seeds(seed, B)]
     seqs = [list(p) for p in prompts]
-    pending = [p[-pool.max_len :] for p in prompts]  # what each row's cache has not seen yet
-    keep = max(1, pool.max_len // 2)
+    pending = [list(p) for p in prompts]  # what each row's cache has not seen yet
+    reprefills = [0] * B
     stats = BatchStats(batch_size=B)
+    times = []
     t0 = time.perf_counter()
     for _ in range(max_new_tokens):
-        for b, view in enumerate(views):  # a full cache: reset, re-prefill the last half window
-            if view.length + len(pending[b]) > view.max_len:
-                view.reset()
-                pending[b] = seqs[b][-keep:]
+        for b, view in enumerate(views):  # the context policy, row by row
+            pending[b], reprefilled = fit_context(view, seqs[b], pending[b])
+            reprefills[b] += reprefilled
         rows = forward_ragged(model, pool, [v.seq_id for v in views], pending)
         stats.target_calls += 1
         for b, logits in enumerate(rows):
-            token = next_token(logits[-1], rngs[b], temperature, top_k, top_p)
+            token = settings.next_token(logits[-1], rngs[b])
             seqs[b].append(token)
             pending[b] = [token]
-    synchronize()
-    stats.total_s = time.perf_counter() - t0
+        synchronize()
+        t1 = time.perf_counter()
+        times.append(t1 - t0)
+        t0 = t1
+    stats.total_s = float(sum(times))
     stats.new_tokens = B * max_new_tokens
-    return [s[len(p) :] for s, p in zip(seqs, prompts)], stats
+    results = []
+    for p, seq, view, n in zip(prompts, seqs, views, reprefills):
+        tokens = seq[len(p) :]
+        row = step_stats(p, tokens, times, kv_bytes=view.nbytes, kv_bytes_used=view.bytes_used, reprefills=n)
+        results.append(GenerationResult(tokens, row))
+    return BatchResult(results, stats)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -219,7 +241,7 @@ def next_draft_length(k_round: int, n_accepted: int, k_max: int) -> int:
     # EXERCISE 7.3 END
 
 
-def _draft_batch(draft, pool, states, k_round, sampling, rngs, stats):
+def _draft_batch(draft, pool, states, k_round, settings, rngs, stats):
     """Pass 2 for a batch: sequence i proposes k_round[i] tokens -> (drafts, q rows, forwards run).
 
     Forward j runs the sequences still drafting: first each one's pending tokens (ragged), then its
@@ -234,7 +256,7 @@ def _draft_batch(draft, pool, states, k_round, sampling, rngs, stats):
         calls += 1
         for i, row in zip(rows, logits):
             stats[i].draft_calls += 1
-            token, q = _propose(row[-1], *sampling, rngs[i])
+            token, q = propose(row[-1], settings, rngs[i])
             drafts[i].append(token)
             q_rows[i].append(q)
             feed[i] = [token]
@@ -242,8 +264,8 @@ def _draft_batch(draft, pool, states, k_round, sampling, rngs, stats):
 
 
 def speculative_generate_batch(target, draft, prompts, max_new_tokens, k=4, temperature=1.0, top_k=None,
-                               top_p=None, seed=0, policy="pad", page_size=16):  # fmt: skip
-    """Speculative decoding for B prompts at once -> (new tokens per row, SpecStats per row, BatchStats).
+                               top_p=None, seed=0, policy="pad", page_size=16) -> BatchResult:  # fmt: skip
+    """Speculative decoding for B prompts at once -> BatchResult (row i's stats: a SpecStats).
 
     Per round: each running sequence plans its draft length (``SequenceState.plan``: the policy's
     K_i, clamped to what is left and to the context), the draft proposes in batched forwards, the
@@ -255,19 +277,19 @@ def speculative_generate_batch(target, draft, prompts, max_new_tokens, k=4, temp
     """
     if policy not in POLICIES:
         raise ValueError(f"unknown policy {policy!r}; choose from {', '.join(POLICIES)}")
-    prompts = [_check_args(target, draft, p, max_new_tokens, k) for p in _check_batch(prompts)]
+    prompts = [check_speculative_args(target, draft, p, max_new_tokens, k) for p in _check_batch(prompts)]
+    settings = SamplingSettings(temperature, top_k, top_p)
     B = len(prompts)
     tpool, dpool = _pool(target.config, B, page_size), _pool(draft.config, B, page_size)
     states = [SequenceState.start(p, max_new_tokens, tpool.sequence(), dpool.sequence()) for p in prompts]
     rngs = [np.random.default_rng(s) for s in sequence_seeds(seed, B)]
     stats = [SpecStats(k=k, prompt_tokens=len(p)) for p in prompts]
     batch = BatchStats(batch_size=B)
-    sampling = (temperature, top_k, top_p)
     want = [k] * B  # the draft length each sequence asks for next round (the policy's state)
     t0 = time.perf_counter()
     while running := [i for i in range(B) if not states[i].done]:
         k_round = {i: states[i].plan(want[i], stats[i]) for i in running}  # pass 1, per sequence
-        drafts, q_rows, calls = _draft_batch(draft, dpool, states, k_round, sampling, rngs, stats)
+        drafts, q_rows, calls = _draft_batch(draft, dpool, states, k_round, settings, rngs, stats)
         batch.draft_calls += calls
 
         # pass 3: the target scores every row's pending + drafts in ONE forward (right-padded)
@@ -276,7 +298,7 @@ def speculative_generate_batch(target, draft, prompts, max_new_tokens, k=4, temp
         batch.target_calls += 1
         accepted = []
         for i, logits in zip(running, rows):
-            emitted, n = _judge(drafts[i], q_rows[i], logits[-(k_round[i] + 1) :], *sampling, rngs[i])
+            emitted, n = judge(drafts[i], q_rows[i], logits[-(k_round[i] + 1) :], settings, rngs[i])
             states[i].commit(drafts[i], emitted, n)  # pass 4: this row's rollback, no other's
             stats[i].target_calls += 1
             stats[i].record_round(k_round[i], n)
@@ -290,6 +312,6 @@ def speculative_generate_batch(target, draft, prompts, max_new_tokens, k=4, temp
             stats[i].round_times_s.append(t1 - t0)
         batch.total_s += t1 - t0
         t0 = t1
-    outs = [_finish(s, st.seq, len(p))[0] for s, st, p in zip(stats, states, prompts)]
-    batch.new_tokens = sum(len(o) for o in outs)
-    return outs, stats, batch
+    rows = [s.finish(state.new_tokens) for s, state in zip(stats, states)]
+    batch.new_tokens = sum(len(row.tokens) for row in rows)
+    return BatchResult(rows, batch)

@@ -28,7 +28,7 @@ import numpy as np
 from .backend import xp
 from .generate import GenerationStats
 from .kv_cache import CacheFullError, KVCache
-from .sampling import check_sampling_args, next_token
+from .sampling import SamplingSettings
 
 DEFAULT_MODEL = "smollm2-135m"
 COMMANDS = "/reset starts a new conversation, /quit (or Ctrl-D) ends"
@@ -91,24 +91,24 @@ class Chat:
             raise ValueError("empty message: type some text (/reset starts over, /quit ends)")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        check_sampling_args(temperature, top_k, top_p)
+        settings = SamplingSettings(temperature, top_k, top_p)
         before = (self.cache.length, len(self.messages), self.cached_text, self.pending)
         try:
-            return self.reply(message, max_new_tokens, temperature, top_k, top_p, on_text)
+            return self.reply(message, max_new_tokens, settings, on_text)
         except KeyboardInterrupt:
             self.cache.truncate(before[0])
             del self.messages[before[1] :]
             self.cached_text, self.pending = before[2:]
             raise
 
-    def reply(self, message, max_new_tokens, temperature, top_k, top_p, on_text) -> Reply:
+    def reply(self, message, max_new_tokens, settings: SamplingSettings, on_text) -> Reply:
         """The turn itself: prefill the new tokens, then sample, stream and feed one token at a time."""
         t0, cached = time.perf_counter(), self.cache.length
         logits, fed = self.prefill(message)
         tokens, times = [], []
         utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
         while True:  # each pass samples a token; the reply grows until one of the two breaks
-            token = next_token(logits, self.rng, temperature, top_k, top_p)
+            token = settings.next_token(logits, self.rng)
             times.append(time.perf_counter() - t0)
             if token == self.tokenizer.eos_token_id:
                 finish = "end of turn"
@@ -175,7 +175,7 @@ def run(args, loader=load, read=input) -> int:
     """
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    check_sampling_args(args.temperature, None, args.top_p)
+    SamplingSettings(args.temperature, None, args.top_p)  # refuses bad values before the model loads
     if args.prompt is not None and not args.prompt.strip():
         raise ValueError("--prompt is empty: give the message to answer")
     model, tokenizer = loader(args.model)

@@ -67,9 +67,9 @@ def cmd_train(args) -> int:
 def cmd_generate(args) -> int:
     from .checkpoint import load_model
     from .generate import generate, generate_naive
-    from .sampling import check_sampling_args
+    from .sampling import SamplingSettings
 
-    check_sampling_args(args.temperature, args.top_k, args.top_p)
+    SamplingSettings(args.temperature, args.top_k, args.top_p)  # refuses bad values before anything is printed
     model, tok = load_model(args.model)
     prompt = tok.encode(args.prompt)  # ValueError naming unknown characters
     print(args.prompt, end="", flush=True)

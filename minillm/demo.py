@@ -16,7 +16,7 @@ from .benchmarks.common import format_table
 from .checkpoint import CheckpointError, load_model
 from .cli import finite_float, nonnegative_int, positive_int
 from .generate import generate
-from .sampling import check_sampling_args
+from .sampling import SamplingSettings
 from .speculative import speculative_generate
 
 DEFAULT_PROMPT = "ROMEO:\nBut soft, what light"
@@ -41,7 +41,7 @@ def main(argv=None) -> int:
 def run(args) -> int:
     """The demo with parsed options; an error in them or in the shipped models is one line, exit 1."""
     try:
-        check_sampling_args(args.temperature, None, None)
+        SamplingSettings(args.temperature)  # refuses bad values before the models load
         target, tok = load_model("target")
         draft, _ = load_model("draft")
         prompt = tok.encode(args.prompt)
@@ -53,7 +53,8 @@ def run(args) -> int:
     speculative_generate(target, draft, prompt, WARMUP_TOKENS, k=args.k, **kw)
 
     plain = generate(target, prompt, n, **kw)
-    tokens, spec = speculative_generate(target, draft, prompt, n, k=args.k, **kw)
+    fast = speculative_generate(target, draft, prompt, n, k=args.k, **kw)
+    tokens, spec = fast.tokens, fast.stats
 
     print(f"target {target.num_params():,} params, draft {draft.num_params():,} params; prompt "
           f"{args.prompt!r}; {n} new characters, K={args.k}, temperature {args.temperature:g}\n")  # fmt: skip

@@ -8,7 +8,9 @@
   c is unchanged and only the acceptance rate can move.
 
 Both plug into ``speculative_generate`` as the draft: they have a ``config`` (vocab_size and
-block_size are what matter) and ``forward(idx (B, T), cache=None) -> logits (B, T, V)``.
+block_size are what matter) and ``forward(idx (B, T), cache=None) -> logits (B, T, V)``. The
+bigram has no attention, so of the cache contract (``minillm.cache_contract``) it calls only
+``positions`` and ``advance``; the decoding loops still truncate and reset its cache as usual.
 """
 
 from __future__ import annotations
@@ -33,7 +35,8 @@ class BigramDraft:
         V = log_probs.shape[0]
         if log_probs.shape != (V, V):
             raise ValueError(f"bigram log_probs must be (V, V), got {log_probs.shape}")
-        # only vocab_size and block_size are used; the cache built from this config holds no keys
+        # only vocab_size and block_size are used: forward only counts positions in a cache (its
+        # one-element keys and values are never written)
         self.config = GPTConfig(vocab_size=V, block_size=block_size, n_layer=1, n_head=1, n_embd=1)
         self.table = xp.asarray(log_probs)  # (V, V): row = previous token, column = next token
 

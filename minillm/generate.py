@@ -6,12 +6,17 @@ Both share one decode loop (``_decode``); they differ only in how the next logit
 - ``generate``: the first step *prefills* the prompt into a KV cache (slow: the time to first
   token, TTFT); every later step feeds one token (fast: the time per output token, TPOT).
 
-Context policy. ``generate_naive`` crops the context to its last ``block_size`` tokens at every
-step (a sliding window). ``generate`` cannot slide a cache cheaply (every cached key was computed at
-its absolute position), so when the cache is full it keeps the last ``block_size // 2`` tokens,
-resets the cache and prefills them again; this costs one half-window prefill every
-``block_size // 2`` tokens. The two agree token for token until the context first passes
-``block_size``; after that they condition on different windows.
+Context policy (``fit_context``, the one function every decoding loop uses: ``generate``,
+``speculative_generate``, ``generate_batch``, ``speculative_generate_batch``). ``generate_naive``
+crops the context to its last ``block_size`` tokens at every step (a sliding window). A cache cannot
+slide cheaply (every cached key was computed at its absolute position), so when the tokens to feed
+no longer fit, the cache is reset and the last ``cache.max_len // 2`` tokens are prefilled again;
+this costs one half-window prefill every ``max_len // 2`` tokens. The two agree token for token
+until the context first passes the window; after that they condition on different windows.
+
+Every loop returns a ``GenerationResult`` (tokens, stats); the batched loops one per row plus the
+batch's stats (``minillm.batch_speculative.BatchResult``). ``Throughput`` gives every stats class
+its ``tokens_per_s``.
 """
 
 from __future__ import annotations
@@ -22,12 +27,22 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backend import synchronize, xp
+from .cache_contract import DecodeCache
 from .kv_cache import KVCache
-from .sampling import next_token
+from .sampling import SamplingSettings
+
+
+class Throughput:
+    """``tokens_per_s`` for any stats with ``new_tokens`` and ``total_s`` (every loop's stats)."""
+
+    @property
+    def tokens_per_s(self) -> float:
+        """New tokens per second of wall time (inf when no time was measured)."""
+        return self.new_tokens / self.total_s if self.total_s > 0 else float("inf")
 
 
 @dataclass
-class GenerationStats:
+class GenerationStats(Throughput):
     prompt_tokens: int
     new_tokens: int
     ttft_s: float  # prompt in -> first new token out (includes the prefill)
@@ -39,18 +54,17 @@ class GenerationStats:
     reused_prefix_tokens: int = 0  # prompt tokens taken from a PrefixCache instead of computed
     reprefills: int = 0  # times the context overflowed and the window was prefilled again
 
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.total_s if self.total_s > 0 else float("inf")
-
 
 @dataclass
 class GenerationResult:
+    """What every decoding loop returns for one sequence: the new tokens and the run's statistics."""
+
     tokens: list  # the new tokens only
-    stats: GenerationStats
+    stats: Throughput  # GenerationStats (generate, generate_batch) or SpecStats (speculative)
 
 
-def _check_args(prompt_ids, max_new_tokens) -> list[int]:
+def check_prompt(prompt_ids, max_new_tokens) -> list[int]:
+    """The arguments every loop checks: a non-empty prompt (-> a list of ints), max_new_tokens >= 0."""
     prompt_ids = [int(t) for t in prompt_ids]
     if not prompt_ids:
         raise ValueError("the prompt must contain at least one token")
@@ -59,8 +73,29 @@ def _check_args(prompt_ids, max_new_tokens) -> list[int]:
     return prompt_ids
 
 
-def _decode(first_logits, next_logits, prompt_ids, max_new_tokens, temperature, top_k, top_p,
-            seed, on_token) -> tuple[list, list]:  # fmt: skip
+def fit_context(cache: DecodeCache, seq, pending, extra: int = 0) -> tuple[list, bool]:
+    """The context policy of every decoding loop -> (tokens to feed ``cache`` now, re-prefilled?).
+
+    ``pending``: the tokens at the end of ``seq`` that the cache has not seen (the whole prompt at
+    the start); ``extra``: positions the same forward pass adds after them (a round's drafts).
+    If length + len(pending) + extra <= max_len they fit and are fed as they are. Otherwise the
+    cache is reset and the last max(1, max_len // 2) tokens of ``seq`` are fed instead: half the
+    window stays free, so this happens once every max_len // 2 tokens, not at every step. The flag
+    is True when cached tokens were thrown away (a prompt longer than the window is not counted).
+    Example: max_len 8, length 8, pending [t] -> the cache is reset; feed seq[-4:], True.
+    """
+    # EXERCISE 3.3 BEGIN: feed pending if it fits; otherwise reset the cache and feed the last half window
+    if cache.length + len(pending) + extra <= cache.max_len:
+        return pending, False
+    reprefilled = cache.length > 0
+    cache.reset()
+    return seq[-max(1, cache.max_len // 2) :], reprefilled
+    # EXERCISE 3.3 END
+
+
+def _decode(
+    first_logits, next_logits, prompt_ids, max_new_tokens, settings: SamplingSettings, seed, on_token
+) -> tuple[list, list]:
     """The loop both generators share: sample, report, compute the next logits.
 
     first_logits() -> (V,) logits after the prompt; next_logits(tokens) -> (V,) logits after the
@@ -71,7 +106,7 @@ def _decode(first_logits, next_logits, prompt_ids, max_new_tokens, temperature, 
     t0 = time.perf_counter()
     logits = first_logits()
     for i in range(max_new_tokens):
-        token = next_token(logits, rng, temperature, top_k, top_p)
+        token = settings.next_token(logits, rng)
         new.append(token)
         t1 = time.perf_counter()
         times.append(t1 - t0)
@@ -84,7 +119,8 @@ def _decode(first_logits, next_logits, prompt_ids, max_new_tokens, temperature, 
     return new, times
 
 
-def _stats(prompt_ids, tokens, times, **kw) -> GenerationStats:
+def step_stats(prompt_ids, tokens, times, **kw) -> GenerationStats:
+    """GenerationStats of a run from its per-step wall times (the first step's is the TTFT)."""
     return GenerationStats(
         prompt_tokens=len(prompt_ids),
         new_tokens=len(tokens),
@@ -102,52 +138,54 @@ def generate_naive(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=Non
 
     The baseline the KV cache beats: step N recomputes K and V for all N earlier tokens.
     """
-    prompt_ids = _check_args(prompt_ids, max_new_tokens)
+    prompt_ids = check_prompt(prompt_ids, max_new_tokens)
+    settings = SamplingSettings(temperature, top_k, top_p)
     block = model.config.block_size
 
     def logits_after(tokens):
         return model.forward(xp.asarray([tokens[-block:]]))[0, -1]  # (V,)
 
-    tokens, times = _decode(lambda: logits_after(prompt_ids), logits_after, prompt_ids,
-                            max_new_tokens, temperature, top_k, top_p, seed, on_token)  # fmt: skip
-    return GenerationResult(tokens, _stats(prompt_ids, tokens, times))
+    tokens, times = _decode(
+        lambda: logits_after(prompt_ids), logits_after, prompt_ids, max_new_tokens, settings, seed, on_token
+    )
+    return GenerationResult(tokens, step_stats(prompt_ids, tokens, times))
 
 
 def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None, seed=0,
              cache=None, prefix_cache=None, on_token=None) -> GenerationResult:  # fmt: skip
     """Generate with a KV cache: prefill the prompt once, then one token per forward call.
 
-    ``cache``: a KVCache to use (it is reset first; a new one of block_size otherwise).
-    ``prefix_cache``: a PrefixCache; the longest cached prefix of the prompt is reused.
+    ``cache``: a decode cache to use (it is reset first; a new KVCache of block_size otherwise).
+    ``prefix_cache``: a prompt cache (``PrefixCache``, or a ``PagedKVCache`` for its view); the
+    longest cached prefix of the prompt is reused.
     ``on_token(token)`` is called as each token is sampled (streaming).
-    Returns the new tokens and stats (TTFT, TPOT, tokens/s, KV bytes).
+    Returns the new tokens and stats (TTFT, TPOT, tokens/s, KV bytes, re-prefills).
     """
-    prompt_ids = _check_args(prompt_ids, max_new_tokens)
+    prompt_ids = check_prompt(prompt_ids, max_new_tokens)
+    settings = SamplingSettings(temperature, top_k, top_p)
     cache = KVCache(model.config) if cache is None else cache
     cache.reset()  # a cache reused from an earlier generation would otherwise leak its tokens
-    keep = max(1, model.config.block_size // 2)  # the window kept when the context overflows
     counters = {"reused": 0, "reprefills": 0}
 
-    def prefill(tokens):
-        """Reset the cache and run ``tokens`` (at most a window) through it -> last logits."""
-        tokens = tokens[-cache.max_len :]
+    def prefill(prompt):
+        """Run the prompt (its window, ``fit_context``) through the empty cache -> last logits."""
+        tokens, _ = fit_context(cache, prompt, prompt)
         if prefix_cache is not None:
             logits, counters["reused"] = prefix_cache.prefill(model, tokens, cache)
             return logits
-        cache.reset()
         return model.forward(xp.asarray([tokens]), cache)[0, -1]
 
     def next_logits(tokens):
-        # EXERCISE 3.3 BEGIN: feed only the newest token; re-prefill a half window when full
-        if cache.length + 1 > cache.max_len:
-            counters["reprefills"] += 1
-            cache.reset()
-            return model.forward(xp.asarray([tokens[-keep:]]), cache)[0, -1]
-        return model.forward(xp.asarray([tokens[-1:]]), cache)[0, -1]
-        # EXERCISE 3.3 END
+        """Feed only the newest token (after a re-prefill of a half window when the cache is full)."""
+        feed, reprefilled = fit_context(cache, tokens, tokens[-1:])
+        counters["reprefills"] += reprefilled
+        return model.forward(xp.asarray([feed]), cache)[0, -1]
 
-    tokens, times = _decode(lambda: prefill(prompt_ids), next_logits, prompt_ids, max_new_tokens,
-                            temperature, top_k, top_p, seed, on_token)  # fmt: skip
-    stats = _stats(prompt_ids, tokens, times, kv_bytes=cache.nbytes, kv_bytes_used=cache.bytes_used,
-                   reused_prefix_tokens=counters["reused"], reprefills=counters["reprefills"])  # fmt: skip
+    tokens, times = _decode(
+        lambda: prefill(prompt_ids), next_logits, prompt_ids, max_new_tokens, settings, seed, on_token
+    )
+    stats = step_stats(
+        prompt_ids, tokens, times, kv_bytes=cache.nbytes, kv_bytes_used=cache.bytes_used,
+        reused_prefix_tokens=counters["reused"], reprefills=counters["reprefills"],
+    )
     return GenerationResult(tokens, stats)

@@ -4,7 +4,7 @@ Without a cache, generating token N means running all N tokens through the model
 and values of tokens 0..N-2 are recomputed at every step (O(N^2) work for N tokens). With a cache,
 step N computes q, k, v for the one new token, appends k and v, and attends over the cache (O(N)).
 
-- ``KVCache``: per-layer K and V buffers (B, nh, max_len, hs) allocated once; appends write into
+- ``KVCache``: per-layer K and V buffers (B, n_kv_head, max_len, hs) allocated once; appends write into
   them in place, ``truncate`` rolls back in O(1) (speculative decoding relies on it).
 - ``GrowingKVCache``: the naive alternative that concatenates a new array every step, so the
   chapter can measure what pre-allocation saves.
@@ -12,19 +12,17 @@ step N computes q, k, v for the one new token, appends k and v, and attends over
 - ``PrefixCache``: keeps the KV of earlier prompts and reuses the longest shared prefix, so a
   common system prompt is prefilled once (prompt caching).
 
-Both caches implement the protocol ``GPT.forward`` expects: ``positions(T)``,
-``attend(layer, q, k, v, attention)`` and ``advance(T)``.
+Both caches are decode caches and ``PrefixCache`` is a prompt cache, as ``minillm.cache_contract``
+states them: that module is the one place that says what a cache must do.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from typing import NamedTuple
 
 from .backend import xp
-
-
-class CacheFullError(RuntimeError):
-    """An append would pass the cache's capacity; nothing was written."""
+from .cache_contract import CacheFullError, DecodeCache, ForwardCache
 
 
 def kv_cache_bytes(n_layer, n_kv_head, head_dim, seq_len, batch=1, bytes_per_elem=2) -> int:
@@ -35,19 +33,25 @@ def kv_cache_bytes(n_layer, n_kv_head, head_dim, seq_len, batch=1, bytes_per_ele
     return 2 * n_layer * n_kv_head * head_dim * seq_len * batch * bytes_per_elem
 
 
+def cache_capacity(config, max_len: int | None) -> int:
+    """The tokens a cache of ``config`` may hold: max_len (default block_size), in 1..block_size."""
+    max_len = config.block_size if max_len is None else max_len
+    if not 1 <= max_len <= config.block_size:
+        raise ValueError(
+            f"cache max_len={max_len} must be in 1..block_size={config.block_size} "
+            "(positions past block_size have no embedding)"
+        )
+    return max_len
+
+
 class KVCache:
-    """Preallocated per-layer K and V buffers, (B, nh, max_len, hs) each, filled left to right.
+    """Preallocated per-layer K and V buffers, (B, n_kv_head, max_len, hs) each, filled left to right.
 
     ``length`` tokens are valid; positions length..max_len-1 hold stale data that is never read.
     """
 
     def __init__(self, config, batch_size: int = 1, max_len: int | None = None, dtype=None):
-        max_len = config.block_size if max_len is None else max_len
-        if not 1 <= max_len <= config.block_size:
-            raise ValueError(
-                f"KVCache max_len={max_len} must be in 1..block_size={config.block_size} "
-                "(positions past block_size have no embedding)"
-            )
+        max_len = cache_capacity(config, max_len)
         self.config, self.batch_size, self.max_len = config, batch_size, max_len
         shape = (batch_size, config.n_kv_head, max_len, config.head_size)  # (B, n_kv_head, max_len, hs)
         dtype = xp.float32 if dtype is None else dtype
@@ -64,7 +68,7 @@ class KVCache:
         return xp.arange(self.length, self.length + T)
 
     def attend(self, layer: int, q, k, v, attention):
-        """Write the new k, v (B, nh, T, hs) after the cached ones; attend q over all of them."""
+        """Write the new k, v (B, n_kv_head, T, hs) after the cached ones; attend q over all of them."""
         if k.shape[0] != self.batch_size:
             raise ValueError(f"KV cache holds batch {self.batch_size}, got batch {k.shape[0]}")
         # EXERCISE 3.1 BEGIN: write k, v at positions length..length+T-1, attend over 0..length+T-1
@@ -109,7 +113,7 @@ class GrowingKVCache:
 
     def __init__(self, config, batch_size: int = 1, max_len: int | None = None, dtype=None):
         self.config, self.batch_size = config, batch_size
-        self.max_len = config.block_size if max_len is None else max_len
+        self.max_len = cache_capacity(config, max_len)
         self.dtype = xp.float32 if dtype is None else dtype
         self.reset()
 
@@ -131,8 +135,7 @@ class GrowingKVCache:
         return attention(q, self.k[layer], self.v[layer], causal=True)
 
     def truncate(self, n: int) -> None:
-        if not 0 <= n <= self.length:
-            raise ValueError(f"cannot truncate a cache of length {self.length} to {n}")
+        KVCache.truncate(self, n)  # the range check and the new length, then drop the arrays' tails
         self.k = [None if a is None else a[:, :, :n] for a in self.k]
         self.v = [None if a is None else a[:, :, :n] for a in self.v]
         self.length = n
@@ -156,53 +159,105 @@ def common_prefix_length(a, b) -> int:
     return n
 
 
+def store_only(q, k, v, causal=True):
+    """An attention callable that reads nothing: ``attend`` given it only stores k and v."""
+    return None
+
+
+def append_kv(cache: ForwardCache, ks, vs) -> None:
+    """Append known keys and values through the contract: forward's three calls, minus the math.
+
+    ks[layer], vs[layer]: (B, n_kv_head, n, hs) for every layer. ``positions(n)`` refuses an
+    overflow before anything is written, ``attend`` stores each layer's k, v (``store_only`` as the
+    attention: q is not read), ``advance(n)`` counts them.
+    """
+    n = ks[0].shape[2]
+    cache.positions(n)
+    for layer, (k, v) in enumerate(zip(ks, vs)):
+        cache.attend(layer, k, k, v, store_only)
+    cache.advance(n)
+
+
+class KVRecorder:
+    """A forward cache that passes every call on to ``cache`` and keeps a copy of each layer's new k, v.
+
+    After ``model.forward(idx, recorder)``: ``recorder.ks[layer]``, ``recorder.vs[layer]``
+    (B, n_kv_head, T, hs) are what the forward stored for its T tokens.
+    """
+
+    def __init__(self, cache: ForwardCache):
+        self.cache, self.ks, self.vs = cache, {}, {}
+
+    def positions(self, T: int):
+        return self.cache.positions(T)
+
+    def attend(self, layer: int, q, k, v, attention):
+        self.ks[layer], self.vs[layer] = k.copy(), v.copy()
+        return self.cache.attend(layer, q, k, v, attention)
+
+    def advance(self, T: int) -> None:
+        self.cache.advance(T)
+
+
+class PrefixEntry(NamedTuple):
+    model: object  # the model that computed ks and vs (held, so that its id stays its own)
+    ks: list  # per layer (1, n_kv_head, len(prompt), hs)
+    vs: list
+
+
 class PrefixCache:
     """Prompt caching: remember the KV of earlier prompts; prefill only what a new prompt adds.
 
     Because attention is causal, the keys and values of a prompt's first j tokens depend only on
     those j tokens, so any cached prompt that shares j leading tokens with a new prompt supplies
     them. At least the new prompt's last token is always computed: its logits give the first
-    output token. Entries are kept in least-recently-used order, at most ``max_entries``.
+    output token. Entries belong to the model that computed them (keys and values of another
+    model of the same shape would fit the cache and be silently wrong), are kept in
+    least-recently-used order, at most ``max_entries``, and reach a cache only through the cache
+    contract (``append_kv`` replays them, a ``KVRecorder`` records them), so any decode cache works.
     """
 
     def __init__(self, max_entries: int = 8):
         self.max_entries = max_entries
-        self.entries: OrderedDict[tuple, tuple[list, list]] = OrderedDict()  # tokens -> (ks, vs)
+        self.entries: OrderedDict[tuple, PrefixEntry] = OrderedDict()  # (id(model), tokens) -> entry
         self.hits = self.reused_tokens = 0
 
-    def longest_prefix(self, prompt_ids) -> tuple[tuple | None, int]:
-        """-> (key of the best entry, tokens reusable), never more than len(prompt) - 1."""
+    def longest_prefix(self, model, prompt_ids) -> tuple[tuple | None, int]:
+        """-> (key of model's best entry, tokens reusable), never more than len(prompt) - 1."""
         best, best_n = None, 0
         for key in self.entries:
-            n = min(common_prefix_length(key, prompt_ids), len(prompt_ids) - 1)
+            if key[0] != id(model):
+                continue
+            n = min(common_prefix_length(key[1], prompt_ids), len(prompt_ids) - 1)
             if n > best_n:
                 best, best_n = key, n
         return best, best_n
 
-    def prefill(self, model, prompt_ids, cache: KVCache):
-        """Reset ``cache``, load the longest cached prefix, forward the rest -> last logits (V,)."""
-        prompt_ids = list(prompt_ids)
+    def prefill(self, model, prompt_ids, cache: DecodeCache):
+        """Reset ``cache``, replay the longest cached prefix, forward the rest -> (last logits (V,), reused)."""
+        prompt_ids = [int(t) for t in prompt_ids]
         cache.reset()
-        key, n = self.longest_prefix(prompt_ids)
+        key, n = self.longest_prefix(model, prompt_ids)
         if key is not None:
             self.entries.move_to_end(key)
-            ks, vs = self.entries[key]
-            for layer in range(len(ks)):
-                cache.k[layer][:, :, :n] = ks[layer][:, :, :n]
-                cache.v[layer][:, :, :n] = vs[layer][:, :, :n]
-            cache.length = n
+            entry = self.entries[key]
+            ks, vs = [k[:, :, :n] for k in entry.ks], [v[:, :, :n] for v in entry.vs]
+            append_kv(cache, ks, vs)
             self.hits += 1
             self.reused_tokens += n
-        logits = model.forward(xp.asarray([prompt_ids[n:]]), cache)[0, -1]
-        self.store(prompt_ids, cache)
+        recorder = KVRecorder(cache)
+        logits = model.forward(xp.asarray([prompt_ids[n:]]), recorder)[0, -1]
+        new_ks, new_vs = list(recorder.ks.values()), list(recorder.vs.values())  # in layer order
+        if n:  # the entry holds the whole prompt: the replayed prefix, then what was computed
+            new_ks = [xp.concatenate([a, b], axis=2) for a, b in zip(ks, new_ks)]
+            new_vs = [xp.concatenate([a, b], axis=2) for a, b in zip(vs, new_vs)]
+        self.store(model, prompt_ids, new_ks, new_vs)
         return logits, n
 
-    def store(self, prompt_ids, cache: KVCache) -> None:
-        """Keep a copy of the cache's first len(prompt_ids) positions under the prompt's tokens."""
-        n = len(prompt_ids)
-        ks = [a[:, :, :n].copy() for a in cache.k]
-        vs = [a[:, :, :n].copy() for a in cache.v]
-        self.entries[tuple(prompt_ids)] = (ks, vs)
-        self.entries.move_to_end(tuple(prompt_ids))
+    def store(self, model, prompt_ids, ks, vs) -> None:
+        """Keep a prompt's keys and values, per layer (1, n_kv_head, len(prompt_ids), hs), for ``model``."""
+        key = (id(model), tuple(prompt_ids))
+        self.entries[key] = PrefixEntry(model, ks, vs)
+        self.entries.move_to_end(key)
         while len(self.entries) > self.max_entries:
             self.entries.popitem(last=False)

@@ -10,12 +10,8 @@ Parameters are a flat dict named and laid out like Hugging Face GPT-2's state di
 ``forward(idx, cache=None)`` is the only entry point. Without a cache it runs the whole sequence
 (training, and the naive "recompute everything" generation). With a cache it runs only the new
 positions and attends over everything cached: prefill (T tokens), decode (1 token) and speculative
-verification (K tokens) are the same call. A cache object provides three methods:
-
-    positions(T)                  -> absolute positions of the T new tokens, (T,) or (B, T);
-                                     raises before anything is written if they do not fit
-    attend(layer, q, k, v, attn)  -> stores the new k, v and returns attention over all cached keys
-    advance(T)                    -> the T new positions are now part of the cache
+verification (K tokens) are the same call. The cache is anything that keeps the forward-cache
+contract (positions, attend, advance), stated once in ``minillm.cache_contract``.
 """
 
 from __future__ import annotations

@@ -43,7 +43,7 @@ import numpy as np
 
 from .attention import naive_attention, softmax
 from .backend import xp
-from .kv_cache import CacheFullError
+from .cache_contract import CacheFullError
 
 
 class OutOfBlocksError(CacheFullError):
@@ -502,10 +502,17 @@ class BatchView:
         kv_lens = [n + c for n, c in zip(self.lengths, counts)]  # the new keys are written, not yet counted
         if attention is None or attention is naive_attention:
             return paged_attention(q, self.cache, self.seq_ids, layer, kv_lens, self.q_pos)
-        out = xp.zeros(q.shape, dtype=q.dtype)  # (B, nh, T, hs)
+        T = q.shape[2]
+        rows = []
         for b, (seq, n, kv_len) in enumerate(zip(self.seq_ids, counts, kv_lens)):
-            k_b, v_b, _ = gather_kv(self.cache, [seq], layer, [kv_len])  # (1, nh, kv_len, hs) each
-            out[b, :, :n] = attention(q[b : b + 1, :, :n], k_b, v_b, causal=True)[0]  # (nh, n, hs)
+            k_b, v_b, _ = gather_kv(self.cache, [seq], layer, [kv_len])  # (1, n_kv_head, kv_len, hs) each
+            q_b = q if len(counts) == 1 and n == T else q[b : b + 1, :, :n]  # (1, nh, n, hs)
+            rows.append(attention(q_b, k_b, v_b, causal=True))
+        if len(rows) == 1 and counts[0] == T:
+            return rows[0]  # one sequence, no padding: the attention's own result, as a KVCache returns it
+        out = xp.zeros(q.shape, dtype=q.dtype)  # (B, nh, T, hs)
+        for b, (row, n) in enumerate(zip(rows, counts)):
+            out[b, :, :n] = row[0]  # (nh, n, hs)
         return out
 
     def advance(self, T: int) -> None:

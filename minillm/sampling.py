@@ -1,10 +1,13 @@
-"""From logits to a token, in two separate steps.
+"""From logits to a token, in two separate steps, under one settings object checked once.
 
-1. ``logits_to_probs``: logits -> a probability vector, shaped by temperature, top-k and top-p.
-   Temperature 0 means greedy: all mass on the argmax.
+0. ``SamplingSettings(temperature, top_k, top_p)``: frozen, validated when it is made; every
+   decoding loop builds one at its entry and passes it on, so nothing is re-checked per token.
+1. ``settings.probs(logits)``: logits -> a probability vector, shaped by temperature, top-k and
+   top-p. Temperature 0 means greedy: all mass on the argmax.
 2. ``sample``: probabilities -> token ids, using an explicit ``numpy.random.Generator``.
 
-``next_token`` does both for one row, and takes the argmax directly when decoding is greedy.
+``settings.next_token`` does both for one row, and takes the argmax directly when decoding is
+greedy. ``logits_to_probs(logits, temperature=..., ...)`` is step 1 for one-off use.
 
 Keeping them apart matters for speculative decoding, which compares the draft's and the target's
 probability vectors *after* the same transform. Sampling runs on the host in float64: the vectors
@@ -13,43 +16,81 @@ are small (V entries per row) and float64 keeps the statistical tests honest.
 
 from __future__ import annotations
 
+import math
+import numbers
+from dataclasses import dataclass
+
 import numpy as np
 
 from .backend import to_numpy
 
+# The smallest positive temperature. Below it sampling is greedy decoding in all but name (a logit
+# gap of 1e-3 is already a factor e^-1000 = 0 in float64), and dividing by a subnormal such as
+# 1e-320 turns logits into inf and the probabilities into NaN. Use 0 for greedy decoding.
+MIN_TEMPERATURE = 1e-6
 
-def check_sampling_args(temperature, top_k, top_p) -> None:
-    """Raise ValueError for a negative temperature, top_k < 1 or top_p outside (0, 1]."""
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    if top_k is not None and top_k < 1:
-        raise ValueError(f"top_k must be >= 1, got {top_k}")
-    if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """How logits become a token: temperature (0 = greedy), top-k, top-p. Checked once, here.
+
+    Refused with ValueError: a temperature that is not a finite number, negative, or positive but
+    below MIN_TEMPERATURE; top_k not an integer >= 1; top_p outside (0, 1].
+    Example: SamplingSettings(0.8, top_k=40).probs(logits) -> (V,) float64.
+    """
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+
+    def __post_init__(self):
+        t, k, p = self.temperature, self.top_k, self.top_p
+        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t < 0:
+            raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {t!r}")
+        if 0 < t < MIN_TEMPERATURE:
+            raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {t!r}")
+        if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1):
+            raise ValueError(f"top_k must be an integer >= 1, got {k!r}")
+        if p is not None and (isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 < p <= 1):
+            raise ValueError(f"top_p must be in (0, 1], got {p!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probs(self, logits):
+        """(..., V) logits -> (..., V) float64 probabilities on the host.
+
+        - temperature: divide logits by it; 0 puts all mass on the argmax (greedy).
+        - top_k: keep the k most likely tokens (ties with the k-th are kept too).
+        - top_p: keep the smallest set of most likely tokens whose mass reaches top_p (nucleus);
+          the most likely token is always kept.
+
+        Example: logits [2, 1, 0], top_k=2 -> [0.731, 0.269, 0].
+        """
+        logits = to_numpy(logits).astype(np.float64)
+        if self.greedy:  # one-hot at the argmax (not np.eye(V)[argmax]: that builds a V x V matrix)
+            return (np.arange(logits.shape[-1]) == logits.argmax(axis=-1)[..., None]).astype(np.float64)
+        logits = logits / self.temperature
+        if self.top_k is not None and self.top_k < logits.shape[-1]:
+            logits = top_k_filter(logits, self.top_k)
+        probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
+        probs /= probs.sum(axis=-1, keepdims=True)
+        if self.top_p is not None and self.top_p < 1:
+            probs = top_p_filter(probs, self.top_p)
+        return probs
+
+    def next_token(self, logits, rng: np.random.Generator) -> int:
+        """One row of logits (V,) -> one token: ``sample(self.probs(logits), rng)``, except that
+        greedy decoding takes the argmax directly; it needs no probability vector."""
+        if self.greedy:
+            return int(logits.argmax())
+        return sample(self.probs(logits), rng)
 
 
 def logits_to_probs(logits, temperature=1.0, top_k=None, top_p=None):
-    """(..., V) logits -> (..., V) float64 probabilities on the host.
-
-    - temperature: divide logits by it; 0 puts all mass on the argmax (greedy).
-    - top_k: keep the k most likely tokens (ties with the k-th are kept too).
-    - top_p: keep the smallest set of most likely tokens whose mass reaches top_p (nucleus);
-      the most likely token is always kept.
-
-    Example: logits [2, 1, 0], top_k=2 -> [0.731, 0.269, 0].
-    """
-    check_sampling_args(temperature, top_k, top_p)
-    logits = to_numpy(logits).astype(np.float64)
-    if temperature == 0:  # one-hot at the argmax (not np.eye(V)[argmax]: that builds a V x V matrix)
-        return (np.arange(logits.shape[-1]) == logits.argmax(axis=-1)[..., None]).astype(np.float64)
-    logits = logits / temperature
-    if top_k is not None and top_k < logits.shape[-1]:
-        logits = top_k_filter(logits, top_k)
-    probs = np.exp(logits - logits.max(axis=-1, keepdims=True))
-    probs /= probs.sum(axis=-1, keepdims=True)
-    if top_p is not None and top_p < 1:
-        probs = top_p_filter(probs, top_p)
-    return probs
+    """(..., V) logits -> (..., V) float64 probabilities: ``SamplingSettings(...).probs(logits)``."""
+    return SamplingSettings(temperature, top_k, top_p).probs(logits)
 
 
 def top_k_filter(logits, k):
@@ -90,13 +131,3 @@ def sample(probs, rng: np.random.Generator):
     last_nonzero = probs.shape[-1] - 1 - np.argmax(probs[..., ::-1] > 0, axis=-1)
     idx = np.minimum(idx, last_nonzero)  # guard against u landing on a rounding sliver
     return int(idx) if idx.ndim == 0 else idx
-
-
-def next_token(logits, rng: np.random.Generator, temperature=1.0, top_k=None, top_p=None) -> int:
-    """One row of logits (V,) -> one token: ``sample(logits_to_probs(...))``, except that greedy
-    decoding (temperature 0) takes the argmax directly; it needs no probability vector.
-    """
-    if temperature == 0:
-        check_sampling_args(temperature, top_k, top_p)  # logits_to_probs checks them otherwise
-        return int(logits.argmax())
-    return sample(logits_to_probs(logits, temperature, top_k, top_p), rng)

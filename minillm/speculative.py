@@ -18,20 +18,25 @@ The pieces, smallest first:
   rejection (falls back to p when p == q up to rounding leaves nothing: no NaN).
 - ``verify``: the rejection-sampling core, a pure function of (drafts, q, p, rng).
 - ``verify_greedy``: the temperature-0 check on target logits.
+- ``propose`` and ``judge``: one round's random choices (the draft's proposal, the target's
+  verdict), shared by every loop: this module's two and the batched one of chapter 7.
+- ``SequenceState``: one sequence's bookkeeping (what each cache holds, the rollback).
 - ``speculative_generate``: the decoding loop with two KV caches. Its naive reference,
   ``speculative_generate_naive``, makes the same random draws without caches (every forward runs
-  the whole sequence), so the two must agree token for token.
+  the whole sequence), so the two must agree token for token. Both return a ``GenerationResult``
+  whose stats are a ``SpecStats``.
 - ``expected_tokens_per_call`` and ``expected_speedup``: Leviathan et al. Eq. 1 and Theorem 3.8.
 
 Acceptance rate. ``SpecStats.alpha`` is the fraction of *checked* draft tokens that were accepted
 (accepted / (accepted + rejections)): draft tokens after the first rejection are never checked, so
 dividing by all proposed tokens would underestimate alpha (at alpha = 0.8, K = 8 by half).
 
-Context policy (the same as ``minillm.generate``). When the target's pending tokens no longer fit
-its cache, the cache is reset and the last ``block_size // 2`` tokens are prefilled again; near the
-limit a round proposes fewer drafts so that verification never crosses it. Because the window
-moves exactly when ``generate`` moves it, greedy speculative decoding equals ``generate`` token for
-token even past the context length. The draft's window is its own business (any draft is lossless).
+Context policy: ``minillm.generate.fit_context``, the one ``generate`` uses. When the target's
+pending tokens no longer fit its cache, the cache is reset and the last ``max_len // 2`` tokens are
+prefilled again; near the limit a round proposes fewer drafts so that verification never crosses
+it. Because the window moves exactly when ``generate`` moves it, greedy speculative decoding equals
+``generate`` token for token even past the context length (with caches of the same size). The
+draft's window is its own business (any draft is lossless).
 """
 
 from __future__ import annotations
@@ -42,8 +47,9 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backend import synchronize, to_numpy, xp
+from .generate import GenerationResult, Throughput, check_prompt, fit_context
 from .kv_cache import KVCache
-from .sampling import logits_to_probs, sample
+from .sampling import SamplingSettings, sample
 
 # ----------------------------------------------------------------------------------------------
 # the rejection-sampling core (pure functions of probability vectors)
@@ -180,7 +186,7 @@ def expected_speedup(alpha: float, k: int, c: float) -> float:
 
 
 @dataclass
-class SpecStats:
+class SpecStats(Throughput):
     """Counters of one speculative generation.
 
     Per draft position i (0..k-1): ``reached_at[i]`` counts rounds whose check got to x_i (all
@@ -251,40 +257,40 @@ class SpecStats:
         n = self.new_tokens - self.first_round_tokens
         return (self.total_s - self.ttft_s) / n if n > 0 else 0.0
 
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / self.total_s if self.total_s > 0 else float("inf")
+    def finish(self, tokens) -> GenerationResult:
+        """Close the run: count its new tokens and its time -> GenerationResult(tokens, self)."""
+        self.new_tokens = len(tokens)
+        self.total_s = float(sum(self.round_times_s))
+        self.ttft_s = self.round_times_s[0] if self.round_times_s else 0.0
+        return GenerationResult(tokens, self)
 
 
 # ----------------------------------------------------------------------------------------------
-# one round's random choices, shared by the fast loop and its naive reference
+# one round's random choices, shared by the fast loop, its naive reference and the batched loop
 
 
-def _propose(logits, temperature, top_k, top_p, rng):
+def propose(logits, settings: SamplingSettings, rng: np.random.Generator):
     """Draft logits (V,) -> (token, q row or None). Greedy needs no probabilities."""
-    if temperature == 0:
+    if settings.greedy:
         return int(logits.argmax()), None
-    q = logits_to_probs(logits, temperature, top_k, top_p)
+    q = settings.probs(logits)
     return sample(q, rng), q
 
 
-def _judge(drafts, q_rows, target_logits, temperature, top_k, top_p, rng):
+def judge(drafts, q_rows, target_logits, settings: SamplingSettings, rng: np.random.Generator):
     """Target logits (k + 1, V) for the k drafts -> (emitted tokens, number accepted)."""
-    if temperature == 0:
+    if settings.greedy:
         return verify_greedy(drafts, target_logits)
-    p = logits_to_probs(target_logits, temperature, top_k, top_p)  # the same transform as q
+    p = settings.probs(target_logits)  # the same transform as q
     q = np.array(q_rows).reshape(len(drafts), p.shape[-1])  # (k, V)
     return verify(drafts, q, p, rng)
 
 
-def _check_args(target, draft, prompt_ids, max_new_tokens, k):
-    prompt_ids = [int(t) for t in prompt_ids]
-    if not prompt_ids:
-        raise ValueError("the prompt must contain at least one token")
+def check_speculative_args(target, draft, prompt_ids, max_new_tokens, k) -> list[int]:
+    """``check_prompt``, plus k >= 1 and one vocabulary for both models -> the prompt as a list."""
+    prompt_ids = check_prompt(prompt_ids, max_new_tokens)
     if not isinstance(k, (int, np.integer)) or k < 1:
         raise ValueError(f"k (draft tokens per round) must be an int >= 1, got {k!r}")
-    if max_new_tokens < 0:
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(
             f"draft vocabulary ({draft.config.vocab_size}) != target vocabulary "
@@ -301,19 +307,20 @@ def _check_args(target, draft, prompt_ids, max_new_tokens, k):
 class SequenceState:
     """One sequence being decoded speculatively: its tokens, and what each model has not seen yet.
 
-    Each model keeps a cache (a ``KVCache``, or one sequence of a ``PagedKVCache``: anything with
-    ``length``, ``max_len``, ``reset()`` and ``truncate(n)``) plus a list of *pending* tokens it has
-    not seen yet; a forward call feeds only those. Invariant between rounds: each cache holds
-    ``seq`` minus its pending tokens (or a later window of it after a re-prefill).
+    Each model keeps a decode cache (``minillm.cache_contract``: a ``KVCache``, one sequence of a
+    ``PagedKVCache``, ...) plus a list of *pending* tokens it has not seen yet; a forward call feeds
+    only those. Invariant between rounds: each cache holds ``seq`` minus its pending tokens (or a
+    later window of it after a re-prefill).
     ``plan`` (pass 1) and ``commit`` (pass 4) are the per-sequence halves of a round; the forward
     passes in between are the caller's, so the batched loop (``minillm.batch_speculative``) runs
     the same bookkeeping for every sequence of a batch.
     """
 
     seq: list  # prompt + every token emitted so far
+    n_prompt: int  # len(prompt)
     stop: int  # len(seq) at which generation ends
-    tcache: object  # the target's cache
-    dcache: object  # the draft's cache
+    tcache: object  # the target's decode cache
+    dcache: object  # the draft's decode cache
     t_pending: list  # tokens the target has not seen yet
     d_pending: list  # tokens the draft has not seen yet
     t_base: int = 0  # set by plan(): the target's cache length once it has seen t_pending
@@ -321,28 +328,32 @@ class SequenceState:
 
     @classmethod
     def start(cls, prompt_ids, max_new_tokens, tcache, dcache) -> SequenceState:
+        """Both caches empty; both models have the whole prompt pending (``plan`` fits it to the window)."""
+        tcache.reset()
+        dcache.reset()
         seq = list(prompt_ids)
-        return cls(seq, len(seq) + max_new_tokens, tcache, dcache, seq[-tcache.max_len :], seq[-dcache.max_len :])
+        return cls(seq, len(seq), len(seq) + max_new_tokens, tcache, dcache, list(seq), list(seq))
 
     @property
     def done(self) -> bool:
         return len(self.seq) >= self.stop
 
+    @property
+    def new_tokens(self) -> list:
+        return self.seq[self.n_prompt :]
+
     def plan(self, k: int, stats: SpecStats) -> int:
         """Pass 1: make room -> how many tokens to draft this round (at most k).
 
-        Like ``generate()``: when the target's pending tokens do not fit, its cache is reset and a
-        half window re-prefilled. A round never drafts past max_new_tokens nor past either cache."""
+        Each model's pending tokens go through ``fit_context`` (``generate``'s context policy); the
+        draft's with room for the proposals it will feed itself. A round never drafts past
+        max_new_tokens nor past either cache."""
         tcache, dcache = self.tcache, self.dcache
-        if tcache.length + len(self.t_pending) > tcache.max_len:
-            tcache.reset()
-            self.t_pending = self.seq[-max(1, tcache.max_len // 2) :]
-            stats.reprefills += 1
+        self.t_pending, reprefilled = fit_context(tcache, self.seq, self.t_pending)
+        stats.reprefills += reprefilled
         room = tcache.max_len - tcache.length - len(self.t_pending)  # target positions left after pending
         k_round = min(k, self.stop - len(self.seq) - 1, room)  # never draft past max_new_tokens or the room
-        if dcache.length + len(self.d_pending) + k_round - 1 > dcache.max_len:  # the draft's own window
-            dcache.reset()
-            self.d_pending = self.seq[-max(1, dcache.max_len // 2) :]
+        self.d_pending, _ = fit_context(dcache, self.seq, self.d_pending, extra=k_round - 1)  # feeds x_0..x_{k-2}
         k_round = min(k_round, dcache.max_len - dcache.length - len(self.d_pending) + 1)
         self.t_base = tcache.length + len(self.t_pending)  # the drafts start here in the target's cache
         self.d_base = dcache.length + len(self.d_pending)  # and here in the draft's
@@ -367,14 +378,18 @@ class SequenceState:
 # the decoding loop
 
 
-def speculative_generate(target, draft, prompt_ids, max_new_tokens, k=4, temperature=1.0, top_k=None,
-                         top_p=None, seed=0) -> tuple[list[int], SpecStats]:  # fmt: skip
+def speculative_generate(
+    target, draft, prompt_ids, max_new_tokens, k=4, temperature=1.0, top_k=None, top_p=None, seed=0,
+    cache=None, draft_cache=None,
+) -> GenerationResult:
     """Generate with the target's distribution, drafting k tokens per target forward pass.
 
     ``target`` and ``draft``: anything with ``config`` (vocab_size, block_size) and
     ``forward(idx (1, T), cache) -> logits (1, T, V)`` (a GPT, or a ``drafts.BigramDraft``).
     Sampling options are those of ``minillm.generate``; temperature 0 is greedy and gives exactly
-    ``generate(target, ...)``'s tokens. Returns (new tokens, SpecStats).
+    ``generate(target, ...)``'s tokens. ``cache``, ``draft_cache``: the decode caches to use (reset
+    first; a KVCache of each model's block_size otherwise). Returns a ``GenerationResult`` whose
+    stats are a ``SpecStats``.
 
     Each model keeps a KVCache plus a list of *pending* tokens it has not seen yet; a forward call
     feeds only those (the first round's pending list is the prompt, so the target's prefill and
@@ -383,10 +398,13 @@ def speculative_generate(target, draft, prompt_ids, max_new_tokens, k=4, tempera
     truncated to keep only accepted tokens. The reference that makes the same random draws without
     caches is ``speculative_generate_naive``.
     """
-    prompt_ids = _check_args(target, draft, prompt_ids, max_new_tokens, k)
+    prompt_ids = check_speculative_args(target, draft, prompt_ids, max_new_tokens, k)
+    settings = SamplingSettings(temperature, top_k, top_p)
     rng = np.random.default_rng(seed)
     stats = SpecStats(k=k, prompt_tokens=len(prompt_ids))
-    state = SequenceState.start(prompt_ids, max_new_tokens, KVCache(target.config), KVCache(draft.config))
+    tcache = KVCache(target.config) if cache is None else cache
+    dcache = KVCache(draft.config) if draft_cache is None else draft_cache
+    state = SequenceState.start(prompt_ids, max_new_tokens, tcache, dcache)
     t0 = time.perf_counter()
     while not state.done:
         k_round = state.plan(k, stats)  # pass 1: make room
@@ -397,7 +415,7 @@ def speculative_generate(target, draft, prompt_ids, max_new_tokens, k=4, tempera
             logits = draft.forward(xp.asarray([state.d_pending]), state.dcache)[0, -1]  # (V,)
             stats.draft_calls += 1
             for i in range(k_round):
-                token, q = _propose(logits, temperature, top_k, top_p, rng)
+                token, q = propose(logits, settings, rng)
                 drafts.append(token)
                 q_rows.append(q)
                 if i < k_round - 1:  # the last proposal's logits are not needed this round
@@ -407,7 +425,7 @@ def speculative_generate(target, draft, prompt_ids, max_new_tokens, k=4, tempera
         # pass 3: the target scores pending + drafts in ONE forward: rows for positions x_0..x_k
         logits = target.forward(xp.asarray([state.t_pending + drafts]), state.tcache)[0, -(k_round + 1) :]
         stats.target_calls += 1
-        emitted, n = _judge(drafts, q_rows, logits, temperature, top_k, top_p, rng)
+        emitted, n = judge(drafts, q_rows, logits, settings, rng)
 
         state.commit(drafts, emitted, n)  # pass 4: roll back past the first rejected draft
         stats.record_round(k_round, n)
@@ -415,26 +433,20 @@ def speculative_generate(target, draft, prompt_ids, max_new_tokens, k=4, tempera
         t1 = time.perf_counter()
         stats.round_times_s.append(t1 - t0)
         t0 = t1
-    return _finish(stats, state.seq, len(prompt_ids))
+    return stats.finish(state.new_tokens)
 
 
-def _finish(stats, seq, n_prompt):
-    new = seq[n_prompt:]
-    stats.new_tokens = len(new)
-    stats.total_s = float(sum(stats.round_times_s))
-    stats.ttft_s = stats.round_times_s[0] if stats.round_times_s else 0.0
-    return new, stats
-
-
-def speculative_generate_naive(target, draft, prompt_ids, max_new_tokens, k=4, temperature=1.0,
-                               top_k=None, top_p=None, seed=0) -> tuple[list[int], SpecStats]:  # fmt: skip
+def speculative_generate_naive(
+    target, draft, prompt_ids, max_new_tokens, k=4, temperature=1.0, top_k=None, top_p=None, seed=0,
+) -> GenerationResult:
     """The reference for ``speculative_generate``: the same rounds and random draws, no caches.
 
     Every forward runs the whole sequence, so there is nothing to roll back; the fast loop must
     give the same tokens at the same seed. Contexts must fit: len(prompt) + max_new_tokens <=
     block_size of both models.
     """
-    prompt_ids = _check_args(target, draft, prompt_ids, max_new_tokens, k)
+    prompt_ids = check_speculative_args(target, draft, prompt_ids, max_new_tokens, k)
+    settings = SamplingSettings(temperature, top_k, top_p)
     limit = min(target.config.block_size, draft.config.block_size)
     if len(prompt_ids) + max_new_tokens > limit:
         raise ValueError(
@@ -450,17 +462,16 @@ def speculative_generate_naive(target, draft, prompt_ids, max_new_tokens, k=4, t
         k_round = min(k, stop - len(seq) - 1)
         drafts, q_rows = [], []
         for _ in range(k_round):
-            token, q = _propose(draft.forward(xp.asarray([seq + drafts]))[0, -1], temperature, top_k,
-                                top_p, rng)  # fmt: skip
+            token, q = propose(draft.forward(xp.asarray([seq + drafts]))[0, -1], settings, rng)
             drafts.append(token)
             q_rows.append(q)
             stats.draft_calls += 1
         logits = target.forward(xp.asarray([seq + drafts]))[0, -(k_round + 1) :]  # (k + 1, V)
         stats.target_calls += 1
-        emitted, n = _judge(drafts, q_rows, logits, temperature, top_k, top_p, rng)
+        emitted, n = judge(drafts, q_rows, logits, settings, rng)
         seq += emitted
         stats.record_round(k_round, n)
         t1 = time.perf_counter()
         stats.round_times_s.append(t1 - t0)
         t0 = t1
-    return _finish(stats, seq, len(prompt_ids))
+    return stats.finish(seq[len(prompt_ids) :])

@@ -79,22 +79,21 @@ def batch_matches_alone(target, draft, prompts, n_new, ks=(1, 4), temperature=0.
     rejected and draft calls; the adaptive policy's tokens too when greedy.
     """
     seeds = sequence_seeds(0, len(prompts))
-    outs, _ = generate_batch(target, prompts, n_new, temperature=temperature)
+    outs = generate_batch(target, prompts, n_new, temperature=temperature).tokens
     if outs != [generate(target, p, n_new, temperature=temperature, seed=s).tokens for p, s in zip(prompts, seeds)]:
         return False
     for k in ks:
         alone = [speculative_generate(target, draft, p, n_new, k=k, temperature=temperature, seed=s)
                  for p, s in zip(prompts, seeds)]  # fmt: skip
-        outs, stats, _ = speculative_generate_batch(target, draft, prompts, n_new, k=k, temperature=temperature)
-        if outs != [o for o, _ in alone]:
+        batch = speculative_generate_batch(target, draft, prompts, n_new, k=k, temperature=temperature)
+        if batch.tokens != [r.tokens for r in alone]:
             return False
-        counts = [(s.accepted, s.rejected, s.draft_calls, s.reprefills) for s in stats]
-        if counts != [(s.accepted, s.rejected, s.draft_calls, s.reprefills) for _, s in alone]:
+        counts = [(r.stats.accepted, r.stats.rejected, r.stats.draft_calls, r.stats.reprefills) for r in batch.rows]
+        if counts != [(r.stats.accepted, r.stats.rejected, r.stats.draft_calls, r.stats.reprefills) for r in alone]:
             return False
         if temperature == 0:
-            outs, _, _ = speculative_generate_batch(target, draft, prompts, n_new, k=k, temperature=0,
-                                                    policy="adaptive")  # fmt: skip
-            if outs != [o for o, _ in alone]:
+            adaptive = speculative_generate_batch(target, draft, prompts, n_new, k=k, temperature=0, policy="adaptive")
+            if adaptive.tokens != [r.tokens for r in alone]:
                 return False
     return True
 
@@ -116,9 +115,9 @@ def test_pad_batch_uniform_rows_need_no_padding():
     assert idx.tolist() == [[1, 2], [3, 4]] and counts == [2, 2]
 
 
-def ragged_setup(model, cached, new, block_size=4):
+def ragged_setup(model, cached, new, page_size=4):
     """A cache holding sequences of lengths len(cached[b]); one ragged forward of new[b] tokens each."""
-    cache = PagedKVCache(model.config, num_blocks=40, page_size=block_size)
+    cache = PagedKVCache(model.config, num_blocks=40, page_size=page_size)
     seqs = [cache.add_sequence() for _ in cached]
     for s, tokens in zip(seqs, cached):
         if tokens:
@@ -202,19 +201,23 @@ def test_generate_batch_equals_generate_alone(pair, temperature, top_k, top_p):
     token for token, with one batched forward per step."""
     target, _ = pair
     kw = dict(temperature=temperature, top_k=top_k, top_p=top_p)
-    outs, stats = generate_batch(target, PROMPTS, 30, **kw)
-    for p, s, out in zip(PROMPTS, sequence_seeds(0, len(PROMPTS)), outs):
-        assert out == generate(target, p, 30, seed=s, **kw).tokens
+    result = generate_batch(target, PROMPTS, 30, **kw)
+    for p, s, row in zip(PROMPTS, sequence_seeds(0, len(PROMPTS)), result.rows):
+        alone = generate(target, p, 30, seed=s, **kw)
+        assert row.tokens == alone.tokens and row.stats.reprefills == alone.stats.reprefills
+        assert row.stats.prompt_tokens == len(p) and row.stats.new_tokens == 30 and len(row.stats.step_times_s) == 30
+    stats = result.stats
     assert stats.target_calls == 30 and stats.new_tokens == 120 and stats.tokens_per_s > 0
+    assert result.rows[-1].stats.reprefills > 0  # the 20-token prompt passes the 32-token context
 
 
 def test_generate_batch_rows_are_independent_draws(pair):
     """The same prompt twice in a batch gives two different samples (one generator per row), and a
     batch of one is generate() with seed sequence_seeds(seed, 1)[0]."""
     target, _ = pair
-    outs, _ = generate_batch(target, [[1, 2], [1, 2]], 20, temperature=1.0, seed=4)
+    outs = generate_batch(target, [[1, 2], [1, 2]], 20, temperature=1.0, seed=4).tokens
     assert outs[0] != outs[1]
-    one, _ = generate_batch(target, [[1, 2]], 20, temperature=1.0, seed=4)
+    one = generate_batch(target, [[1, 2]], 20, temperature=1.0, seed=4).tokens
     assert one[0] == generate(target, [1, 2], 20, temperature=1.0, seed=sequence_seeds(4, 1)[0]).tokens
 
 
@@ -224,7 +227,9 @@ def test_generate_batch_bad_input(pair):
         generate_batch(target, [], 5)
     with pytest.raises(ValueError, match="prompt"):
         generate_batch(target, [[1], []], 5)
-    assert generate_batch(target, [[1], [2, 3]], 0)[0] == [[], []]
+    assert generate_batch(target, [[1], [2, 3]], 0).tokens == [[], []]
+    with pytest.raises(ValueError, match="temperature"):
+        generate_batch(target, [[1]], 5, temperature=float("nan"))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -237,8 +242,9 @@ def test_spec_rows_greedy_equal_alone(pair):
     per-row accepted, rejected, draft-call and re-prefill counts are those of the row alone."""
     target, draft = pair
     assert batch_matches_alone(target, draft, PROMPTS, 30, ks=(1, 4))
-    outs, stats, batch = speculative_generate_batch(target, draft, PROMPTS, 30, k=4, temperature=0)
-    for p, out in zip(PROMPTS, outs):
+    result = speculative_generate_batch(target, draft, PROMPTS, 30, k=4, temperature=0)
+    stats = [row.stats for row in result.rows]
+    for p, out in zip(PROMPTS, result.tokens):
         assert out == generate(target, p, 30, temperature=0).tokens
     assert len({s.accepted for s in stats}) > 1 and all(s.rejected > 0 for s in stats)  # ragged acceptance
     assert stats[-1].reprefills > 0
@@ -250,17 +256,18 @@ def test_spec_rows_sampled_draws_equal_alone(pair):
     target, draft = pair
     assert batch_matches_alone(target, draft, PROMPTS, 24, ks=(3,), temperature=1.0)
     seeds = sequence_seeds(7, len(PROMPTS))
-    outs, _, _ = speculative_generate_batch(target, draft, PROMPTS, 24, k=2, temperature=0.8, top_k=5, seed=7)
+    outs = speculative_generate_batch(target, draft, PROMPTS, 24, k=2, temperature=0.8, top_k=5, seed=7).tokens
     for p, s, out in zip(PROMPTS, seeds, outs):
-        assert out == speculative_generate(target, draft, p, 24, k=2, temperature=0.8, top_k=5, seed=s)[0]
+        assert out == speculative_generate(target, draft, p, 24, k=2, temperature=0.8, top_k=5, seed=s).tokens
 
 
 def test_spec_rows_bonus_token_every_round_when_draft_is_target(pair):
     """draft == target: every draft is accepted, so every round of every row ends with a bonus
     token: K + 1 = 5 tokens per target call, 5 rounds for 25 tokens, for rows of any length."""
     target, _ = pair
-    outs, stats, batch = speculative_generate_batch(target, target, PROMPTS[:3], 25, k=4, temperature=0)
-    for p, out, s in zip(PROMPTS, outs, stats):
+    result = speculative_generate_batch(target, target, PROMPTS[:3], 25, k=4, temperature=0)
+    batch = result.stats
+    for p, out, s in zip(PROMPTS, result.tokens, [row.stats for row in result.rows]):
         assert out == generate(target, p, 25, temperature=0).tokens
         assert s.alpha == 1.0 and s.target_calls == 5 and s.tokens_per_call == 5.0
     assert batch.target_calls == 5 and batch.rejected == 0 and batch.wasted_share == 0.0
@@ -299,8 +306,10 @@ def test_spec_rows_lossless_per_sequence():
     target, draft = peaked_pair(4, 16, 1, 8, scale=8, bits=2, seed=1)
     prompts = [[1], [2, 3, 0, 1]]
     rows = prompts * N_PER_PROMPT
-    outs, stats, batch = speculative_generate_batch(target, draft, rows, 3, k=2, temperature=1.0, seed=11,
-                                                    policy="adaptive", page_size=4)  # fmt: skip
+    result = speculative_generate_batch(
+        target, draft, rows, 3, k=2, temperature=1.0, seed=11, policy="adaptive", page_size=4
+    )
+    outs, stats = result.tokens, [row.stats for row in result.rows]
     assert 0.5 < sum(s.accepted for s in stats) / sum(s.checked for s in stats) < 0.95
     for g, prompt in enumerate(prompts):
         mine = np.array(outs[g :: len(prompts)])  # (N, 3)
@@ -321,7 +330,8 @@ def test_spec_rows_stats_add_up(pair):
     per round for all running rows, slots = kept + padded + rejected, and rows finish at different
     rounds (ragged acceptance), so later rounds run fewer rows."""
     target, draft = pair
-    outs, stats, batch = speculative_generate_batch(target, draft, PROMPTS, 20, k=3, temperature=1.0, seed=2)
+    result = speculative_generate_batch(target, draft, PROMPTS, 20, k=3, temperature=1.0, seed=2)
+    outs, stats, batch = result.tokens, [row.stats for row in result.rows], result.stats
     for out, s in zip(outs, stats):
         assert len(out) == s.new_tokens == 20 == s.accepted + s.rounds and s.target_calls == s.rounds
         assert s.total_s > 0 and len(s.round_times_s) == s.rounds
@@ -340,8 +350,10 @@ def test_spec_rows_bad_input(pair):
         speculative_generate_batch(target, draft, [], 5)
     with pytest.raises(ValueError, match="k"):
         speculative_generate_batch(target, draft, PROMPTS, 5, k=0)
-    outs, stats, _ = speculative_generate_batch(target, draft, [[1], [2, 3]], 1, k=4, temperature=0)
-    assert [len(o) for o in outs] == [1, 1] and all(s.proposed == 0 for s in stats)
+    result = speculative_generate_batch(target, draft, [[1], [2, 3]], 1, k=4, temperature=0)
+    assert [len(o) for o in result.tokens] == [1, 1] and all(row.stats.proposed == 0 for row in result.rows)
+    with pytest.raises(ValueError, match="temperature"):
+        speculative_generate_batch(target, draft, PROMPTS, 5, temperature=1e-320)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -382,9 +394,9 @@ def test_next_draft_length_drives_the_adaptive_policy(pair):
     rows draft different lengths in the same round, the shorter ones padded; each row's draft
     length follows next_draft_length of its previous round."""
     target, draft = pair
-    _, _, batch = speculative_generate_batch(target, target, PROMPTS[:3], 20, k=3, temperature=0, policy="adaptive")
+    batch = speculative_generate_batch(target, target, PROMPTS[:3], 20, k=3, temperature=0, policy="adaptive").stats
     assert all(k == 3 for ks, _ in batch.rounds for k in ks)
-    _, stats, batch = speculative_generate_batch(target, draft, PROMPTS, 30, k=4, temperature=0, policy="adaptive")
+    batch = speculative_generate_batch(target, draft, PROMPTS, 30, k=4, temperature=0, policy="adaptive").stats
     assert any(len(set(ks)) > 1 for ks, _ in batch.rounds) and batch.padded > 0
     for (ks, ns), (next_ks, _) in zip(batch.rounds, batch.rounds[1:]):
         if len(next_ks) == len(ks):  # no row finished: rows line up
@@ -423,13 +435,13 @@ def test_mistake_padding_leaking_into_attention_is_caught(pair, monkeypatch):
 def test_mistake_lost_bonus_token_is_caught(pair, monkeypatch):
     """A row whose drafts were all accepted drops its bonus token: caught."""
     target, draft = pair
-    real = bs._judge
+    real = bs.judge
 
     def judge_dropping_bonus(drafts, *args):
         emitted, n = real(drafts, *args)
         return (emitted[:-1], n) if 0 < n == len(drafts) else (emitted, n)
 
-    monkeypatch.setattr(bs, "_judge", judge_dropping_bonus)
+    monkeypatch.setattr(bs, "judge", judge_dropping_bonus)
     assert not batch_matches_alone(target, draft, PROMPTS[:3], 16, ks=(3,))
 
 

@@ -1,4 +1,5 @@
-"""Chapter 3, the KV cache: cached generation is exact, and the classic mistakes are caught."""
+"""Chapter 3, the KV cache: cached generation is exact, the context policy keeps the cache's own
+window, prompt caching reuses only what the same model computed, and the classic mistakes are caught."""
 
 import numpy as np
 import pytest
@@ -10,6 +11,7 @@ from minillm import (
     GrowingKVCache,
     KVCache,
     PrefixCache,
+    fit_context,
     generate,
     generate_naive,
     kv_cache_bytes,
@@ -19,8 +21,8 @@ from minillm.backend import to_numpy
 # The tests that check each exercise, as pytest -k expressions (read by minillm.course; docs/instructors.md)
 EXERCISES = {
     "3.1": "(prefill_decode or overflow or preallocated or float32_throughout or bigger_head) and not Growing",
-    "3.2": "truncate and not Growing",
-    "3.3": "generation and not bad or reset or stats",
+    "3.2": "truncate",  # GrowingKVCache.truncate calls KVCache.truncate for the check and the length
+    "3.3": "generation and not bad or reset or stats or context_policy",
 }
 # Tests that also run other exercises' code, so they fail until those are solved (minillm.course)
 NEEDS = {("3.1", "3.3"): "prefix_cache"}
@@ -201,9 +203,74 @@ def test_prefix_cache_evicts_least_recently_used(tiny_model):
     pc = PrefixCache(max_entries=2)
     for prompt in ([1, 1, 1], [2, 2, 2], [3, 3, 3]):
         generate(tiny_model, prompt, 1, temperature=0, prefix_cache=pc)
-    assert list(pc.entries) == [(2, 2, 2), (3, 3, 3)]
-    assert pc.longest_prefix([1, 1, 1, 1]) == (None, 0)
-    assert pc.longest_prefix([3, 3, 3, 0]) == ((3, 3, 3), 3)
+    assert [tokens for _, tokens in pc.entries] == [(2, 2, 2), (3, 3, 3)]
+    assert pc.longest_prefix(tiny_model, [1, 1, 1, 1]) == (None, 0)
+    assert pc.longest_prefix(tiny_model, [3, 3, 3, 0]) == ((id(tiny_model), (3, 3, 3)), 3)
+
+
+def test_prefix_cache_hit_with_a_growing_cache(tiny_model):
+    """A prefix hit goes through the cache contract (it replays the stored keys and values with
+    positions/attend/advance), so it works with any decode cache: a GrowingKVCache gives the tokens
+    of a fresh run (writing cache.k[layer] directly would fail on its list of None)."""
+    system = [3, 1, 4, 1, 5, 9, 2, 6]
+    pc = PrefixCache()
+    for prompt in (system + [7], system + [8, 8]):
+        hit = generate(tiny_model, prompt, 8, temperature=0, prefix_cache=pc, cache=GrowingKVCache(tiny_model.config))
+    assert hit.stats.reused_prefix_tokens == len(system)
+    assert hit.tokens == generate(tiny_model, system + [8, 8], 8, temperature=0).tokens
+
+
+def test_prefix_cache_never_reuses_another_models_keys(tiny_config):
+    """Two models of the same shape: a prefix that model A filled is not reused for model B (its
+    keys and values would fit and be wrong): B's logits and tokens are those of B alone."""
+    a, b = GPT.init(tiny_config, seed=0), GPT.init(tiny_config, seed=1)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    pc = PrefixCache()
+    generate(a, prompt, 4, temperature=0, prefix_cache=pc)
+    alone = generate(b, prompt, 12, temperature=0)
+    shared = generate(b, prompt, 12, temperature=0, prefix_cache=pc)
+    assert shared.stats.reused_prefix_tokens == 0 and shared.tokens == alone.tokens
+    logits, reused = pc.prefill(b, prompt + [0], KVCache(tiny_config))  # now B's own prefix is cached
+    assert reused == len(prompt)
+    np.testing.assert_allclose(to_numpy(logits), to_numpy(b.forward(np.array([prompt + [0]])))[0, -1], atol=1e-4)
+
+
+# ----------------------------------------------------------------------------------------------
+# the context policy: fit_context, the one function every decoding loop uses
+
+
+def test_context_policy_worked_examples(tiny_config):
+    """Pending tokens that fit are fed as they are; otherwise the cache is reset and the last
+    max_len // 2 tokens of the sequence are fed (the cache's max_len, not the model's block_size);
+    a prompt longer than the window starts the same way but is not counted as a re-prefill."""
+    seq = list(range(20))
+    cache = KVCache(tiny_config, max_len=8)
+    assert fit_context(cache, seq, seq) == (seq[-4:], False)  # a prompt longer than the window
+    cache.advance(5)
+    assert fit_context(cache, seq, [18, 19]) == ([18, 19], False) and cache.length == 5
+    assert fit_context(cache, seq, [18, 19], extra=2) == (seq[-4:], True) and cache.length == 0
+    cache.advance(8)
+    assert fit_context(cache, seq, [19]) == (seq[-4:], True) and cache.length == 0
+    one = KVCache(tiny_config, max_len=1)
+    one.advance(1)
+    assert fit_context(one, seq, [19]) == ([19], True)  # at least one token
+
+
+def test_context_policy_follows_the_caches_max_len(tiny_model, monkeypatch):
+    """generate with a cache of max_len 10 (the model's context is 32): no CacheFullError, and one
+    re-prefill of 10 // 2 = 5 tokens every 5 tokens, not one at every step (a window of
+    block_size // 2 = 16 does not fit in the cache; a window of max_len re-prefills every step)."""
+    sizes, forward = [], tiny_model.forward
+
+    def counting(idx, cache=None):
+        sizes.append(idx.shape[1])
+        return forward(idx, cache)
+
+    monkeypatch.setattr(tiny_model, "forward", counting)
+    result = generate(tiny_model, [1, 2, 3], 200, temperature=0, cache=KVCache(tiny_model.config, max_len=10))
+    assert len(result.tokens) == 200
+    assert sizes == [3] + [1] * 7 + ([5] + [1] * 5) * 32  # prefill, decode to 10 cached, then every 6 steps
+    assert result.stats.reprefills == 32
 
 
 def test_float32_throughout(tiny_model):

@@ -1,9 +1,13 @@
-"""logits -> probabilities (temperature, top-k, top-p) and probabilities -> token."""
+"""logits -> probabilities (temperature, top-k, top-p) and probabilities -> token, under one
+SamplingSettings object that is checked once, when it is made."""
+
+import math
 
 import numpy as np
 import pytest
 
-from minillm.sampling import logits_to_probs, next_token, sample
+from minillm import sampling
+from minillm.sampling import MIN_TEMPERATURE, SamplingSettings, logits_to_probs, sample
 
 # The tests that check each exercise, as pytest -k expressions (read by minillm.course; docs/instructors.md)
 EXERCISES = {"1.1": "top_k", "1.2": "top_p"}
@@ -25,7 +29,8 @@ def test_greedy_one_hot_ties_go_to_the_first_maximum():
 def _next_token_equals_sample_of_logits_to_probs(**kw):
     logits = np.random.default_rng(3).normal(size=(50, 17))
     rng_a, rng_b = np.random.default_rng(9), np.random.default_rng(9)
-    got = [next_token(row, rng_a, **kw) for row in logits]
+    settings = SamplingSettings(**kw)
+    got = [settings.next_token(row, rng_a) for row in logits]
     assert got == [sample(logits_to_probs(row, **kw), rng_b) for row in logits], kw
     assert all(isinstance(t, int) for t in got)
 
@@ -35,10 +40,7 @@ def test_next_token_is_sample_of_logits_to_probs():
     for temperature in (0, 0.7, 1.0, 1.3):
         _next_token_equals_sample_of_logits_to_probs(temperature=temperature)
     logits = np.random.default_rng(4).normal(size=17)
-    assert len({next_token(logits, np.random.default_rng(s)) for s in range(30)}) > 1  # it does sample
-    for kw in ({"temperature": -1}, {"temperature": 0, "top_k": 0}, {"temperature": 0, "top_p": 2.0}):
-        with pytest.raises(ValueError):
-            next_token(logits, np.random.default_rng(0), **kw)
+    assert len({SamplingSettings().next_token(logits, np.random.default_rng(s)) for s in range(30)}) > 1
 
 
 def test_next_token_passes_top_k_and_top_p_on():
@@ -70,12 +72,57 @@ def test_top_p_keeps_smallest_set_reaching_p():
     np.testing.assert_allclose(logits_to_probs(logits, top_p=0.01), [1, 0, 0, 0])  # top token always kept
 
 
-def test_bad_sampling_arguments():
-    for kw in ({"temperature": -1}, {"top_k": 0}, {"top_p": 0.0}, {"top_p": 1.5}):
-        with pytest.raises(ValueError):
-            logits_to_probs(np.zeros(3), **kw)
+BAD_SETTINGS = {  # test id -> (arguments, the setting the error names); ids avoid the 1.1/1.2 keywords
+    "t_negative": ({"temperature": -1}, "temperature"),
+    "t_nan": ({"temperature": math.nan}, "temperature"),
+    "t_inf": ({"temperature": math.inf}, "temperature"),
+    "t_subnormal": ({"temperature": 1e-320}, "temperature"),  # logits / T overflow: NaN probabilities
+    "t_below_min": ({"temperature": MIN_TEMPERATURE / 2}, "temperature"),
+    "t_string": ({"temperature": "0.5"}, "temperature"),
+    "k_zero": ({"temperature": 0, "top_k": 0}, "top_k"),
+    "k_float": ({"top_k": 2.5}, "top_k"),
+    "k_bool": ({"top_k": True}, "top_k"),
+    "p_zero": ({"top_p": 0.0}, "top_p"),
+    "p_above_one": ({"top_p": 1.5}, "top_p"),
+    "p_nan": ({"top_p": math.nan}, "top_p"),
+}
+
+
+@pytest.mark.parametrize("kw,name", BAD_SETTINGS.values(), ids=BAD_SETTINGS.keys())
+def test_bad_sampling_settings_are_refused_when_made(kw, name):
+    """Each bad value is refused with a ValueError naming the setting, by SamplingSettings and by
+    logits_to_probs (which builds one); a NaN or subnormal temperature would otherwise emit token 0
+    for ever."""
+    with pytest.raises(ValueError, match=name):
+        SamplingSettings(**kw)
+    with pytest.raises(ValueError, match=name):
+        logits_to_probs(np.zeros(3), **kw)
+
+
+def test_good_sampling_settings_are_accepted():
+    """Greedy 0 (int or float), the smallest allowed temperature, NumPy scalars, top_k = V, top_p = 1."""
+    logits = np.array([1.0, 3.0, 2.0])
+    good = [{"temperature": 0}, {"temperature": MIN_TEMPERATURE}, {"temperature": np.float32(0.7)}]
+    for kw in good + [{"top_k": np.int64(3)}, {"top_p": 1.0}]:
+        probs = SamplingSettings(**kw).probs(logits)
+        assert np.all(np.isfinite(probs)) and probs.sum() == pytest.approx(1.0)
+    assert SamplingSettings(MIN_TEMPERATURE).probs(logits).tolist() == [0, 1, 0]  # greedy in all but name
     with pytest.raises(TypeError, match="Generator"):
         sample(np.ones(3) / 3, 0)
+
+
+def test_settings_are_frozen_and_checked_once(tiny_model, monkeypatch):
+    """A loop makes one SamplingSettings at its entry and reuses it for every token: 20 tokens, one
+    check. The object cannot be changed afterwards (it would skip the check)."""
+    from minillm import generate_naive
+
+    made = []
+    check = SamplingSettings.__post_init__
+    monkeypatch.setattr(sampling.SamplingSettings, "__post_init__", lambda self: made.append(check(self)))
+    generate_naive(tiny_model, [1, 2], 20, temperature=0.8, seed=0)
+    assert len(made) == 1
+    with pytest.raises(AttributeError):
+        SamplingSettings().temperature = -1
 
 
 def test_sample_frequencies_and_never_zero_probability():

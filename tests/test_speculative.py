@@ -6,9 +6,9 @@ Test names map to the chapter's exercises (5.2 builds on 5.1; the rest stand alo
     test_loop_*       speculative_generate (needs 5.1-5.3), test_shipped_* the trained pair
 
 Statistical tests run at a fixed seed (deterministic) and reject at level P_MIN = 1e-3. Every
-check that guards against a classic mistake is also run on a deliberately wrong version defined
-in this file, and the test asserts that the check rejects it: a check that cannot fail proves
-nothing.
+check that guards against a classic mistake is also run on a deliberately wrong version (the real
+function with the mistake planted around it), and the test asserts that the check rejects it: a
+check that cannot fail proves nothing.
 """
 
 import numpy as np
@@ -44,11 +44,11 @@ EXERCISES = {
     "5.4": "theory and not rejects",
 }
 # Tests that also run other exercises' code, so they fail until those are solved (minillm.course)
-NEEDS = {  # speculative_generate runs the KV cache (3.1, 3.2), verify (5.1, 5.2) and verify_greedy (5.3)
+NEEDS = {  # speculative_generate runs the KV cache (3.1-3.3), verify (5.1, 5.2) and verify_greedy (5.3)
     ("3.1", "3.2", "3.3", "5.1", "5.2", "5.3"): (
         "loop and not alpha_counts or draft_is or quantized or shipped_sampling or shipped_demo"
     ),
-    "5.1": "reseeded_generator",  # a wrong verify that still draws from the real residual
+    ("5.1", "5.2"): "catches_classic",  # the classic mistakes are planted around the real verify
 }
 
 
@@ -162,38 +162,25 @@ CASES = ["random", "k1", "p_equals_q", "disjoint", "p_mass_where_q_none", "q_mas
 
 
 # ----------------------------------------------------------------------------------------------
-# deliberately wrong versions of verify (the classic mistakes), self-contained on purpose
-
-
-def _residual(p, q):
-    r = np.maximum(p - q, 0.0)
-    return r / r.sum()
+# deliberately wrong versions of verify (the classic mistakes), planted around the real one
 
 
 def verify_missing_bonus(draft_tokens, q, p, rng):
-    """Wrong: when all K drafts are accepted, forgets the bonus token from p_K."""
-    for i, x in enumerate(draft_tokens):
-        if rng.random() >= min(1.0, p[i, x] / q[i, x]):
-            return list(draft_tokens[:i]) + [sample(_residual(p[i], q[i]), rng)], i
-    return list(draft_tokens), len(draft_tokens)
+    """Wrong: when all K drafts are accepted, the bonus token from p_K is dropped."""
+    out, n = verify(draft_tokens, q, p, rng)
+    return (out[:-1], n) if n == len(draft_tokens) else (out, n)
 
 
 def verify_resample_from_p(draft_tokens, q, p, rng):
     """Wrong: after a rejection, draws from p instead of the residual max(0, p - q)."""
-    for i, x in enumerate(draft_tokens):
-        if rng.random() >= min(1.0, p[i, x] / q[i, x]):
-            return list(draft_tokens[:i]) + [sample(p[i], rng)], i
-    return list(draft_tokens) + [sample(p[-1], rng)], len(draft_tokens)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(spec, "residual_distribution", lambda p_i, q_i: np.asarray(p_i))
+        return verify(draft_tokens, q, p, rng)
 
 
-def verify_unnormalized_residual(draft_tokens, q, p, rng):
-    """Wrong: inverts the CDF of max(0, p - q) without dividing by its total mass."""
-    for i, x in enumerate(draft_tokens):
-        if rng.random() >= min(1.0, p[i, x] / q[i, x]):
-            cdf = np.cumsum(np.maximum(p[i] - q[i], 0.0))  # ends below 1
-            y = min(int(np.searchsorted(cdf, rng.random(), side="right")), len(cdf) - 1)
-            return list(draft_tokens[:i]) + [y], i
-    return list(draft_tokens) + [sample(p[-1], rng)], len(draft_tokens)
+def verify_swapped_roles(draft_tokens, q, p, rng):
+    """Wrong: target and draft mixed up: accepts with min(1, q/p) and resamples from max(0, q - p)."""
+    return verify(draft_tokens, p[:-1], np.vstack([q, p[-1:]]), rng)
 
 
 def verify_reseeded(draft_tokens, q, p, rng):
@@ -201,23 +188,12 @@ def verify_reseeded(draft_tokens, q, p, rng):
     return verify(draft_tokens, q, p, np.random.default_rng(1234))
 
 
-def residual_unguarded(p, q):
-    """Wrong: max(0, p - q) / sum, which is 0/0 = NaN when p <= q everywhere."""
-    r = np.maximum(np.asarray(p) - np.asarray(q), 0.0)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        return r / r.sum()
-
-
 def verify_greedy_by_ratio(draft_tokens, target_logits):
     """Wrong: the sampling rule at temperature 0, accepting x with probability p(x)/q(x), where
     q is the one-hot greedy draft and p the target's softmax; a rejection draws from the residual."""
-    rng = np.random.default_rng(len(draft_tokens))
     p = logits_to_probs(target_logits, temperature=1.0)
-    for i, x in enumerate(draft_tokens):
-        if rng.random() >= p[i, x]:
-            q = np.eye(p.shape[1])[x]
-            return list(draft_tokens[:i]) + [sample(_residual(p[i], q), rng)], i
-    return list(draft_tokens) + [int(p[-1].argmax())], len(draft_tokens)
+    q = np.eye(p.shape[1])[np.asarray(draft_tokens, dtype=np.int64)]  # (K, V): the greedy draft's one-hot rows
+    return verify(draft_tokens, q, p, np.random.default_rng(len(draft_tokens)))
 
 
 # ----------------------------------------------------------------------------------------------
@@ -236,8 +212,8 @@ def test_rejection_each_position_matches_target(name):
 
 @pytest.mark.parametrize(
     "wrong",
-    [verify_missing_bonus, verify_resample_from_p, verify_unnormalized_residual, verify_reseeded],
-    ids=["missing_bonus", "resample_from_p", "unnormalized_residual", "reseeded_generator"],
+    [verify_missing_bonus, verify_resample_from_p, verify_swapped_roles, verify_reseeded],
+    ids=["missing_bonus", "resample_from_p", "swapped_roles", "reseeded_generator"],
 )
 def test_rejection_check_catches_classic_mistakes(wrong):
     """The check above rejects each classic wrong verify (so passing it means something)."""
@@ -347,13 +323,13 @@ def test_residual_is_a_distribution():
 @pytest.mark.parametrize("p_minus", [0.0, 1e-16], ids=["equal", "rounding"])
 def test_residual_no_nan_when_nothing_is_left(p_minus):
     """p == q (or p below q by rounding) leaves an all-zero residual: the result is p, finite,
-    summing to one; the unguarded division gives NaN."""
+    summing to one, where dividing the all-zero max(0, p - q) by its sum would give 0/0 = NaN."""
     q = np.array([0.3, 0.7])
     p = np.array([0.3 - p_minus, 0.7])
     r = residual_distribution(p, q)
     assert np.all(np.isfinite(r)) and r.sum() == pytest.approx(1.0)
     np.testing.assert_allclose(r, p / p.sum())
-    assert np.isnan(residual_unguarded(p, q)).all()
+    assert np.maximum(p - q, 0.0).sum() == 0
 
 
 # ----------------------------------------------------------------------------------------------
@@ -423,8 +399,7 @@ def greedy_matches(target, draft, prompts, ks, n_new) -> bool:
     for prompt in prompts:
         ref = generate(target, prompt, n_new, temperature=0).tokens
         for k in ks:
-            out, _ = speculative_generate(target, draft, prompt, n_new, k=k, temperature=0)
-            if out != ref:
+            if speculative_generate(target, draft, prompt, n_new, k=k, temperature=0).tokens != ref:
                 return False
     return True
 
@@ -450,7 +425,7 @@ def test_greedy_identical_to_target_greedy(pair):
     both re-prefill the same half window."""
     target, draft = pair
     for k in range(1, 9):
-        _, stats = speculative_generate(target, draft, PROMPTS[1], 48, k=k, temperature=0)
+        stats = speculative_generate(target, draft, PROMPTS[1], 48, k=k, temperature=0).stats
         assert stats.rejected > 0 and stats.accepted > 0 and stats.reprefills > 0
     assert greedy_matches(target, draft, PROMPTS, range(1, 9), 48)
 
@@ -466,8 +441,9 @@ def test_greedy_check_catches_ratio_acceptance(pair, monkeypatch):
 def test_greedy_with_the_target_as_its_own_draft(pair):
     """draft == target: every proposal is accepted, alpha = 1, K + 1 tokens per target call."""
     target, _ = pair
-    out, stats = speculative_generate(target, target, [1, 2], 25, k=4, temperature=0)
-    assert out == generate(target, [1, 2], 25, temperature=0).tokens
+    result = speculative_generate(target, target, [1, 2], 25, k=4, temperature=0)
+    stats = result.stats
+    assert result.tokens == generate(target, [1, 2], 25, temperature=0).tokens
     assert stats.alpha == 1.0 and stats.target_calls == 5 and stats.tokens_per_call == 5.0
 
 
@@ -486,9 +462,10 @@ def test_loop_matches_naive_reference(pair, k, temperature, top_k, top_p):
     target, draft = pair
     for seed in range(3):
         kw = dict(k=k, temperature=temperature, top_k=top_k, top_p=top_p, seed=seed)
-        fast, fs = speculative_generate(target, draft, [3, 1, 4], 26, **kw)
-        ref, rs = speculative_generate_naive(target, draft, [3, 1, 4], 26, **kw)
-        assert fast == ref
+        fast = speculative_generate(target, draft, [3, 1, 4], 26, **kw)
+        ref = speculative_generate_naive(target, draft, [3, 1, 4], 26, **kw)
+        fs, rs = fast.stats, ref.stats
+        assert fast.tokens == ref.tokens
         assert (fs.accepted, fs.rejected, fs.target_calls) == (rs.accepted, rs.rejected, rs.target_calls)
 
 
@@ -496,9 +473,9 @@ def rollback_check(target, draft) -> bool:
     """The rollback check: the cached loop agrees with the naive reference (tokens and accepted
     counts) at temperature 1 and at temperature 0."""
     for temperature in (1.0, 0.0):
-        fast, fs = speculative_generate(target, draft, [3, 1, 4], 26, k=4, temperature=temperature)
-        ref, rs = speculative_generate_naive(target, draft, [3, 1, 4], 26, k=4, temperature=temperature)
-        if fast != ref or fs.accepted != rs.accepted:
+        fast = speculative_generate(target, draft, [3, 1, 4], 26, k=4, temperature=temperature)
+        ref = speculative_generate_naive(target, draft, [3, 1, 4], 26, k=4, temperature=temperature)
+        if fast.tokens != ref.tokens or fast.stats.accepted != ref.stats.accepted:
             return False
     return True
 
@@ -531,8 +508,9 @@ def test_loop_stats_are_consistent(pair):
     """Counters add up: tokens = accepted + rounds, proposed = sum of k per round, one target call
     per round, alpha = accepted / checked and per-position counts sum to the totals."""
     target, draft = pair
-    out, s = speculative_generate(target, draft, [1, 2, 3], 20, k=4, temperature=1.0, seed=3)
-    assert len(out) == s.new_tokens == 20 == s.accepted + s.rounds
+    result = speculative_generate(target, draft, [1, 2, 3], 20, k=4, temperature=1.0, seed=3)
+    s = result.stats
+    assert len(result.tokens) == s.new_tokens == 20 == s.accepted + s.rounds
     assert s.target_calls == s.rounds and s.checked == s.accepted + s.rejected
     assert sum(s.accepted_at) == s.accepted and sum(s.reached_at) == s.checked
     assert s.alpha == pytest.approx(s.accepted / s.checked)
@@ -553,11 +531,11 @@ def test_loop_alpha_counts_checked_tokens_only():
 def test_loop_edge_cases(pair):
     """max_new_tokens 0 and 1, k larger than the output, and bad arguments."""
     target, draft = pair
-    assert speculative_generate(target, draft, [1], 0, k=4)[0] == []
-    out, s = speculative_generate(target, draft, [1], 1, k=4, temperature=0)
-    assert out == generate(target, [1], 1, temperature=0).tokens and s.proposed == 0
-    out, s = speculative_generate(target, draft, [1], 3, k=8, temperature=0)
-    assert len(out) == 3 and s.proposed <= 3  # rounds never draft past the last token
+    assert speculative_generate(target, draft, [1], 0, k=4).tokens == []
+    result = speculative_generate(target, draft, [1], 1, k=4, temperature=0)
+    assert result.tokens == generate(target, [1], 1, temperature=0).tokens and result.stats.proposed == 0
+    result = speculative_generate(target, draft, [1], 3, k=8, temperature=0)
+    assert len(result.tokens) == 3 and result.stats.proposed <= 3  # rounds never draft past the last token
     with pytest.raises(ValueError, match="prompt"):
         speculative_generate(target, draft, [], 5)
     with pytest.raises(ValueError, match="k"):
@@ -565,6 +543,23 @@ def test_loop_edge_cases(pair):
     other = GPT.init(GPTConfig(vocab_size=7, block_size=32, n_layer=1, n_head=1, n_embd=8))
     with pytest.raises(ValueError, match="vocabulary"):
         speculative_generate(target, other, [1], 5)
+    for bad in (float("nan"), 1e-320, -1.0):
+        with pytest.raises(ValueError, match="temperature"):
+            speculative_generate(target, draft, [1], 5, temperature=bad)
+
+
+@pytest.mark.parametrize("k", [1, 3, 8])
+def test_loop_context_policy_with_caches_smaller_than_the_context(pair, k):
+    """Caches of max_len 12 (target) and 9 (draft) in a 32-token context: greedy speculative output
+    is generate(target)'s with the same cache, token for token, with as many re-prefills (both use
+    fit_context, whose window is the cache's max_len // 2), for prompts shorter and longer than 12."""
+    target, draft = pair
+    for prompt in PROMPTS:
+        caches = dict(cache=KVCache(target.config, max_len=12), draft_cache=KVCache(draft.config, max_len=9))
+        ref = generate(target, prompt, 40, temperature=0, cache=KVCache(target.config, max_len=12))
+        got = speculative_generate(target, draft, prompt, 40, k=k, temperature=0, **caches)
+        assert got.tokens == ref.tokens
+        assert got.stats.reprefills == ref.stats.reprefills > 0
 
 
 def test_loop_logits_stay_float32(pair):
@@ -583,6 +578,46 @@ def test_loop_logits_stay_float32(pair):
 
     speculative_generate(Spy(target), Spy(draft), [1, 2], 10, k=3, temperature=1.0)
     assert seen and all(d == np.float32 for d in seen)
+
+
+def first_two_tokens(target, draft, prompt, n, temperature):
+    """n seeded runs of 3 tokens with k = 2 (the first round goes through accept, residual and
+    bonus) -> (first tokens, first pairs as a * V + b, the target's p(a | prompt) (V,), and its
+    joint p(a | prompt) p(b | prompt + a) (V * V,))."""
+    V = target.config.vocab_size
+    runs = [speculative_generate(target, draft, prompt, 3, k=2, temperature=temperature, seed=s) for s in range(n)]
+    runs = [r.tokens for r in runs]
+    p_first = logits_to_probs(target.forward(np.array([prompt]))[0, -1], temperature=temperature)  # (V,)
+    both = np.array([prompt + [a] for a in range(V)])  # (V, T + 1): every first token at once
+    p_second = logits_to_probs(target.forward(both)[:, -1], temperature=temperature)  # (V, V)
+    joint = (p_first[:, None] * p_second).ravel()
+    return [r[0] for r in runs], [r[0] * V + r[1] for r in runs], p_first, joint
+
+
+def detection_power(probs, wrong, n) -> float:
+    """Power of chi2_pvalue at P_MIN with n samples drawn from ``wrong`` instead of ``probs``
+    (noncentral chi-square over the cells chi2_pvalue keeps)."""
+    big = probs * n >= MIN_EXPECTED
+    lam = n * np.sum((wrong[big] - probs[big]) ** 2 / probs[big])
+    df = int(big.sum())
+    return float(ncx2.sf(chi2.isf(P_MIN, df), df, lam))
+
+
+def test_loop_sampling_matches_target_distribution(pair):
+    """At temperature 0.8 the first two tokens of speculative generation have the target's joint
+    distribution p(a | prompt) p(b | prompt + a) over 13 x 13 cells, and the first token the target's
+    tempered softmax (chi-square, N = 2000 runs). N is enough for the wiring mistakes: emitting the
+    draft's distribution (a wrong logits row), or the target's untempered softmax (the temperature
+    transform skipped on one side), is detected at position 0 with power >= 0.99."""
+    target, draft = pair
+    prompt = [3, 1, 4]
+    firsts, pairs, p_first, joint = first_two_tokens(target, draft, prompt, 2000, temperature=0.8)
+    assert chi2_pvalue(firsts, p_first) >= P_MIN
+    assert chi2_pvalue(pairs, joint) >= P_MIN
+    q_first = logits_to_probs(draft.forward(np.array([prompt]))[0, -1], temperature=0.8)
+    untempered = logits_to_probs(target.forward(np.array([prompt]))[0, -1], temperature=1.0)
+    assert detection_power(p_first, q_first, len(firsts)) >= 0.99
+    assert detection_power(p_first, untempered, len(firsts)) >= 0.99
 
 
 # ----------------------------------------------------------------------------------------------
@@ -643,25 +678,17 @@ def test_shipped_greedy_identical(shipped_pair):
 
 @shipped
 def test_shipped_sampling_matches_target_distribution(shipped_pair):
-    """At temperature 1 the first two tokens of speculative generation (k = 2, so the first round
-    goes through accept, residual and bonus) have the target's joint distribution
-    p(a | prompt) p(b | prompt + a), and the first token alone the target's softmax (chi-square,
-    N = 1500 runs: enough for wiring mistakes such as scoring the wrong logits row or skipping the
-    temperature transform on one side; the 1% resolution is shown on small vocabularies above)."""
+    """The trained pair at temperature 1: the first two tokens (k = 2) have the target's joint
+    distribution and the first token the target's softmax (chi-square, N = 250 runs). The wiring
+    mistakes are resolved on the small pair (test_loop_sampling_matches_target_distribution); here
+    N = 250 still detects the draft's own distribution at position 0 with power >= 0.99."""
     target, draft, tok = shipped_pair
     prompt = tok.encode("DUKE VINCENTIO:\nAnd the")
-    V, n = target.config.vocab_size, 1500
-    firsts, pairs = [], []
-    for seed in range(n):
-        out, _ = speculative_generate(target, draft, prompt, 3, k=2, temperature=1.0, seed=seed)
-        firsts.append(out[0])
-        pairs.append(out[0] * V + out[1])
-    p_first = logits_to_probs(target.forward(np.array([prompt]))[0, -1])  # (V,)
-    both = np.array([prompt + [a] for a in range(V)])  # (V, T + 1): every first token at once
-    p_second = logits_to_probs(target.forward(both)[:, -1])  # (V, V): p(b | prompt + a)
-    joint = (p_first[:, None] * p_second).ravel()
+    firsts, pairs, p_first, joint = first_two_tokens(target, draft, prompt, 250, temperature=1.0)
     assert chi2_pvalue(firsts, p_first) >= P_MIN
     assert chi2_pvalue(pairs, joint) >= P_MIN
+    q_first = logits_to_probs(draft.forward(np.array([prompt]))[0, -1])
+    assert detection_power(p_first, q_first, len(firsts)) >= 0.99
 
 
 @shipped

@@ -11,6 +11,7 @@ TOPICS = {
     "paged": "minillm.benchmarks.paged",
     "batch-speculative": "minillm.benchmarks.batch_speculative",
     "threads": "minillm.benchmarks.threads",
+    "serving": "minillm.benchmarks.serving",
     "training-curves": "minillm.benchmarks.training",
 }
 

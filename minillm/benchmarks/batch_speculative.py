@@ -83,11 +83,11 @@ def batch_step_time(model, B, n_tokens, context=STEP_CONTEXT):
 def validate(target, draft, prompts, n_new, k, policies) -> str | None:
     """None if every batched row equals generate() alone (greedy), else what differs."""
     reference = [generate(target, p, n_new, temperature=0).tokens for p in prompts]
-    if generate_batch(target, prompts, n_new, temperature=0)[0] != reference:
+    if generate_batch(target, prompts, n_new, temperature=0).tokens != reference:
         return "generate_batch"
     for policy in policies:
-        outs, _, _ = speculative_generate_batch(target, draft, prompts, n_new, k=k, temperature=0, policy=policy)
-        if outs != reference:
+        result = speculative_generate_batch(target, draft, prompts, n_new, k=k, temperature=0, policy=policy)
+        if result.tokens != reference:
             return f"speculative_generate_batch, policy {policy}"
     return None
 
@@ -162,7 +162,8 @@ def main(argv: list[str]) -> int:
                 return speculative_generate_batch(target, draft, b, n_new, k=args.k, temperature=args.temperature,
                                                   policy=policy)  # fmt: skip
 
-            plain_s, wall, (_, stats, bst) = time_paired(plain, run, args.repeat)  # alternating runs
+            plain_s, wall, result = time_paired(plain, run, args.repeat)  # alternating runs
+            stats, bst = [row.stats for row in result.rows], result.stats
             plain_times.append(plain_s)
             per_call = float(np.mean([s.tokens_per_call for s in stats]))
             draft_steps = bst.draft_calls / bst.target_calls  # batched draft forwards per round

@@ -102,8 +102,9 @@ def run_speculative(target, draft, prompts, n_new, k, temperature):
     """Speculative generation over every prompt -> (token lists, pooled counters)."""
     outs, tot = [], dict(new=0, accepted=0, checked=0, calls=0)
     for i, prompt in enumerate(prompts):
-        out, s = speculative_generate(target, draft, prompt, n_new, k=k, temperature=temperature, seed=i)
-        outs.append(out)
+        result = speculative_generate(target, draft, prompt, n_new, k=k, temperature=temperature, seed=i)
+        s = result.stats
+        outs.append(result.tokens)
         tot["new"] += s.new_tokens
         tot["accepted"] += s.accepted
         tot["checked"] += s.checked
