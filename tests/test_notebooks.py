@@ -44,6 +44,7 @@ STILL_REACH_OUTSIDE = {
     "05_speculative_decoding.ipynb",
     "06_paged_attention.ipynb",
     "07_batched_speculative.ipynb",
+    "10_serving.ipynb",
 }
 
 
