@@ -24,17 +24,23 @@ def images(outputs):
     return sum("image/png" in o.get("data", {}) for o in outputs)
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_committed_notebook_has_every_figure_and_no_error(path):
-    """The committed notebook is the one a student reads first: every cell that draws shows its figure
-    (an unexecuted or MPLBACKEND=Agg run leaves none), and no cell shows an error."""
+def committed_defects(path):
+    """What a reader of the committed notebook would miss: cells with an error output, cells that draw
+    but show no image (an unexecuted or MPLBACKEND=Agg run leaves none)."""
     cells = committed_outputs(path)
     errors = [i for i, _, outputs in cells if any(o["output_type"] == "error" for o in outputs)]
-    assert not errors, f"{path.name}: cells {errors} are committed with an error output"
-    drawing = [i for i, source, _ in cells if DRAWS.search(source)]
     blank = [i for i, source, outputs in cells if DRAWS.search(source) and images(outputs) == 0]
-    assert not blank, f"{path.name}: cells {blank} draw but are committed without an image"
-    assert sum(images(outputs) for _, _, outputs in cells) >= len(drawing)
+    return [f"cells {errors} show an error"] * bool(errors) + [f"cells {blank} draw but show no image"] * bool(blank)
+
+
+# One test over every notebook, not one per notebook: a chapter's grading selection `-k <notebook>`
+# names the notebook's execution test, which a student edition fails until the exercises are solved;
+# these checks read the committed files and pass there too.
+def test_committed_notebooks_have_every_figure_and_no_error():
+    """The committed notebook is the one a student reads first: every cell that draws shows its figure,
+    and no cell shows an error."""
+    defects = {p.name: d for p in NOTEBOOKS if (d := committed_defects(p))}
+    assert not defects, defects
 
 
 # Outside the package: a path hack, or an import of the test suite (absent from a copy of notebooks/).
@@ -48,14 +54,12 @@ STILL_REACH_OUTSIDE = {
 }
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
-def test_notebook_needs_only_minillm(path, request):
+def test_notebooks_need_only_minillm():
     """A notebook imports only minillm (and public packages), so it runs from any folder: a hosted
-    notebook, a copy of notebooks/, the student edition."""
-    if path.name in STILL_REACH_OUTSIDE:
-        request.applymarker(pytest.mark.xfail(reason="reaches outside the package", strict=False))
-    outside = [i for i, source, _ in committed_outputs(path) if OUTSIDE_THE_PACKAGE.search(source)]
-    assert not outside, f"{path.name}: cells {outside} reach outside the minillm package"
+    notebook, a copy of notebooks/, the student edition. STILL_REACH_OUTSIDE lists the notebooks
+    that do not yet; no other may start."""
+    outside = {p.name for p in NOTEBOOKS if any(OUTSIDE_THE_PACKAGE.search(src) for _, src, _ in committed_outputs(p))}
+    assert outside <= STILL_REACH_OUTSIDE, f"reach outside the minillm package: {sorted(outside - STILL_REACH_OUTSIDE)}"
 
 
 def test_figure_check_counts_what_it_should():
