@@ -190,7 +190,7 @@ def test_tiny_file_round_trip(tiny_file):
     for name, x in original.items():
         tol = {1: 0, 2: 0.02}[x.ndim] if "lm_head" not in name else 1e-3  # Q4_1 steps of ~0.01 here
         np.testing.assert_allclose(params[name], x, atol=tol, err_msg=name)
-    assert Llama(config, params).forward(np.array([[1, 2, 3]])).shape == (1, 3, 40)
+    assert config.param_shapes() == {name: x.shape for name, x in params.items()}
 
 
 def test_other_architecture_is_refused(tmp_path, tiny_file):
