@@ -56,8 +56,9 @@ def rope_cos_sin(pos, head_size: int, theta: float):
 def apply_rope(x, cos, sin):
     """Rotate each pair (x_j, x_{j+hs/2}) by its angle: x cos + rotate_half(x) sin, rotate_half(x) = (-x2, x1).
 
-    (B, nh, T, hs) with cos, sin from ``rope_cos_sin`` -> (B, nh, T, hs). A rotation by angle a at
-    position m and by b at n leaves q.k depending on m - n only: R(m)q . R(n)k = q . R(n - m)k.
+    (B, nh, T, hs) with cos, sin from ``rope_cos_sin`` -> (B, nh, T, hs). Rotating q at position m and
+    k at position n leaves their score depending on n - m only: R(m)q . R(n)k = q . R(n - m)k.
+    Weights read from a GGUF file are in this layout once ``gguf.unpermute_rope_rows`` has run.
     """
     # EXERCISE 8.1 BEGIN: rotate dims j and j + hs/2 of each head by the angle in cos, sin (rotate half)
     half = x.shape[-1] // 2
