@@ -6,7 +6,7 @@ import math
 import numpy as np
 import pytest
 
-from minillm import GrowingKVCache, KVCache, generate, kv_cache_bytes
+from minillm import GrowingKVCache, KVCache, PrefixCache, generate, kv_cache_bytes, speculative_generate
 from minillm.attention import naive_attention
 from minillm.backend import to_numpy
 from minillm.checkpoint import CheckpointError
@@ -120,7 +120,7 @@ def test_rope_scores_depend_only_on_distance(rng):
     np.testing.assert_allclose(np.linalg.norm(to_numpy(apply_rope(q, cos, sin))), np.linalg.norm(q), rtol=1e-5)
 
 
-def test_rope_tables_per_row_for_ragged_batches():
+def test_cos_sin_tables_per_row_for_ragged_batches():
     """Positions (B, T) give one table per row, broadcast over heads: row b at its own positions."""
     cos, sin = rope_cos_sin(np.array([[0, 1], [7, 8]]), 8, 10000.0)
     assert cos.shape == sin.shape == (2, 1, 2, 8) and cos.dtype == np.float32
@@ -205,13 +205,15 @@ def test_tiny_llama_matches_float64_reference(n_kv_head):
 
 @pytest.mark.parametrize("cache_cls", [KVCache, GrowingKVCache])
 @pytest.mark.parametrize("sizes", [[1] * 12, [5, 1, 4, 2], [11, 1]])
-@pytest.mark.parametrize("attention", ["naive", "flash"])
+@pytest.mark.parametrize("attention", ["naive", "flash", "cuda"])
 def test_tiny_llama_cached_equals_recompute(cache_cls, sizes, attention):
-    """Prefill, decode and verify chunks through a cache give one full forward pass's logits: RoPE
-    positions continue from the cache's length. The cache holds n_kv_head heads."""
+    """Prefill, decode and verify chunks through a cache give one full forward pass's logits (the
+    naive one): RoPE positions continue from the cache's length, and every attention implementation
+    (the CUDA kernel through its CPU emulation here) gets the same grouped heads. The cache holds
+    n_kv_head heads."""
     model = Llama(TINY, random_params(TINY), attention=attention)
     ids = np.random.default_rng(6).integers(0, TINY.vocab_size, (2, 12))
-    full = to_numpy(model.forward(ids))
+    full = to_numpy(Llama(TINY, random_params(TINY)).forward(ids))
     cache = cache_cls(TINY, batch_size=2, max_len=16)
     out, start = [], 0
     for n in sizes:
@@ -219,6 +221,19 @@ def test_tiny_llama_cached_equals_recompute(cache_cls, sizes, attention):
         start += n
     np.testing.assert_allclose(np.concatenate(out, axis=1), full, atol=1e-4, rtol=0)
     assert cache.k[0].shape[1] == TINY.n_kv_head and cache.length == 12
+
+
+def test_tiny_llama_speculative_and_prefix_cache():
+    """The other chapters' loops run the Llama unchanged: greedy speculative decoding (another
+    Llama as the draft) and a prefix-cache hit both give plain greedy generation's tokens."""
+    target, draft = Llama(TINY, random_params(TINY, seed=1)), Llama(TINY, random_params(TINY, seed=2))
+    prompt = [1, 2, 3, 4, 5]
+    plain = generate(target, prompt + [9], 12, temperature=0).tokens
+    assert speculative_generate(target, draft, prompt + [9], 12, k=3, temperature=0)[0] == plain
+    prefix, cache = PrefixCache(), KVCache(TINY, max_len=32)
+    generate(target, prompt + [7, 8], 4, temperature=0, cache=cache, prefix_cache=prefix)
+    hit = generate(target, prompt + [9], 12, temperature=0, cache=cache, prefix_cache=prefix)
+    assert hit.tokens == plain and hit.stats.reused_prefix_tokens == len(prompt)
 
 
 def test_tiny_llama_generate_with_and_without_cache():
