@@ -173,3 +173,36 @@ class GPT:
     def numpy_params(self) -> dict:
         """The parameters as NumPy arrays (for saving)."""
         return {name: to_numpy(a) for name, a in self.params.items()}
+
+
+def check_params(config, params: dict, model_name: str) -> dict:
+    """Check params against ``config.param_shapes()`` (names and shapes) -> float32 device arrays."""
+    expected = config.param_shapes()
+    missing = sorted(expected.keys() - params.keys())
+    extra = sorted(params.keys() - expected.keys())
+    if missing or extra:
+        raise ValueError(f"{model_name} params do not match the config: missing {missing}, extra {extra}")
+    for name, shape in expected.items():
+        if tuple(params[name].shape) != shape:
+            raise ValueError(f"{model_name} param {name}: shape {tuple(params[name].shape)} != {shape}")
+    return {name: xp.asarray(p, dtype=xp.float32) for name, p in params.items()}
+
+
+def token_positions(idx, cache, config):
+    """Check token ids (B, T) -> (ids, absolute positions): 0..T-1 without a cache, cache.positions(T) with one.
+
+    Positions are (T,), or (B, T) for a ragged batch. Without a cache T may not pass block_size.
+    """
+    idx = xp.asarray(idx)
+    if idx.ndim != 2:
+        raise ValueError(f"forward expects token ids of shape (B, T), got {idx.shape}")
+    T = idx.shape[1]
+    if T == 0:
+        raise ValueError("forward needs at least one token")
+    if int(idx.min()) < 0 or int(idx.max()) >= config.vocab_size:
+        raise ValueError(f"token ids must lie in 0..{config.vocab_size - 1}")
+    if cache is not None:
+        return idx, xp.asarray(cache.positions(T))
+    if T > config.block_size:
+        raise ValueError(f"{T} tokens exceed the context length block_size={config.block_size}")
+    return idx, xp.arange(T)
