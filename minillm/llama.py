@@ -24,10 +24,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from .attention import get_attention
 from .backend import to_numpy, xp
 from .config import LlamaConfig
-from .model import INIT_STD, check_params, merge_heads, split_heads, token_positions
+from .model import INIT_STD, check_params, get_attention, merge_heads, split_heads, token_positions
 
 
 def rms_norm(x, w, eps: float):

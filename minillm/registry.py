@@ -14,7 +14,7 @@ from pathlib import Path
 
 from . import checkpoint
 from .bpe import bpe_from_metadata
-from .gguf import GGUFError, read_llama
+from .gguf import GGUFError, open_gguf, read_llama, read_metadata
 from .llama import Llama
 
 SMOLLM2 = "smollm2-135m"
@@ -54,13 +54,33 @@ def check_smollm2_file(path: Path) -> None:
         raise GGUFError(f"{path} is corrupt (sha256 {digest.hexdigest()}); reinstall: {SMOLLM2_INSTALL}")
 
 
+def tokenizer_from_metadata(path, metadata: dict):
+    """The BPE tokenizer a GGUF file's metadata describes; GGUFError names any problem."""
+    try:
+        return bpe_from_metadata(metadata)
+    except (KeyError, ValueError) as exc:
+        raise GGUFError(f"{path}: tokenizer: {exc}") from exc
+
+
+def gguf_path(name_or_path) -> Path:
+    """"smollm2-135m" (checked byte for byte) or a .gguf path -> the file's path."""
+    if str(name_or_path) == SMOLLM2:
+        path = smollm2_path()
+        check_smollm2_file(path)
+        return path
+    return Path(name_or_path)
+
+
+def load_tokenizer(name_or_path):
+    """Only the tokenizer of "smollm2-135m" or of a .gguf file: reads the metadata, no weights."""
+    path = gguf_path(name_or_path)
+    return tokenizer_from_metadata(path, read_metadata(open_gguf(path)))
+
+
 def load_gguf(path, attention: str = "naive"):
     """A Llama .gguf file -> (Llama, BPE tokenizer from the file's metadata); GGUFError names any problem."""
     config, params, metadata = read_llama(path)
-    try:
-        tokenizer = bpe_from_metadata(metadata)
-    except (KeyError, ValueError) as exc:
-        raise GGUFError(f"{path}: tokenizer: {exc}") from exc
+    tokenizer = tokenizer_from_metadata(path, metadata)
     if tokenizer.vocab_size != config.vocab_size:
         raise GGUFError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens, the model {config.vocab_size}")
     return Llama(config, params, attention=attention), tokenizer
@@ -69,12 +89,8 @@ def load_gguf(path, attention: str = "naive"):
 def load_model(name_or_path, attention: str = "naive"):
     """A model name (``KNOWN_MODELS``) or a .npz / .gguf path -> (model, tokenizer)."""
     name = str(name_or_path)
-    if name == SMOLLM2:
-        path = smollm2_path()
-        check_smollm2_file(path)
-        return load_gguf(path, attention)
-    if name.endswith(".gguf"):
-        return load_gguf(name, attention)
+    if name == SMOLLM2 or name.endswith(".gguf"):
+        return load_gguf(gguf_path(name), attention)
     if name in checkpoint.SHIPPED or name.endswith(".npz") or Path(name).exists():
         return checkpoint.load_model(name, attention)
     raise checkpoint.CheckpointError(

