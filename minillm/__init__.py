@@ -4,17 +4,23 @@
     >>> model, tok = minillm.load_model("target")
     >>> out = minillm.generate(model, tok.encode("ROMEO:"), max_new_tokens=50, temperature=0)
     >>> print(tok.decode(out.tokens))
+
+    >>> model, tok = minillm.load_model("smollm2-135m")   # a real pretrained chat model (chapter 8)
 """
 
 from .backend import is_gpu, to_numpy, xp
 from .batch_speculative import BatchResult, BatchStats, generate_batch, speculative_generate_batch
 from .cache_contract import CacheFullError, DecodeCache, ForwardCache, PromptCache
-from .checkpoint import CheckpointError, load_model, save_model
-from .config import GPTConfig
+from .checkpoint import CheckpointError, save_model
+from .config import GPTConfig, LlamaConfig
 from .generate import GenerationResult, GenerationStats, fit_context, generate, generate_naive
+from .gguf import GGUFError
 from .kv_cache import GrowingKVCache, KVCache, PrefixCache, kv_cache_bytes
+from .llama import Llama
 from .model import GPT
 from .paged_kv import BlockAllocator, OutOfBlocksError, PagedKVCache, paged_attention
+from .prefix_blocks import PrefixBlockCache
+from .registry import load_model
 from .sampling import SamplingSettings
 from .speculative import (
     SpecStats,
@@ -29,7 +35,8 @@ from .tokenizer import CharTokenizer
 __version__ = "0.1.0"
 
 __all__ = [
-    "GPT", "GPTConfig", "CharTokenizer", "KVCache", "GrowingKVCache", "PrefixCache",
+    "GPT", "GPTConfig", "Llama", "LlamaConfig", "GGUFError", "CharTokenizer",
+    "KVCache", "GrowingKVCache", "PrefixCache", "PrefixBlockCache",
     "ForwardCache", "DecodeCache", "PromptCache", "CacheFullError", "CheckpointError",
     "SamplingSettings", "GenerationResult", "GenerationStats", "fit_context", "generate",
     "generate_naive", "kv_cache_bytes", "load_model", "save_model", "is_gpu", "to_numpy", "xp",

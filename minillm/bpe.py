@@ -22,7 +22,6 @@ The vocabulary, the merges and the special tokens come from a GGUF file's metada
 
 from __future__ import annotations
 
-import gguf
 import regex
 
 CONTROL = 3  # tokenizer.ggml.token_type of a control token such as <|im_start|>
@@ -250,13 +249,3 @@ def bpe_from_metadata(meta: dict) -> BPETokenizer:
         eos_token_id=meta.get("tokenizer.ggml.eos_token_id"),
         default_system=default_system.group(1) if default_system else None,
     )
-
-
-def tokenizer_metadata(reader) -> dict:
-    """The tokenizer.* fields of an open ``gguf.GGUFReader`` as plain Python values."""
-    return {name: field.contents() for name, field in reader.fields.items() if name.startswith("tokenizer.")}
-
-
-def bpe_from_gguf(path) -> BPETokenizer:
-    """The tokenizer stored in a GGUF file, read with the ``gguf`` package (the format is not the lesson)."""
-    return bpe_from_metadata(tokenizer_metadata(gguf.GGUFReader(path)))

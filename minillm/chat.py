@@ -28,6 +28,7 @@ import numpy as np
 from .backend import xp
 from .generate import GenerationStats
 from .kv_cache import CacheFullError, KVCache
+from .registry import load_model
 from .sampling import SamplingSettings
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -149,13 +150,6 @@ def turn_summary(reply: Reply) -> str:
             f"{s.tokens_per_s:.1f} tokens/s]")
 
 
-def load(name: str):
-    """(model, tokenizer) for a model name or a .gguf path."""
-    from .registry import load_model  # the real-model loader of chapter 8
-
-    return load_model(name)
-
-
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The chat options, for this module's parser and for a ``chat`` subcommand of the CLI."""
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"model name or .gguf path (default {DEFAULT_MODEL})")
@@ -168,7 +162,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", help="answer this one message and exit (no interactive loop)")
 
 
-def run(args, loader=load, read=input) -> int:
+def run(args, loader=load_model, read=input) -> int:
     """Check the options (ValueError, before loading anything), load the model, chat.
 
     ``loader(name) -> (model, tokenizer)`` and ``read(prompt) -> str`` can be swapped in tests.
@@ -214,7 +208,7 @@ def run(args, loader=load, read=input) -> int:
         say(message)
 
 
-def main(argv=None, loader=load, read=input) -> int:
+def main(argv=None, loader=load_model, read=input) -> int:
     """``python -m minillm chat [options]``: a bad option or input prints one line (exit 1), no traceback."""
     p = argparse.ArgumentParser(prog="python -m minillm chat", description=__doc__.splitlines()[0])
     add_arguments(p)

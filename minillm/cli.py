@@ -119,6 +119,18 @@ def cmd_demo(args) -> int:
     return run(args)
 
 
+def cmd_chat(args) -> int:
+    from .chat import run
+
+    return run(args)
+
+
+def cmd_serve_demo(args) -> int:
+    from .benchmarks.serving import run_demo
+
+    return run_demo(args)
+
+
 def cmd_bench(args) -> int:
     from .benchmarks import run
 
@@ -154,6 +166,8 @@ def chapter_list(text: str) -> list[str]:
 
 def build_parser() -> argparse.ArgumentParser:
     from .benchmarks import TOPICS
+    from .benchmarks.serving import add_demo_arguments as add_serve_demo_arguments
+    from .chat import add_arguments as add_chat_arguments
     from .demo import add_arguments as add_demo_arguments
 
     parser = argparse.ArgumentParser(prog="python -m minillm", description=__doc__.splitlines()[0],
@@ -174,6 +188,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="target", help="'target', 'draft' or a checkpoint file (.npz)")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole context each step")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("chat", help="chat with the real model (SmolLM2-135M-Instruct), streamed, KV cache kept")
+    add_chat_arguments(p)
+    p.set_defaults(func=cmd_chat)
+
+    p = sub.add_parser("serve-demo", help="a continuous-batching engine replaying a request trace, live")
+    add_serve_demo_arguments(p)
+    p.set_defaults(func=cmd_serve_demo)
 
     p = sub.add_parser("info", help="backend, GPU, shipped models")
     p.set_defaults(func=cmd_info)

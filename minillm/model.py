@@ -80,16 +80,8 @@ class GPT:
     """GPT-2 with a selectable attention implementation ('naive', 'flash' or 'cuda')."""
 
     def __init__(self, config: GPTConfig, params: dict, attention: str = "naive"):
-        expected = config.param_shapes()
-        missing = sorted(expected.keys() - params.keys())
-        extra = sorted(params.keys() - expected.keys())
-        if missing or extra:
-            raise ValueError(f"GPT params do not match the config: missing {missing}, extra {extra}")
-        for name, shape in expected.items():
-            if tuple(params[name].shape) != shape:
-                raise ValueError(f"GPT param {name}: shape {tuple(params[name].shape)} != {shape}")
         self.config = config
-        self.params = {name: xp.asarray(p, dtype=xp.float32) for name, p in params.items()}
+        self.params = check_params(config, params, "GPT")
         self.set_attention(attention)
 
     @classmethod
@@ -125,20 +117,8 @@ class GPT:
         sit at positions cache.positions(T), usually cache.length + t, and attend over the cache.
         """
         cfg, p = self.config, self.params
-        idx = xp.asarray(idx)
-        if idx.ndim != 2:
-            raise ValueError(f"forward expects token ids of shape (B, T), got {idx.shape}")
-        B, T = idx.shape
-        if T == 0:
-            raise ValueError("forward needs at least one token")
-        if int(idx.min()) < 0 or int(idx.max()) >= cfg.vocab_size:
-            raise ValueError(f"token ids must lie in 0..{cfg.vocab_size - 1}")
-        if cache is None:
-            if T > cfg.block_size:
-                raise ValueError(f"{T} tokens exceed the context length block_size={cfg.block_size}")
-            pos = xp.arange(T)
-        else:
-            pos = xp.asarray(cache.positions(T))
+        idx, pos = token_positions(idx, cache, cfg)  # (B, T), (T,) or (B, T)
+        T = idx.shape[1]
         x = p["wte.weight"][idx] + p["wpe.weight"][pos]  # (B, T, C)
         for layer in range(cfg.n_layer):
             h = f"h.{layer}."
@@ -173,3 +153,36 @@ class GPT:
     def numpy_params(self) -> dict:
         """The parameters as NumPy arrays (for saving)."""
         return {name: to_numpy(a) for name, a in self.params.items()}
+
+
+def check_params(config, params: dict, model_name: str) -> dict:
+    """Check params against ``config.param_shapes()`` (names and shapes) -> float32 device arrays."""
+    expected = config.param_shapes()
+    missing = sorted(expected.keys() - params.keys())
+    extra = sorted(params.keys() - expected.keys())
+    if missing or extra:
+        raise ValueError(f"{model_name} params do not match the config: missing {missing}, extra {extra}")
+    for name, shape in expected.items():
+        if tuple(params[name].shape) != shape:
+            raise ValueError(f"{model_name} param {name}: shape {tuple(params[name].shape)} != {shape}")
+    return {name: xp.asarray(p, dtype=xp.float32) for name, p in params.items()}
+
+
+def token_positions(idx, cache, config):
+    """Check token ids (B, T) -> (ids, absolute positions): 0..T-1 without a cache, cache.positions(T) with one.
+
+    Positions are (T,), or (B, T) for a ragged batch. Without a cache T may not pass block_size.
+    """
+    idx = xp.asarray(idx)
+    if idx.ndim != 2:
+        raise ValueError(f"forward expects token ids of shape (B, T), got {idx.shape}")
+    T = idx.shape[1]
+    if T == 0:
+        raise ValueError("forward needs at least one token")
+    if int(idx.min()) < 0 or int(idx.max()) >= config.vocab_size:
+        raise ValueError(f"token ids must lie in 0..{config.vocab_size - 1}")
+    if cache is not None:
+        return idx, xp.asarray(cache.positions(T))
+    if T > config.block_size:
+        raise ValueError(f"{T} tokens exceed the context length block_size={config.block_size}")
+    return idx, xp.arange(T)

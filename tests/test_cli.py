@@ -124,3 +124,12 @@ def test_benchmarks_write_figures_to_the_named_or_default_folder_only(monkeypatc
     assert cli.main(["bench", "training-curves", "--out", "mine"]) == 0
     made = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.rglob("*"))
     assert made == ["default", "default/training_curves.png", "mine", "mine/training_curves.png"]
+
+
+@pytest.mark.skipif(not shipped_path("target").is_file(), reason="shipped target not trained yet")
+def test_serve_demo_takes_its_options_through_the_cli(capsys):
+    """`python -m minillm serve-demo --requests 3`: a continuous-batching replay, then one row per request."""
+    assert cli.main(["serve-demo", "--requests", "3", "--rate", "50", "--temperature", "0"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if line.strip()[:1].isdigit() and "'" in line]
+    assert len(rows) == 3 and "TTFT ms" in out

@@ -12,6 +12,7 @@ TOPICS = {
     "batch-speculative": "minillm.benchmarks.batch_speculative",
     "threads": "minillm.benchmarks.threads",
     "serving": "minillm.benchmarks.serving",
+    "real-model": "minillm.benchmarks.real_model",
     "training-curves": "minillm.benchmarks.training",
 }
 

@@ -334,17 +334,26 @@ def main(argv=None) -> int:
 # --- the live demo ---------------------------------------------------------------------------------
 
 
-def demo(argv=None, out=None) -> int:
-    """Replay a short trace on one engine in real time: a live status line per step, then every
-    request's metrics and the start of its text. ``out``: where to print (default stdout)."""
-    p = argparse.ArgumentParser(prog="python -m minillm serve-demo", description=demo.__doc__.split("\n")[0])
+def add_demo_arguments(p: argparse.ArgumentParser) -> None:
+    """The serve-demo options, for ``demo``'s own parser and for the CLI's ``serve-demo`` command."""
     p.add_argument("--requests", type=int, default=12)
     p.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second")
     p.add_argument("--chunk", type=int, default=32, help="prefill chunk (0: none)")
     p.add_argument("--num-blocks", type=int, default=48)
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--seed", type=int, default=0)
-    args = p.parse_args(argv)
+
+
+def demo(argv=None, out=None) -> int:
+    """Replay a short trace on one engine in real time: a live status line per step, then every
+    request's metrics and the start of its text. ``out``: where to print (default stdout)."""
+    p = argparse.ArgumentParser(prog="python -m minillm serve-demo", description=demo.__doc__.split("\n")[0])
+    add_demo_arguments(p)
+    return run_demo(p.parse_args(argv), out)
+
+
+def run_demo(args, out=None) -> int:
+    """``demo`` with parsed options."""
     out = out or sys.stdout
     model, tok = load_model("target")
     rows = poisson_trace(args.requests, args.rate, 30, 40, model.config.block_size, args.seed)

