@@ -21,7 +21,7 @@ import sys
 import time
 from contextlib import contextmanager
 
-from ..backend import BLAS_THREADS_ENV, runtime_summary
+from ..backend import BLAS_THREADS_ENV
 
 POLICIES = ("1", "all")  # MINILLM_BLAS_THREADS values compared
 WORKLOADS = {  # name -> arguments after `python`
@@ -82,7 +82,6 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     names = list(WORKLOADS)
     chosen = [names[int(i)] for i in args.workloads.split(",")]
-    print(runtime_summary())
     print(f"pairs of runs ({BLAS_THREADS_ENV}=1 then =all), {args.repeat} per row; seconds, median of the pairs\n")
     header = f"{'workload':36s} {'load':>5s} {'1 thread':>9s} {'all':>9s} {'all / 1':>8s}  pairs (1 | all)"
     print(header)
