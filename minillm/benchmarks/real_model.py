@@ -22,7 +22,7 @@ import statistics
 
 import numpy as np
 
-from ..backend import to_numpy
+from ..backend import runtime_summary, to_numpy
 from ..kv_cache import KVCache, kv_cache_bytes
 from ..registry import SMOLLM2, SMOLLM2_FILE, load_model, smollm2_path
 from .common import BenchmarkError, format_table, time_pairs
@@ -148,7 +148,8 @@ def load_transformers(threads):
         import torch
         import transformers
     except ImportError as exc:
-        raise BenchmarkError(f"bench real-model compares with transformers: pip install torch transformers ({exc})")
+        raise BenchmarkError(f"bench real-model compares with transformers: pip install torch transformers ({exc})") \
+            from None
     torch.set_num_threads(threads)
     hf = transformers.LlamaForCausalLM.from_pretrained(smollm2_path().parent, gguf_file=SMOLLM2_FILE,
                                                        dtype=torch.float32).eval()  # fmt: skip
@@ -198,5 +199,5 @@ def run(args, repeat) -> int:
     print(format_table(kv_bytes_rows(cfg)), "\n")
     print("4. tokenizer speed")
     print(format_table(tokenizer_rows(tokenizer, repeat)))
-    print("\n" + machine_header(args.threads))
+    print("\n" + runtime_summary())  # the load at the end too: it may have changed during the run
     return 0
