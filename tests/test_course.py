@@ -242,3 +242,12 @@ def test_student_edition_fails_exactly_the_named_tests(edition, tmp_path):
                if not any(ex.id in e["named_by"] and t.startswith(ex.checks.tests + "::") and e["raised"] == [ex.id]
                           for t, e in tests.items())]  # fmt: skip
     assert not lacking, f"no test fails with only the exercise's own NotImplementedError: {lacking}"
+
+
+def test_instructors_guide_lists_every_exercise_with_its_grading_command():
+    """docs/instructors.md's exercise table says what the manifest says: file, function and the exact
+    grading command of every exercise (so the guide cannot drift from the tests)."""
+    guide = (ROOT / "docs" / "instructors.md").read_text()
+    for ex in course.find_exercises(ROOT):
+        row = f"| {ex.id} | `{ex.file}` | `{ex.function}` | `{ex.command}` |"
+        assert row in guide, f"docs/instructors.md lacks (or has a stale) row: {row}"
