@@ -18,7 +18,6 @@ The model is any ``forward(idx, cache)`` model; the tokenizer needs ``encode``, 
 from __future__ import annotations
 
 import argparse
-import codecs
 import sys
 import time
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from .generate import GenerationStats
 from .kv_cache import CacheFullError, KVCache
 from .registry import load_model
 from .sampling import SamplingSettings
+from .tokenizer import TextStream
 
 DEFAULT_MODEL = "smollm2-135m"
 COMMANDS = "/reset starts a new conversation, /quit (or Ctrl-D) ends"
@@ -107,7 +107,7 @@ class Chat:
         t0, cached = time.perf_counter(), self.cache.length
         logits, fed = self.prefill(message)
         tokens, times = [], []
-        utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        text = TextStream(self.tokenizer)
         while True:  # each pass samples a token; the reply grows until one of the two breaks
             token = settings.next_token(logits, self.rng)
             times.append(time.perf_counter() - t0)
@@ -116,7 +116,7 @@ class Chat:
                 break
             tokens.append(token)
             if on_text is not None:
-                on_text(utf8.decode(self.tokenizer.token_bytes[token]))
+                on_text(text.push(token))
             cache_full = self.cache.length == self.cache.max_len
             if cache_full or len(tokens) == max_new_tokens:
                 finish = "context full" if cache_full else "max_new_tokens"
@@ -124,7 +124,7 @@ class Chat:
                 break
             logits = self.model.forward(xp.asarray([[token]]), self.cache)[0, -1]  # (V,)
         if on_text is not None:
-            on_text(utf8.decode(b"", final=True))
+            on_text(text.flush())
         text = self.tokenizer.decode(tokens)
         self.messages.append({"role": "assistant", "content": text})
         self.cached_text += text

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+from functools import partial
 
 DEMO_DEFAULT = "demo"  # `python -m minillm [demo options]` runs the demo
 
@@ -65,18 +66,25 @@ def cmd_train(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from .checkpoint import load_model
     from .generate import generate, generate_naive
+    from .kv_cache import KVCache
+    from .registry import load_model
     from .sampling import SamplingSettings
+    from .tokenizer import TextStream
 
     SamplingSettings(args.temperature, args.top_k, args.top_p)  # refuses bad values before anything is printed
     model, tok = load_model(args.model)
     prompt = tok.encode(args.prompt)  # ValueError naming unknown characters
     print(args.prompt, end="", flush=True)
-    gen = generate_naive if args.no_cache else generate
+    if args.no_cache:
+        gen = generate_naive
+    else:  # a cache just big enough: SmolLM2's full 8192-token context would be 377 MB of float32 K/V
+        size = min(model.config.block_size, len(prompt) + args.max_new_tokens)
+        gen = partial(generate, cache=KVCache(model.config, max_len=size))
+    text = TextStream(tok)
 
     def show(token):
-        print(tok.decode([token]), end="", flush=True)
+        print(text.push(token), end="", flush=True)
 
     result = gen(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                  top_p=args.top_p, seed=args.seed, on_token=show)
@@ -92,10 +100,12 @@ def cmd_generate(args) -> int:
 def cmd_info(args) -> int:
     from . import backend
     from .checkpoint import SHIPPED, CheckpointError, load_model, model_notes, shipped_path
+    from .registry import SMOLLM2, smollm2_path
 
     print(f"minillm {__import__('minillm').__version__}")
     print(f"backend: {backend.BACKEND_REASON}")
     print(f"GPU: {'yes' if backend.is_gpu() else 'no'}")
+    print(f"runtime: {backend.runtime_summary()}")
     for name in SHIPPED:
         path = shipped_path(name)
         try:
@@ -110,6 +120,12 @@ def cmd_info(args) -> int:
             f"{c.n_head} heads, context {c.block_size}, vocab {tok.vocab_size}, "
             f"val loss {val} nats/char, {path.stat().st_size / 1e6:.1f} MB on disk"
         )
+    try:
+        path = smollm2_path()
+        print(f"model {SMOLLM2}: SmolLM2-135M-Instruct (Llama, 4-bit GGUF), {path.stat().st_size / 1e6:.1f} MB "
+              f"at {path}")
+    except CheckpointError as exc:
+        print(f"model {SMOLLM2}: unavailable ({exc})")
     return 0
 
 
@@ -185,7 +201,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=positive_int, default=None)
     p.add_argument("--top-p", type=finite_float, default=None)
     p.add_argument("--seed", type=nonnegative_int, default=0)
-    p.add_argument("--model", default="target", help="'target', 'draft' or a checkpoint file (.npz)")
+    p.add_argument("--model", default="target",
+                   help="'target', 'draft', 'smollm2-135m', a checkpoint file (.npz) or a Llama .gguf")
     p.add_argument("--no-cache", action="store_true", help="recompute the whole context each step")
     p.set_defaults(func=cmd_generate)
 

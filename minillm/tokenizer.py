@@ -1,6 +1,12 @@
-"""CharTokenizer: one token per character, the vocabulary being the sorted characters of a text."""
+"""CharTokenizer: one token per character, the vocabulary being the sorted characters of a text.
+
+``TextStream`` turns tokens into text as they are generated, for any tokenizer with ``token_bytes``
+(this one, and the byte-level BPE of ``minillm.bpe``).
+"""
 
 from __future__ import annotations
+
+import codecs
 
 
 class CharTokenizer:
@@ -42,6 +48,11 @@ class CharTokenizer:
             out.append(self.chars[i])
         return "".join(out)
 
+    @property
+    def token_bytes(self) -> list[bytes]:
+        """id -> the UTF-8 bytes of its character."""
+        return [ch.encode() for ch in self.chars]
+
     def to_dict(self) -> dict:
         return {"type": "char", "chars": self.chars}
 
@@ -50,3 +61,24 @@ class CharTokenizer:
         if d.get("type") != "char":
             raise ValueError(f"unknown tokenizer type {d.get('type')!r}")
         return cls(d["chars"])
+
+
+class TextStream:
+    """Tokens in, printable text out, one token at a time.
+
+    A byte-level BPE token can end in the middle of a UTF-8 character (an emoji is often 2-3 tokens),
+    so a token cannot be decoded on its own: the incomplete bytes wait for the next token.
+    Example (BPE): "é" split into tokens b"\\xc3" and b"\\xa9" -> push() gives "" then "é".
+    """
+
+    def __init__(self, tokenizer):
+        self.token_bytes = tokenizer.token_bytes
+        self.utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, token: int) -> str:
+        """The text that ``token`` completes (possibly "")."""
+        return self.utf8.decode(self.token_bytes[int(token)])
+
+    def flush(self) -> str:
+        """At the end of the text: whatever bytes are left (an incomplete character becomes U+FFFD)."""
+        return self.utf8.decode(b"", final=True)

@@ -5,6 +5,9 @@ corpus's own characters ("{" opens a message, "}" closes it and is the end-of-tu
 cache bookkeeping is checked without the 135M-parameter model.
 """
 
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
@@ -249,3 +252,16 @@ def test_interrupted_turn_is_forgotten(model, tok, monkeypatch):
     assert (chat.cache.length, chat.messages, chat.cached_text, chat.pending) == state
     script(monkeypatch, tok, "ok}")
     assert chat.turn("Two").text == "ok"
+
+
+def test_chat_command_answers_with_the_real_model():
+    """`python -m minillm chat --prompt ...` on a fresh process: SmolLM2 answers in English, streamed to
+    stdout, with its TTFT and tokens/s on stderr."""
+    from test_bpe import smollm2_gguf
+
+    smollm2_gguf()  # skips when the model package is not installed
+    r = subprocess.run([sys.executable, "-m", "minillm", "chat", "--prompt", "What is the capital of France?",
+                        "--temperature", "0", "--max-new-tokens", "16"], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "Paris" in r.stdout
+    assert "TTFT" in r.stderr and "tokens/s" in r.stderr

@@ -92,16 +92,29 @@ def test_train_never_overwrites_a_shipped_model_unless_asked(capsys):
     assert shipped_path("draft").read_bytes() == before
 
 
-DEMO_ARGS = [["--max-new-tokens", "12", "--k", "3"], ["demo", "--k", "3", "--max-new-tokens", "9"]]
+DEMO_ARGS = [["--max-new-tokens", "12", "--k", "3", "--answer-tokens", "12"],
+             ["demo", "--k", "3", "--max-new-tokens", "9", "--no-real-model"]]
 
 
 @pytest.mark.skipif(not shipped_path("target").is_file(), reason="shipped models not trained yet")
 @pytest.mark.parametrize("args", DEMO_ARGS, ids=["no command", "demo"])
 def test_demo_options_with_and_without_the_demo_command(args, capsys):
-    """`python -m minillm --k 3` and `python -m minillm demo --k 3` both run the demo with K = 3."""
+    """`python -m minillm --k 3` and `python -m minillm demo --k 3` both run the demo with K = 3; the
+    demo opens with the real model's streamed answer unless told not to."""
     assert cli.main(args) == 0
     out = capsys.readouterr().out
     assert "K=3" in out and "speculative K=3" in out and "identical: yes" in out
+    real = "--no-real-model" not in args and registry_model_installed()
+    assert ("assistant: The capital of France is Paris" in out and "TTFT" in out) == real
+
+
+def registry_model_installed() -> bool:
+    from minillm.registry import SMOLLM2, GGUFError, gguf_path
+
+    try:
+        return gguf_path(SMOLLM2).is_file()
+    except GGUFError:
+        return False
 
 
 def test_benchmark_validation_failure_is_one_line_and_exit_1(monkeypatch, capsys, tmp_path):

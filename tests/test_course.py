@@ -222,11 +222,16 @@ def test_student_edition_fails_exactly_the_named_tests(edition, tmp_path):
     """All exercises stubbed: the failing tests == the union of the tests the manifest names, and each
     exercise's grading selection has a test that fails with that exercise's NotImplementedError alone.
     Not run here: the notebooks (minutes each; named by their chapter's exercises) and the Hugging
-    Face oracle (seconds of importing torch; it checks the forward path that test_model's float64
-    reference and causality tests also cover, with no exercise on it)."""
+    Face oracles of the models (seconds to a minute of loading torch and the weights; they check the
+    forward paths that the float64 references of test_model and test_llama also cover)."""
     report = tmp_path / "report.json"
-    r = run_pytest(edition, "--tb=line", "--deselect", "tests/test_notebooks.py::test_notebook_executes",
-                   "--deselect", "tests/test_model.py::test_matches_huggingface_gpt2", report=report)  # fmt: skip
+    oracles = ["tests/test_model.py::test_matches_huggingface_gpt2",
+               "tests/test_llama.py::test_transformers_real_model_logits",
+               "tests/test_llama.py::test_transformers_real_model_greedy_30_tokens",
+               "tests/test_llama.py::test_transformers_tiny_random_llama"]
+    deselect = [arg for test in ["tests/test_notebooks.py::test_notebook_executes", *oracles]
+                for arg in ("--deselect", test)]
+    r = run_pytest(edition, "--tb=line", *deselect, report=report)
     assert r.returncode in (0, 1), r.stdout[-3000:] + r.stderr[-3000:]
     tests = json.loads(report.read_text())
     failed = {t for t, e in tests.items() if e["failed"]}
@@ -237,3 +242,12 @@ def test_student_edition_fails_exactly_the_named_tests(edition, tmp_path):
                if not any(ex.id in e["named_by"] and t.startswith(ex.checks.tests + "::") and e["raised"] == [ex.id]
                           for t, e in tests.items())]  # fmt: skip
     assert not lacking, f"no test fails with only the exercise's own NotImplementedError: {lacking}"
+
+
+def test_instructors_guide_lists_every_exercise_with_its_grading_command():
+    """docs/instructors.md's exercise table says what the manifest says: file, function and the exact
+    grading command of every exercise (so the guide cannot drift from the tests)."""
+    guide = (ROOT / "docs" / "instructors.md").read_text()
+    for ex in course.find_exercises(ROOT):
+        row = f"| {ex.id} | `{ex.file}` | `{ex.function}` | `{ex.command}` |"
+        assert row in guide, f"docs/instructors.md lacks (or has a stale) row: {row}"

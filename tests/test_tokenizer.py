@@ -31,3 +31,16 @@ def test_corpus_vocabulary():
     assert tok.vocab_size == 84
     text = load_corpus()[:5000]
     assert tok.decode(tok.encode(text)) == text
+
+
+def test_text_stream_holds_back_a_split_utf8_character():
+    """A character split across tokens is printed once it is complete, never as replacement bytes."""
+    from types import SimpleNamespace
+
+    from minillm.tokenizer import TextStream
+
+    pieces = [b"caf", b"\xc3", b"\xa9 \xf0\x9f", b"\x98\x80", b"\xe2\x82"]  # "café 😀" then half a "€"
+    stream = TextStream(SimpleNamespace(token_bytes=pieces))
+    out = [stream.push(i) for i in range(len(pieces))]
+    assert out == ["caf", "", "é ", "😀", ""] and stream.flush() == "\ufffd"
+    assert "".join(TextStream(CharTokenizer("ab")).push(t) for t in [0, 1, 1]) == "abb"

@@ -18,16 +18,14 @@ torch are only the yardstick: they are imported here, never by the library.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 
 import numpy as np
 
-from ..backend import to_numpy
-from ..bench import format_table, time_pairs
+from ..backend import runtime_summary, to_numpy
 from ..kv_cache import KVCache, kv_cache_bytes
 from ..registry import SMOLLM2, SMOLLM2_FILE, load_model, smollm2_path
+from .common import BenchmarkError, format_table, time_pairs
 
 LOGIT_ATOL = 1e-3  # minillm vs transformers, float32 both
 CONTEXTS = (256, 1024)  # section 2
@@ -37,15 +35,6 @@ FLOAT32_BYTES = 4
 def prompt_ids(n: int) -> list[int]:
     """n token ids of ordinary text-like tokens (deterministic, no tokenizer needed)."""
     return [int(t) for t in np.random.default_rng(0).integers(1000, 20000, n)]
-
-
-def machine_header(threads: int) -> str:
-    load1 = os.getloadavg()[0]
-    cores = os.cpu_count() or 1
-    line = f"threads: {threads} (BLAS and torch), cores: {cores}, load average (1 min): {load1:.2f}"
-    if load1 > cores:
-        line += f"\nWARNING: the load ({load1:.1f}) exceeds the cores ({cores}): other processes share this CPU"
-    return line
 
 
 class MinillmRunner:
@@ -146,7 +135,7 @@ def tokenizer_rows(tokenizer, repeat):
     text = load_corpus()[:200_000]
     ids = tokenizer.encode(text)  # warm-up (fills the word cache, as a running server would)
     if tokenizer.decode(ids) != text:
-        raise RuntimeError("tokenizer: decode(encode(text)) != text")
+        raise BenchmarkError("tokenizer: decode(encode(text)) != text")
     base, cand, _ = time_pairs(lambda: tokenizer.decode(ids), lambda: tokenizer.encode(text), repeat)
     return [{"text": "Shakespeare", "chars": len(text), "tokens": len(ids),
              "encode chars/s": len(text) / statistics.median(cand),
@@ -154,13 +143,13 @@ def tokenizer_rows(tokenizer, repeat):
 
 
 def load_transformers(threads):
-    """(torch, LlamaForCausalLM from the same GGUF), or None when transformers is not installed."""
+    """(torch, LlamaForCausalLM from the same GGUF); BenchmarkError when transformers is not installed."""
     try:
         import torch
         import transformers
     except ImportError as exc:
-        print(f"bench real-model compares with transformers: pip install torch transformers ({exc})", file=sys.stderr)
-        return None
+        raise BenchmarkError(f"bench real-model compares with transformers: pip install torch transformers ({exc})") \
+            from None
     torch.set_num_threads(threads)
     hf = transformers.LlamaForCausalLM.from_pretrained(smollm2_path().parent, gguf_file=SMOLLM2_FILE,
                                                        dtype=torch.float32).eval()  # fmt: skip
@@ -185,12 +174,9 @@ def main(argv=None) -> int:
 
 
 def run(args, repeat) -> int:
-    print(machine_header(args.threads))
+    print(f"threads: {args.threads} (BLAS and torch)")
     model, tokenizer = load_model(SMOLLM2)
-    oracle = load_transformers(args.threads)
-    if oracle is None:
-        return 1
-    torch, hf = oracle
+    torch, hf = load_transformers(args.threads)
     cfg = model.config
     print(f"model {SMOLLM2}: {model.num_params():,} params, {cfg.n_layer} layers, {cfg.n_head} query / "
           f"{cfg.n_kv_head} KV heads, float32 on both sides\n")  # fmt: skip
@@ -200,9 +186,8 @@ def run(args, repeat) -> int:
     err = float(np.abs(ours.prefill(prompt) - theirs.prefill(prompt)).max())  # 1. validate
     tokens_ours, tokens_theirs = ours.decode(prompt, args.new_tokens), theirs.decode(prompt, args.new_tokens)
     if err > LOGIT_ATOL or tokens_ours != tokens_theirs:
-        print(f"validation failed: max |logit diff| {err:.2e} (allowed {LOGIT_ATOL}), "
-              f"greedy tokens equal: {tokens_ours == tokens_theirs}", file=sys.stderr)  # fmt: skip
-        return 1
+        raise BenchmarkError(f"validation failed: max |logit diff| {err:.2e} (allowed {LOGIT_ATOL}), "
+                             f"greedy tokens equal: {tokens_ours == tokens_theirs}")
     print(f"validated: max |logit diff| {err:.1e}, {args.new_tokens} greedy tokens identical\n")
     print(f"1. prefill ({args.prompt_tokens} tokens) and greedy decode ({args.new_tokens - 1} steps after it), "
           f"{repeat} alternating pairs: medians; speed-up = median of the pair ratios")  # fmt: skip
@@ -214,5 +199,5 @@ def run(args, repeat) -> int:
     print(format_table(kv_bytes_rows(cfg)), "\n")
     print("4. tokenizer speed")
     print(format_table(tokenizer_rows(tokenizer, repeat)))
-    print("\n" + machine_header(args.threads))
+    print("\n" + runtime_summary())  # the load at the end too: it may have changed during the run
     return 0

@@ -9,6 +9,10 @@ loops, one core each: a browser tab, another notebook), which is what a laptop l
 
 A run that passes ``--timeout`` seconds is stopped and reported as ">timeout" (the slow policy
 under load can take tens of minutes otherwise).
+
+Part 1 (``--forwards``, in this process) shows why: one forward of the shipped target over T tokens
+with one BLAS thread and with all of them, idle and loaded, T from a decode step (1) to a prefill
+(256); each time is the best of 5 runs.
 """
 
 from __future__ import annotations
@@ -21,7 +25,10 @@ import sys
 import time
 from contextlib import contextmanager
 
-from ..backend import BLAS_THREADS_ENV, runtime_summary
+from ..backend import BLAS_THREADS_ENV, xp
+from ..kv_cache import KVCache
+from ..registry import load_model
+from .common import format_table
 
 POLICIES = ("1", "all")  # MINILLM_BLAS_THREADS values compared
 WORKLOADS = {  # name -> arguments after `python`
@@ -33,6 +40,8 @@ WORKLOADS = {  # name -> arguments after `python`
     "pytest tests/test_speculative.py": ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_speculative.py"],
 }
 BUSY_LOOP = "while True: pass"
+FORWARD_TOKENS = (1, 5, 17, 64, 256)  # a decode step, verifications of K = 4 and 16, prefills
+FORWARD_CONTEXT = 100  # tokens already cached when a decode step or a verification is timed
 
 
 @contextmanager
@@ -61,6 +70,40 @@ def run_once(args: list[str], threads: str, timeout: float) -> float:
     return time.perf_counter() - t0
 
 
+def forward_ms(model, T: int, runs: int = 5) -> float:
+    """Best wall time (ms) of one forward over T new tokens (after FORWARD_CONTEXT cached ones when
+    T < 64, so decode and verification see a realistic cache; from an empty cache for prefills)."""
+    best = float("inf")
+    for _ in range(runs):
+        cache = KVCache(model.config)
+        if T < 64:
+            model.forward(xp.zeros((1, FORWARD_CONTEXT), dtype=xp.int64), cache)
+        t0 = time.perf_counter()
+        model.forward(xp.zeros((1, T), dtype=xp.int64), cache)
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def forward_rows(load: int) -> list[dict]:
+    """One row per T: the forward's time with one BLAS thread and with all, the two alternating."""
+    from threadpoolctl import threadpool_limits
+
+    model, _ = load_model("target")
+    cores = os.cpu_count() or 1
+    rows = []
+    with background_load(load):
+        for T in FORWARD_TOKENS:
+            times = {1: [], cores: []}
+            for _ in range(2):
+                for n in times:
+                    with threadpool_limits(n, user_api="blas"):
+                        times[n].append(forward_ms(model, T))
+            one, every = min(times[1]), min(times[cores])
+            rows.append({"busy processes": load, "T": T, "1 thread ms": one, f"{cores} threads ms": every,
+                         "ratio": every / one})
+    return rows
+
+
 def fmt_seconds(s: float, timeout: float) -> str:
     return f">{timeout:.0f}" if s == float("inf") else f"{s:.1f}"
 
@@ -70,6 +113,7 @@ def parse_args(argv):
     p.add_argument("--repeat", type=int, default=2, help="pairs per workload and load (default 2)")
     p.add_argument("--load", type=int, default=2, help="busy processes in the loaded runs (default 2)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a run is stopped (default 300)")
+    p.add_argument("--forwards-only", action="store_true", help="part 1 only (the forwards, in this process)")
     p.add_argument("--workloads", default=",".join(str(i) for i in range(len(WORKLOADS))),
                    help="indices of the workloads to run: " + "; ".join(f"{i} {n}" for i, n in enumerate(WORKLOADS)))
     args = p.parse_args(argv)
@@ -80,9 +124,13 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    print("1. one forward of the shipped target over T tokens, one BLAS thread vs all, idle and loaded (best of 5)")
+    print(format_table(forward_rows(0) + forward_rows(args.load)))
+    if args.forwards_only:
+        return 0
     names = list(WORKLOADS)
     chosen = [names[int(i)] for i in args.workloads.split(",")]
-    print(runtime_summary())
+    print("\n2. the commands users run, each a new process")
     print(f"pairs of runs ({BLAS_THREADS_ENV}=1 then =all), {args.repeat} per row; seconds, median of the pairs\n")
     header = f"{'workload':36s} {'load':>5s} {'1 thread':>9s} {'all':>9s} {'all / 1':>8s}  pairs (1 | all)"
     print(header)
