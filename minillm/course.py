@@ -20,6 +20,7 @@ docs/instructors.md explains the rule; tests/test_course.py enforces it.
 from __future__ import annotations
 
 import ast
+import inspect
 import json
 import re
 import shutil
@@ -92,6 +93,28 @@ def _enclosing_function(tree: ast.Module, line: int) -> str:
             return ".".join(names)
         names.append(inner.name)
         body = [n for n in ast.walk(inner) if n is not inner and isinstance(n, defs)]
+
+
+def source_without_solutions(obj) -> str:
+    """The source of a library function or class as a notebook shows it: each exercise region's
+    reference solution is replaced by one line naming the exercise (the student writes that part)."""
+    out, hidden = [], False
+    for line in inspect.getsource(obj).splitlines():
+        marker = MARKER.match(line)
+        if marker and marker["kind"] == "END":
+            hidden = False
+        if not hidden:
+            out.append(line)
+        if marker and marker["kind"] == "BEGIN":
+            hidden = True
+            out.append(f"{marker['indent']}...  (exercise {marker['id']}: the solution is yours to write)")
+    return "\n".join(out)
+
+
+def show(*objects) -> None:
+    """Print ``source_without_solutions`` of each object: the code on the page is the code that runs."""
+    for obj in objects:
+        print(source_without_solutions(obj), end="\n\n")
 
 
 def parse_markers(text: str, rel: str) -> list[Exercise]:

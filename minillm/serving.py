@@ -368,12 +368,16 @@ class Engine:
                 if victim is state:
                     return False
 
-    def preempt(self, state: RequestState) -> None:
-        """Preemption by recompute: free the request's blocks; it waits at the front of the queue."""
-        # EXERCISE 10.3 BEGIN: free its blocks, forget what was computed, requeue it first; keep its tokens and rng
-        self.running.remove(state)
+    def release(self, state: RequestState) -> None:
+        """Give a request's blocks back to the pool and forget what its cache held (its tokens stay)."""
         self.pool.free(state.seq_id)
         state.seq_id, state.num_computed = None, 0
+
+    def preempt(self, state: RequestState) -> None:
+        """Preemption by recompute: free the request's blocks; it waits at the front of the queue."""
+        # EXERCISE 10.3 BEGIN: release its blocks (``release``), requeue it first; keep its tokens and rng
+        self.running.remove(state)
+        self.release(state)
         self.waiting.appendleft(state)
         # EXERCISE 10.3 END
         state.preemptions += 1
@@ -394,8 +398,7 @@ class Engine:
                 return n
             except OutOfBlocksError:
                 pass
-        self.pool.free(state.seq_id)
-        state.seq_id, state.num_computed = None, 0
+        self.release(state)
         return 0
 
     def schedule(self) -> tuple[dict, list]:
@@ -462,8 +465,7 @@ class Engine:
                 state.metrics.token_times_s.append(record.time_s)
                 state.finish_reason = finish_reason(state.request, state.output)
                 if state.finished:  # (d) retire: its blocks go back to the pool
-                    self.pool.free(state.seq_id)
-                    state.seq_id = None
+                    self.release(state)
                     self.running.remove(state)
                     self.finished[state.id] = state
         record.blocks_used = self.pool.num_blocks - self.pool.num_free_blocks

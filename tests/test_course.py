@@ -251,3 +251,14 @@ def test_instructors_guide_lists_every_exercise_with_its_grading_command():
     for ex in course.find_exercises(ROOT):
         row = f"| {ex.id} | `{ex.file}` | `{ex.function}` | `{ex.command}` |"
         assert row in guide, f"docs/instructors.md lacks (or has a stale) row: {row}"
+
+
+def test_notebooks_show_library_source_without_exercise_solutions():
+    """course.show / source_without_solutions: a function's source as the chapters print it, each
+    exercise region's body replaced by one line naming the exercise, the rest verbatim."""
+    from minillm import sampling
+
+    text = course.source_without_solutions(sampling.top_k_filter)
+    assert "def top_k_filter(logits, k):" in text and "# EXERCISE 1.1 END" in text
+    assert "...  (exercise 1.1: the solution is yours to write)" in text
+    assert "np.sort" not in text and "np.where" not in text  # the two solution lines
