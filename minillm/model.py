@@ -77,7 +77,16 @@ def merge_heads(y):
 
 
 class GPT:
-    """GPT-2 with a selectable attention implementation ('naive', 'flash' or 'cuda')."""
+    """GPT-2 with a selectable attention implementation ('naive', 'flash' or 'cuda').
+
+    The forward pass calls its three elementwise building blocks through the model (``self.linear``,
+    ``self.layer_norm``, ``self.gelu``), so an experiment can swap one on an instance (chapter 3
+    times a decode step with each part replaced by a stand-in) without touching this module.
+    """
+
+    layer_norm = staticmethod(layer_norm)
+    gelu = staticmethod(gelu)
+    linear = staticmethod(linear)
 
     def __init__(self, config: GPTConfig, params: dict, attention: str = "naive"):
         self.config = config
@@ -122,11 +131,11 @@ class GPT:
         x = p["wte.weight"][idx] + p["wpe.weight"][pos]  # (B, T, C)
         for layer in range(cfg.n_layer):
             h = f"h.{layer}."
-            ln_1 = layer_norm(x, p[h + "ln_1.weight"], p[h + "ln_1.bias"])
+            ln_1 = self.layer_norm(x, p[h + "ln_1.weight"], p[h + "ln_1.bias"])
             x = x + self._attention_block(layer, ln_1, cache)  # (B, T, C)
-            ln_2 = layer_norm(x, p[h + "ln_2.weight"], p[h + "ln_2.bias"])
+            ln_2 = self.layer_norm(x, p[h + "ln_2.weight"], p[h + "ln_2.bias"])
             x = x + self._mlp_block(layer, ln_2)  # (B, T, C)
-        x = layer_norm(x, p["ln_f.weight"], p["ln_f.bias"])
+        x = self.layer_norm(x, p["ln_f.weight"], p["ln_f.bias"])
         logits = x @ p["wte.weight"].T  # (B, T, C) @ (C, V) -> (B, T, V), the tied LM head
         if cache is not None:
             cache.advance(T)
@@ -135,20 +144,20 @@ class GPT:
     def _attention_block(self, layer, x, cache):
         """Causal multi-head self-attention.  (B, T, C) -> (B, T, C)"""
         p, h = self.params, f"h.{layer}.attn."
-        qkv = linear(x, p[h + "c_attn.weight"], p[h + "c_attn.bias"])  # (B, T, 3C)
+        qkv = self.linear(x, p[h + "c_attn.weight"], p[h + "c_attn.bias"])  # (B, T, 3C)
         C = self.config.n_embd
         q, k, v = (split_heads(qkv[..., i * C : (i + 1) * C], self.config.n_head) for i in range(3))
         if cache is None:
             y = self.attention(q, k, v, causal=True)  # (B, nh, T, hs)
         else:
             y = cache.attend(layer, q, k, v, self.attention)  # (B, nh, T, hs)
-        return linear(merge_heads(y), p[h + "c_proj.weight"], p[h + "c_proj.bias"])
+        return self.linear(merge_heads(y), p[h + "c_proj.weight"], p[h + "c_proj.bias"])
 
     def _mlp_block(self, layer, x):
         """Position-wise MLP with a 4x hidden layer.  (B, T, C) -> (B, T, 4C) -> (B, T, C)"""
         p, h = self.params, f"h.{layer}.mlp."
-        x = gelu(linear(x, p[h + "c_fc.weight"], p[h + "c_fc.bias"]))
-        return linear(x, p[h + "c_proj.weight"], p[h + "c_proj.bias"])
+        x = self.gelu(self.linear(x, p[h + "c_fc.weight"], p[h + "c_fc.bias"]))
+        return self.linear(x, p[h + "c_proj.weight"], p[h + "c_proj.bias"])
 
     def numpy_params(self) -> dict:
         """The parameters as NumPy arrays (for saving)."""

@@ -52,14 +52,29 @@ def test_format_table_aligns_and_rounds():
 
 
 def test_decode_step_parts_swaps_each_part_and_then_restores_the_model(tiny_model):
+    """Each part is swapped on the model instance only (never in minillm.model), and put back: the
+    instance holds no stand-in afterwards and computes what it computed before."""
     idx = np.array([[1, 2, 3, 4, 5]])
     before = tiny_model.forward(idx)
-    originals = {name: getattr(model_module, name) for name, _ in STAND_INS.values()}
+    module_functions = {name: getattr(model_module, name) for name in ("linear", "layer_norm", "gelu")}
+    own = dict(vars(tiny_model))
     rows = decode_step_parts(tiny_model, context=6, steps=2, rounds=2)
-    assert [r["part"] for r in rows] == ["whole step", *STAND_INS, "attention math"]
+    assert [r["part"] for r in rows] == ["whole step", *STAND_INS]
     assert rows[0]["share"] == 1.0 and all(r["step us"] > 0 for r in rows)
-    assert {name: getattr(model_module, name) for name in originals} == originals
-    np.testing.assert_array_equal(tiny_model.forward(idx), before)  # the real attention is back too
+    assert {name: getattr(model_module, name) for name in module_functions} == module_functions
+    assert vars(tiny_model).keys() == own.keys() and tiny_model.attention is own["attention"]
+    np.testing.assert_array_equal(tiny_model.forward(idx), before)  # the real ops and attention are back
+
+
+def test_decode_step_parts_stand_ins_really_replace_the_part(tiny_model):
+    """With the matmuls swapped out, the model's output changes: the stand-in is on the forward's path."""
+    from minillm.benchmarks.kv_cache import swapped
+
+    idx = np.array([[1, 2, 3]])
+    before = tiny_model.forward(idx)
+    for name, fn in STAND_INS.values():
+        with swapped(tiny_model, name, fn):
+            assert not np.array_equal(tiny_model.forward(idx), before), name
 
 
 def test_figures_go_where_the_options_say(tmp_path, monkeypatch):
