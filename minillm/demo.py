@@ -19,8 +19,8 @@ import sys
 from .benchmarks.common import format_table
 from .chat import answer, turn_summary
 from .checkpoint import CheckpointError, load_model
-from .cli import finite_float, nonnegative_int, positive_int
 from .generate import generate
+from .options import finite_float, nonnegative_int, positive_int
 from .registry import SMOLLM2
 from .registry import load_model as load_any_model
 from .sampling import SamplingSettings

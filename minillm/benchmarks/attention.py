@@ -21,9 +21,9 @@ import numpy as np
 from .. import flash_attention as fa
 from ..attention import naive_attention
 from ..backend import is_gpu, synchronize, to_numpy, xp
-from ..cli import positive_int
 from ..kernels.launch import flash_attention_cuda
-from .common import BenchmarkError, add_output_args, figure_dir, format_table, save_figure, time_fn
+from ..options import positive_int
+from .common import BenchmarkError, add_output_args, figure_dir, format_table, parse_args, save_figure, time_fn
 
 CPU_NS = [1024, 2048, 4096, 8192, 16384]
 GPU_NS = [1024, 2048, 4096, 8192, 16384]
@@ -271,7 +271,7 @@ def main(argv: list[str]) -> int:
     p.add_argument("--repeat", type=positive_int, default=3, help="timed repeats (median); 1 for N > 4096 on CPU")
     add_output_args(p)
     p.add_argument("--no-plots", action="store_true", help="print tables only")
-    args = p.parse_args(argv)
+    args = parse_args(p, argv)
     out_dir = figure_dir(args)
     max_n = args.max_n or (4096 if args.quick else 16384)
     repeat = 1 if args.quick else args.repeat

@@ -24,10 +24,11 @@ import numpy as np
 
 from ..batch_speculative import POLICIES, forward_ragged, generate_batch, speculative_generate_batch
 from ..checkpoint import load_model
-from ..cli import positive_int_list
 from ..generate import generate
+from ..options import positive_int_list
 from ..paged_kv import PagedKVCache, num_blocks_for
 from .common import BenchmarkError, add_output_args, figure_dir, format_table, save_figure, time_fn, time_paired
+from .common import parse_args as common_parse_args
 from .speculative import STEP_CONTEXT, validation_prompts
 
 PROMPT_STEP = 8  # prompt i is PROMPT_STEP * (i % 4) characters shorter than --prompt-len: ragged rows
@@ -47,7 +48,7 @@ def parse_args(argv):
     add_output_args(p)
     p.add_argument("--no-plot", action="store_true", help="do not write the figure")
     p.add_argument("--quick", action="store_true", help="batch sizes 1,4,16; 32 tokens; 1 run each")
-    args = p.parse_args(argv)
+    args = common_parse_args(p, argv)
     if args.quick:
         args.batch_sizes, args.tokens, args.repeat = [1, 4, 16], 32, 1
     args.policies = [s.strip() for s in args.policies.split(",")]

@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..backend import synchronize
+from ..backend import runtime_summary, synchronize
 from ..project import project_root
 
 DEFAULT_FIG_DIR = Path(tempfile.gettempdir()) / "minillm-figures"
@@ -121,3 +121,12 @@ def save_figure(fig, name: str, out_dir) -> Path:
     fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
     return path
+
+
+def parse_args(parser, argv):
+    """``parser.parse_args(argv)``, then the line that says what the numbers will be measured on:
+    backend, BLAS threads, cores, load average (``backend.runtime_summary``; a warning under load).
+    Printed after the options are checked, so a usage error prints nothing else."""
+    args = parser.parse_args(argv)
+    print(runtime_summary(), flush=True)
+    return args

@@ -22,15 +22,16 @@ import numpy as np
 
 from ..backend import xp
 from ..checkpoint import load_model
-from ..cli import positive_int
 from ..data import load_corpus
 from ..generate import generate, generate_naive
 from ..kv_cache import GrowingKVCache, KVCache, PrefixCache, kv_cache_bytes
+from ..options import positive_int
 from .common import (
     BenchmarkError,
     add_output_args,
     figure_dir,
     format_table,
+    parse_args,
     progress,
     save_figure,
     time_fn,
@@ -247,7 +248,7 @@ def main(argv=None) -> int:
     parser.add_argument("--repeat", type=positive_int, default=3)
     parser.add_argument("--quick", action="store_true", help="fewer lengths, one repeat")
     add_output_args(parser)
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     out_dir = figure_dir(args)
     repeat = 1 if args.quick else args.repeat
     model, tok = load_model(args.model)

@@ -34,12 +34,12 @@ from pathlib import Path
 
 import numpy as np
 
-from ..cli import positive_int, positive_int_list
 from ..config import GPTConfig
 from ..kv_cache import KVCache
+from ..options import positive_int, positive_int_list
 from ..paged_kv import OutOfBlocksError, PagedKVCache, num_blocks_for
 from ..prefix_blocks import PrefixBlockCache
-from .common import BenchmarkError, add_output_args, figure_dir, format_table, progress, save_figure
+from .common import BenchmarkError, add_output_args, figure_dir, format_table, parse_args, progress, save_figure
 
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # tokens per KV block
 PAPER_CONTIGUOUS = {"Max": 20.4, "Pow2": 26.8, "Oracle": 38.2}  # % of KV memory holding tokens, Fig. 2
@@ -362,7 +362,7 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--ttft-page-size", type=positive_int, default=16, help="tokens per KV block in part 2")
     add_output_args(ap)
     ap.add_argument("--no-plots", action="store_true")
-    args = ap.parse_args(argv)
+    args = parse_args(ap, argv)
     page_sizes = args.page_sizes
 
     prompts, outputs = make_workload(args.requests, args.max_len, args.mean_prompt, args.mean_output,

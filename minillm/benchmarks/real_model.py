@@ -25,7 +25,7 @@ import numpy as np
 from ..backend import runtime_summary, to_numpy
 from ..kv_cache import KVCache, kv_cache_bytes
 from ..registry import SMOLLM2, SMOLLM2_FILE, load_model, smollm2_path
-from .common import BenchmarkError, format_table, time_pairs
+from .common import BenchmarkError, format_table, parse_args, time_pairs
 
 LOGIT_ATOL = 1e-3  # minillm vs transformers, float32 both
 CONTEXTS = (256, 1024)  # section 2
@@ -163,7 +163,7 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int, default=33)
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--quick", action="store_true", help="one pair per measurement, shorter runs")
-    args = parser.parse_args(argv)
+    args = parse_args(parser, argv)
     if args.threads < 1 or args.prompt_tokens < 1 or args.new_tokens < 2 or args.repeat < 1:
         parser.error("--threads, --prompt-tokens, --repeat must be >= 1 and --new-tokens >= 2")
     repeat = 1 if args.quick else args.repeat

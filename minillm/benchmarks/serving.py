@@ -48,6 +48,7 @@ from ..serving import (
     save_trace,
 )
 from .common import add_output_args, figure_dir, format_table, save_figure
+from .common import parse_args as common_parse_args
 
 MODES = ("static", "continuous", "chunked")
 
@@ -267,7 +268,7 @@ def parse_args(argv):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--repeat", type=int, default=3, help="replays of the three modes; the table holds medians")
     add_output_args(p)
-    return p.parse_args(argv)
+    return common_parse_args(p, argv)
 
 
 def main(argv=None) -> int:

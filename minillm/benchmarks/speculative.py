@@ -26,11 +26,11 @@ import numpy as np
 
 from ..backend import xp
 from ..checkpoint import load_model
-from ..cli import positive_int_list
 from ..data import train_val_split
 from ..drafts import BigramDraft, quantize_weights
 from ..generate import generate
 from ..kv_cache import KVCache
+from ..options import positive_int_list
 from ..speculative import expected_speedup, expected_tokens_per_call, speculative_generate
 from .common import (
     BenchmarkError,
@@ -41,6 +41,9 @@ from .common import (
     save_figure,
     time_fn,
     time_paired,
+)
+from .common import (
+    parse_args as common_parse_args,
 )
 
 DRAFT_NAMES = ("draft", "int8", "bigram")
@@ -63,7 +66,7 @@ def parse_args(argv):
     p.add_argument("--target", default="target", help="target model: 'target' or a .npz path")
     p.add_argument("--draft", default="draft", help="draft model: 'draft' or a .npz path")
     p.add_argument("--quick", action="store_true", help="K in 1,2,4,8; 2 prompts; 1 run each")
-    args = p.parse_args(argv)
+    args = common_parse_args(p, argv)
     if args.quick:
         args.ks, args.prompts, args.repeat = [1, 2, 4, 8], 2, 1
     args.temperatures = [float(t) for t in args.temperatures.split(",")]

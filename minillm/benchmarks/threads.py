@@ -29,6 +29,7 @@ from ..backend import BLAS_THREADS_ENV, xp
 from ..kv_cache import KVCache
 from ..registry import load_model
 from .common import format_table
+from .common import parse_args as common_parse_args
 
 POLICIES = ("1", "all")  # MINILLM_BLAS_THREADS values compared
 WORKLOADS = {  # name -> arguments after `python`
@@ -116,7 +117,7 @@ def parse_args(argv):
     p.add_argument("--forwards-only", action="store_true", help="part 1 only (the forwards, in this process)")
     p.add_argument("--workloads", default=",".join(str(i) for i in range(len(WORKLOADS))),
                    help="indices of the workloads to run: " + "; ".join(f"{i} {n}" for i, n in enumerate(WORKLOADS)))
-    args = p.parse_args(argv)
+    args = common_parse_args(p, argv)
     if args.repeat < 1 or args.load < 0 or args.timeout <= 0:
         p.error("--repeat must be >= 1, --load >= 0 and --timeout > 0")
     return args

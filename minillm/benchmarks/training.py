@@ -11,7 +11,7 @@ import argparse
 import numpy as np
 
 from ..checkpoint import SHIPPED, model_notes
-from .common import add_output_args, figure_dir, save_figure
+from .common import add_output_args, figure_dir, parse_args, save_figure
 
 SMOOTH_STEPS = 25  # steps in the moving average of the training loss
 
@@ -41,6 +41,6 @@ def curves_figure(names=SHIPPED):
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m minillm bench training-curves", description=__doc__.splitlines()[0])
     add_output_args(p)
-    args = p.parse_args(argv)
+    args = parse_args(p, argv)
     print(f"figure: {save_figure(curves_figure(), 'training_curves', figure_dir(args))}")
     return 0
