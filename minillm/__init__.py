@@ -43,4 +43,4 @@ __all__ = [
     "BlockAllocator", "OutOfBlocksError", "PagedKVCache", "paged_attention",
     "SpecStats", "expected_speedup", "expected_tokens_per_call", "speculative_generate", "verify", "verify_greedy",
     "BatchResult", "BatchStats", "generate_batch", "speculative_generate_batch",
-]  # fmt: skip
+]

@@ -93,7 +93,7 @@ def forward_ragged(model, cache: PagedKVCache, seq_ids, token_lists) -> list:
 def _pool(config, batch_size: int, page_size: int) -> PagedKVCache:
     """A pool with room for every sequence at full context (padding is never stored)."""
     return PagedKVCache(config, num_blocks=batch_size * num_blocks_for(config.block_size, page_size),
-                        page_size=page_size)  # fmt: skip
+                        page_size=page_size)
 
 
 def _check_batch(prompts) -> list:
@@ -179,7 +179,7 @@ class BatchResult:
 
 
 def generate_batch(model, prompts, max_new_tokens, temperature=1.0, top_k=None, top_p=None, seed=0,
-                   page_size=16) -> BatchResult:  # fmt: skip
+                   page_size=16) -> BatchResult:
     """Decode B prompts of any lengths together: one forward per step -> BatchResult.
 
     Step 1 prefills every prompt in one ragged forward; each later step feeds one token per row at
@@ -264,7 +264,7 @@ def _draft_batch(draft, pool, states, k_round, settings, rngs, stats):
 
 
 def speculative_generate_batch(target, draft, prompts, max_new_tokens, k=4, temperature=1.0, top_k=None,
-                               top_p=None, seed=0, policy="pad", page_size=16) -> BatchResult:  # fmt: skip
+                               top_p=None, seed=0, policy="pad", page_size=16) -> BatchResult:
     """Speculative decoding for B prompts at once -> BatchResult (row i's stats: a SpecStats).
 
     Per round: each running sequence plans its draft length (``SequenceState.plan``: the policy's
@@ -294,7 +294,7 @@ def speculative_generate_batch(target, draft, prompts, max_new_tokens, k=4, temp
 
         # pass 3: the target scores every row's pending + drafts in ONE forward (right-padded)
         rows = forward_ragged(target, tpool, [states[i].tcache.seq_id for i in running],
-                              [states[i].t_pending + drafts[i] for i in running])  # fmt: skip
+                              [states[i].t_pending + drafts[i] for i in running])
         batch.target_calls += 1
         accepted = []
         for i, logits in zip(running, rows):

@@ -78,7 +78,7 @@ class GPTConfig(ModelConfig):
                 h + "ln_2.weight": (C,), h + "ln_2.bias": (C,),
                 h + "mlp.c_fc.weight": (C, 4 * C), h + "mlp.c_fc.bias": (4 * C,),
                 h + "mlp.c_proj.weight": (4 * C, C), h + "mlp.c_proj.bias": (C,),
-            }  # fmt: skip
+            }
         shapes |= {"ln_f.weight": (C,), "ln_f.bias": (C,)}
         return shapes
 
@@ -130,7 +130,7 @@ class LlamaConfig(ModelConfig):
                 h + "post_attention_layernorm.weight": (C,),
                 h + "mlp.gate_proj.weight": (H, C), h + "mlp.up_proj.weight": (H, C),
                 h + "mlp.down_proj.weight": (C, H),
-            }  # fmt: skip
+            }
         shapes["norm.weight"] = (C,)
         if not self.tie_embeddings:
             shapes["lm_head.weight"] = (V, C)

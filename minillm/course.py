@@ -36,11 +36,11 @@ MANIFEST_JSON, MANIFEST_MD = "MANIFEST.json", "MANIFEST.md"
 # never copied: version control, caches, build outputs, training state, logs
 IGNORED = (".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache", ".hypothesis", ".benchmarks",
            ".ipynb_checkpoints", "_build", "build", "*.egg-info", "*.pyc", "*.tmp", "*.train.npz",
-           "*.log.json")  # fmt: skip
+           "*.log.json")
 # left out of the student edition: the bug zoo holds reference lines, the kit checks the reference
 # and the flash mutants hold the chapter-4 bugs with their fixes in the docstrings
 INSTRUCTORS_ONLY = ("tests/test_course.py", "tests/test_bug_zoo.py", "tests/fixtures/bug_zoo.py",
-                    "tests/fixtures/course_plugin.py", "tests/fixtures/flash_mutants.py")  # fmt: skip
+                    "tests/fixtures/course_plugin.py", "tests/fixtures/flash_mutants.py")
 
 
 class CourseError(ValueError):
@@ -149,7 +149,7 @@ def parse_markers(text: str, rel: str) -> list[Exercise]:
         Exercise(id=ex_id, chapter=EXERCISE_ID.match(ex_id)["chapter"], task=task, file=rel,
                  function=_enclosing_function(tree, begin), begin=begin, end=end)
         for (ex_id, begin, _, task), end in found
-    ]  # fmt: skip
+    ]
 
 
 def _declared(tree: ast.Module, name: str, rel: str) -> list[tuple[str, str]]:
@@ -160,7 +160,7 @@ def _declared(tree: ast.Module, name: str, rel: str) -> list[tuple[str, str]]:
             if not isinstance(value, dict) or not all(isinstance(v, str) for v in value.values()):
                 raise CourseError(f"{rel}: {name} must be a dict of exercise id(s) -> pytest -k expression")
             return [(ex_id, keyword) for key, keyword in value.items()
-                    for ex_id in ((key,) if isinstance(key, str) else key)]  # fmt: skip
+                    for ex_id in ((key,) if isinstance(key, str) else key)]
     return []
 
 
@@ -242,7 +242,7 @@ def copy_project(root: Path, out: Path, leave_out: tuple = ()) -> Path:
 
     def ignore(folder, names):
         return set(shutil.ignore_patterns(*IGNORED)(folder, names)) | {
-            n for n in names if (Path(folder) / n).resolve() in skip}  # fmt: skip
+            n for n in names if (Path(folder) / n).resolve() in skip}
 
     shutil.copytree(root, out, ignore=ignore, dirs_exist_ok=True)
     return Path(out)
@@ -272,7 +272,7 @@ def manifest_markdown(exercises: list[Exercise]) -> str:
            "Each marked region raises `NotImplementedError` until you write it. The command in the last",
            "column grades it; the tests under *also fails* pass once it (and what they use) is solved.", "",
            "| exercise | chapter | file | function | what to implement | grade with |",
-           "|---|---|---|---|---|---|"]  # fmt: skip
+           "|---|---|---|---|---|---|"]
     for ex in exercises:
         where = f"`{ex.file}` | `{ex.function}`"
         out.append(f"| {ex.id} | {ex.chapter} | {where} | {ex.task} | `{ex.command}` |")

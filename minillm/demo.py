@@ -85,7 +85,7 @@ def run(args) -> int:
 
     print("=== speculative decoding: the shipped character-level target and its 1-layer draft ===")
     print(f"target {target.num_params():,} params, draft {draft.num_params():,} params; prompt "
-          f"{args.prompt!r}; {n} new characters, K={args.k}, temperature {args.temperature:g}\n")  # fmt: skip
+          f"{args.prompt!r}; {n} new characters, K={args.k}, temperature {args.temperature:g}\n")
     print("=== plain cached decoding ===")
     print(args.prompt + tok.decode(plain.tokens))
     print("\n=== speculative decoding ===")
@@ -93,7 +93,7 @@ def run(args) -> int:
     same = tokens == plain.tokens
     if args.temperature == 0:
         print(f"\ngreedy outputs identical: {'yes' if same else 'NO'} ({n} of {n} tokens)" if same else
-              "\ngreedy outputs identical: NO, speculative decoding changed the text")  # fmt: skip
+              "\ngreedy outputs identical: NO, speculative decoding changed the text")
     else:
         print("\n(temperature > 0: two samples from the same distribution, so the texts differ)")
 
@@ -106,11 +106,11 @@ def run(args) -> int:
          "tokens/s": spec.tokens_per_s, "target calls": spec.target_calls,
          "tokens/call": spec.tokens_per_call, "alpha": spec.alpha,
          "speed-up": spec.tokens_per_s / ps.tokens_per_s},
-    ]  # fmt: skip
+    ]
     print()
     print(format_table(rows))
     print("\nTTFT: prompt in -> first token(s) out. ms/token: mean time per token after those. "
-          "alpha: share of checked draft tokens the target accepted.")  # fmt: skip
+          "alpha: share of checked draft tokens the target accepted.")
     return 0 if same or args.temperature > 0 else 1
 
 

@@ -133,7 +133,7 @@ def step_stats(prompt_ids, tokens, times, **kw) -> GenerationStats:
 
 
 def generate_naive(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
-                   seed=0, on_token=None) -> GenerationResult:  # fmt: skip
+                   seed=0, on_token=None) -> GenerationResult:
     """Generate by running the whole context (cropped to block_size) through the model each step.
 
     The baseline the KV cache beats: step N recomputes K and V for all N earlier tokens.
@@ -152,7 +152,7 @@ def generate_naive(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=Non
 
 
 def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None, seed=0,
-             cache=None, prefix_cache=None, on_token=None) -> GenerationResult:  # fmt: skip
+             cache=None, prefix_cache=None, on_token=None) -> GenerationResult:
     """Generate with a KV cache: prefill the prompt once, then one token per forward call.
 
     ``cache``: a decode cache to use (it is reset first; a new KVCache of block_size otherwise).

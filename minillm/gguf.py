@@ -163,7 +163,7 @@ def llama_config(metadata: dict, tensor_names, path) -> LlamaConfig:
             n_kv_head=get("attention.head_count_kv", n_head), n_embd=n_embd, n_hidden=get("feed_forward_length"),
             rope_theta=get("rope.freq_base", 10000.0), norm_eps=get("attention.layer_norm_rms_epsilon"),
             tie_embeddings="output.weight" not in tensor_names,
-        )  # fmt: skip
+        )
     except ValueError as exc:
         raise GGUFError(f"{path}: {exc}") from exc
     if get("rope.dimension_count", config.head_size) != config.head_size:

@@ -46,7 +46,7 @@ def device_summary() -> list[tuple[str, str]]:
             "shared memory / block",
             f"{dev.attributes['MaxSharedMemoryPerBlock']} B, "
             f"{dev.attributes['MaxSharedMemoryPerBlockOptin']} B opt-in",
-        ),  # fmt: skip
+        ),
         ("CuPy / CUDA runtime", f"{cupy.__version__} / {cupy.cuda.runtime.runtimeGetVersion()}"),
     ]
 
@@ -111,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows:
             result = "FAIL" if r["failed"] else "ok"
             summary.append((f"tests {r['file']}", f"{result}: {r['passed']} passed, {r['failed']} failed, "
-                                                  f"{r['skipped']} skipped", None))  # fmt: skip
+                                                  f"{r['skipped']} skipped", None))
         summary.append(("tests (all, -m gpu)", "", secs))
 
     ok_bench, bench_out, secs = run_attention_bench(args.max_n, args.repeat, out_dir)
@@ -122,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     lines.append("")
     lines += [f"  {c:<{width}}  {r:<45} {'' if s is None else f'{s:6.1f} s'}" for c, r, s in summary]
     lines.append(f"  {'total':<{width}}  {'within budget' if total <= TIME_BUDGET_S else 'OVER BUDGET':<45} "
-                 f"{total:6.1f} s")  # fmt: skip
+                 f"{total:6.1f} s")
     lines.append("")
     lines.append(bench_out.rstrip())
     failed = any(r.startswith("FAIL") for _, r, _ in summary)

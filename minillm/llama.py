@@ -116,7 +116,7 @@ class Llama:
         """Random weights ~ N(0, 0.02) and RMSNorm gains 1 (for tests and experiments; no training here)."""
         rng = np.random.default_rng(seed)
         params = {name: np.ones(shape) if len(shape) == 1 else rng.normal(0.0, INIT_STD, shape)
-                  for name, shape in config.param_shapes().items()}  # fmt: skip
+                  for name, shape in config.param_shapes().items()}
         return cls(config, {k: v.astype(np.float32) for k, v in params.items()}, attention)
 
     def set_attention(self, name: str) -> None:
@@ -140,7 +140,7 @@ class Llama:
             x = x + self._attention_block(layer, normed, cos, sin, cache)  # (B, T, C)
             normed = rms_norm(x, p[h + "post_attention_layernorm.weight"], cfg.norm_eps)
             x = x + swiglu(normed, p[h + "mlp.gate_proj.weight"], p[h + "mlp.up_proj.weight"],
-                           p[h + "mlp.down_proj.weight"])  # fmt: skip
+                           p[h + "mlp.down_proj.weight"])
         x = rms_norm(x, p["norm.weight"], cfg.norm_eps)
         logits = x @ self.lm_head.T  # (B, T, C) @ (C, V) -> (B, T, V)
         if cache is not None:

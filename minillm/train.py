@@ -378,7 +378,7 @@ def train(
 
     t0 = time.perf_counter()
     bar = tqdm(range(start, tc.max_steps), initial=start, total=tc.max_steps, disable=not progress,
-               desc=f"train {preset_name}", mininterval=2.0)  # fmt: skip
+               desc=f"train {preset_name}", mininterval=2.0)
     for step in bar:
         lr = lr_at(step, tc)
         idx, targets = get_batch(train_data, tc.batch_size, cfg.block_size, rng)

@@ -10,7 +10,7 @@ from minillm.attention import (
     naive_attention,
     sliding_window_mask,
     softmax,
-)  # fmt: skip
+)
 from minillm.backend import to_numpy
 
 # The tests that check each exercise, as pytest -k expressions (read by minillm.course; docs/instructors.md)

@@ -12,7 +12,7 @@ from minillm import backend
 
 def run_python(code, **env):
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={**os.environ, **env}, timeout=120)  # fmt: skip
+                          env={**os.environ, **env}, timeout=120)
 
 
 def test_numpy_without_gpu():

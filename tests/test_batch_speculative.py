@@ -84,7 +84,7 @@ def batch_matches_alone(target, draft, prompts, n_new, ks=(1, 4), temperature=0.
         return False
     for k in ks:
         alone = [speculative_generate(target, draft, p, n_new, k=k, temperature=temperature, seed=s)
-                 for p, s in zip(prompts, seeds)]  # fmt: skip
+                 for p, s in zip(prompts, seeds)]
         batch = speculative_generate_batch(target, draft, prompts, n_new, k=k, temperature=temperature)
         if batch.tokens != [r.tokens for r in alone]:
             return False

@@ -60,10 +60,10 @@ def test_mutation_score(tmp_path):
     with ThreadPoolExecutor(WORKERS) as pool:
         results = list(pool.map(run, MUTANTS))
     rows = [f"| {m.chapter} | {m.name} | `{' '.join(zoo_command(m, exercises))}` | "
-            f"{'killed' if r.returncode == 1 else 'SURVIVED'} |" for m, r in zip(MUTANTS, results)]  # fmt: skip
+            f"{'killed' if r.returncode == 1 else 'SURVIVED'} |" for m, r in zip(MUTANTS, results)]
     killed = sum(r.returncode == 1 for r in results)
     print("\n| chapter | mutant | tests run (-x) | result |\n|---|---|---|---|\n" + "\n".join(rows))
     print(f"mutation score: {killed}/{len(MUTANTS)} killed ({100 * killed / len(MUTANTS):.0f}%)")
     survivors = [f"{m.name}: exit {r.returncode}\n{r.stdout[-1500:]}" for m, r in zip(MUTANTS, results)
-                 if r.returncode != 1]  # fmt: skip
+                 if r.returncode != 1]
     assert not survivors, "\n\n".join(survivors)

@@ -36,12 +36,12 @@ def test_info():
 
 def test_generate_streams_text_and_stats(tiny_checkpoint):
     r = run_cli("generate", "--model", tiny_checkpoint, "--prompt", "abc", "--max-new-tokens", "12",
-                "--temperature", "0")  # fmt: skip
+                "--temperature", "0")
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("abc") and len(r.stdout.strip()) == 15
     assert "TTFT" in r.stderr and "tokens/s" in r.stderr
     naive = run_cli("generate", "--model", tiny_checkpoint, "--prompt", "abc", "--max-new-tokens", "12",
-                    "--temperature", "0", "--no-cache")  # fmt: skip
+                    "--temperature", "0", "--no-cache")
     assert naive.stdout == r.stdout  # the KV cache changes the speed, not the text
 
 

@@ -85,7 +85,7 @@ def test_stub_keeps_signature_docstring_markers_and_the_rest_of_the_body():
     assert stubbed.splitlines() == [
         "def f(x):", '    """Doc."""', "    y = x + 1", "    # EXERCISE 9.1 BEGIN: double y",
         '    raise NotImplementedError("Exercise 9.1: double y")', "    # EXERCISE 9.1 END", "    return y",
-    ]  # fmt: skip
+    ]
     namespace = {}
     exec(stubbed, namespace)
     with pytest.raises(NotImplementedError, match="Exercise 9.1: double y"):
@@ -193,7 +193,7 @@ def test_student_edition_contents(edition):
     assert not [p for p in present if p.endswith(".train.npz") or "__pycache__" in p or p.startswith(".git/")]
     assert not set(course.INSTRUCTORS_ONLY) & present
     compiled = subprocess.run([sys.executable, "-m", "compileall", "-q", "minillm", "tests"], cwd=edition,
-                              capture_output=True, text=True)  # fmt: skip
+                              capture_output=True, text=True)
     assert compiled.returncode == 0, compiled.stdout
 
 
@@ -240,7 +240,7 @@ def test_student_edition_fails_exactly_the_named_tests(edition, tmp_path):
     assert not named - failed, f"tests named by an exercise that still pass: {sorted(named - failed)}"
     lacking = [ex.command for ex in course.find_exercises(ROOT)
                if not any(ex.id in e["named_by"] and t.startswith(ex.checks.tests + "::") and e["raised"] == [ex.id]
-                          for t, e in tests.items())]  # fmt: skip
+                          for t, e in tests.items())]
     assert not lacking, f"no test fails with only the exercise's own NotImplementedError: {lacking}"
 
 

@@ -70,7 +70,7 @@ needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA
 
 # (B, nh, Tq, Tk, hs, causal): the square grid N x hs x causal, then fewer queries than keys
 SQUARE = [(2, 2, N, N, hs, c) if N <= 33 else (1, 1, N, N, hs, c)
-          for N in GRID_N for hs in GRID_HS for c in (True, False)]  # fmt: skip
+          for N in GRID_N for hs in GRID_HS for c in (True, False)]
 RECT_TQ_TK = [(1, 33), (1, 257), (31, 100), (33, 257), (100, 257)]
 RECT = [
     (1, 2, Tq, Tk, hs, c) for (Tq, Tk), hs in zip(RECT_TQ_TK, [16, 64, 128, 16, 64]) for c in (True, False)
@@ -228,7 +228,7 @@ def test_tiled_any_tile_shape(block_q, block_k):
     """Tiles of any shape (1x1, not dividing N, larger than N) give the same result."""
     check_attention(lambda q, k, v, c: tiled_output(q, k, v, c, block_q, block_k),
                     [(1, 2, 100, 100, 16, True), (1, 2, 33, 100, 16, True), (1, 1, 100, 100, 16, False)],
-                    ARRAY_ATOL)  # fmt: skip
+                    ARRAY_ATOL)
 
 
 def test_tiled_skips_future_tiles(monkeypatch):
@@ -441,7 +441,7 @@ def run_under_tsan(source):
     root = str(Path(fa.__file__).parents[1])
     env = dict(os.environ, LD_PRELOAD=libtsan, TSAN_OPTIONS="exitcode=66", PYTHONPATH=root)
     proc = subprocess.run([sys.executable, "-c", TSAN_SCRIPT, str(source)], capture_output=True, text=True,
-                          env=env, timeout=300)  # fmt: skip
+                          env=env, timeout=300)
     out = proc.stdout + proc.stderr
     if proc.returncode not in (0, 66) and "ThreadSanitizer" in out and "data race" not in out:
         pytest.skip(f"ThreadSanitizer cannot run here: {out[-500:]}")
@@ -508,7 +508,7 @@ def check_model_logits(model, name):
         model.set_attention(impl)
         cache = KVCache(model.config, batch_size=2)
         results[impl] = [to_numpy(model.forward(idx)), to_numpy(model.forward(idx[:, :20], cache)),
-                         to_numpy(model.forward(idx[:, 20:21], cache))]  # fmt: skip
+                         to_numpy(model.forward(idx[:, 20:21], cache))]
     model.set_attention("naive")
     for got, want in zip(results[name], results["naive"]):
         assert got.dtype == np.float32

@@ -129,12 +129,12 @@ def test_real_tensors_match_gguf(smollm2):
 # ---- files written here: a tiny Llama in every supported type, and broken files ----------------
 
 TINY = LlamaConfig(vocab_size=40, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, n_hidden=96,
-                   rope_theta=10000.0, tie_embeddings=False)  # fmt: skip
+                   rope_theta=10000.0, tie_embeddings=False)
 GGUF_NAMES = {"embed_tokens": "token_embd", "norm": "output_norm", "lm_head": "output",
               "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
               "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output",
               "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-              "mlp.down_proj": "ffn_down"}  # fmt: skip
+              "mlp.down_proj": "ffn_down"}
 
 
 def gguf_name(name):

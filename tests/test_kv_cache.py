@@ -15,7 +15,7 @@ from minillm import (
     generate,
     generate_naive,
     kv_cache_bytes,
-)  # fmt: skip
+)
 from minillm.backend import to_numpy
 
 # The tests that check each exercise, as pytest -k expressions (read by minillm.course; docs/instructors.md)

@@ -33,7 +33,7 @@ EXERCISES = {
 NEEDS = {("8.2", "8.3"): "tiny_llama", ("8.1", "8.2"): "gqa", ("8.1", "8.2", "8.3"): "real_model or transformers"}
 
 TINY = LlamaConfig(vocab_size=50, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, n_hidden=96,
-                   rope_theta=10000.0)  # fmt: skip
+                   rope_theta=10000.0)
 
 
 def random_params(cfg, seed=0):
@@ -176,7 +176,7 @@ def test_repeat_kv_grouped_attention_with_one_group_each_is_multi_head(rng):
     """n_kv_head = n_head: grouped attention is plain multi-head attention."""
     q, k, v = rng.standard_normal((3, 2, 4, 6, 8)).astype(np.float32)
     np.testing.assert_array_equal(to_numpy(grouped_attention(naive_attention, 1)(q, k, v)),
-                                  to_numpy(naive_attention(q, k, v)))  # fmt: skip
+                                  to_numpy(naive_attention(q, k, v)))
 
 
 def test_gqa_equals_multi_head_with_copied_kv_weights():
@@ -193,7 +193,7 @@ def test_gqa_equals_multi_head_with_copied_kv_weights():
             mha[key] = np.repeat(heads, n_rep, axis=0).reshape(TINY.n_head * hs, TINY.n_embd)
     ids = np.random.default_rng(4).integers(0, TINY.vocab_size, (2, 11))
     np.testing.assert_allclose(to_numpy(Llama(TINY, params).forward(ids)), to_numpy(Llama(mha_cfg, mha).forward(ids)),
-                               atol=1e-4, rtol=0)  # fmt: skip
+                               atol=1e-4, rtol=0)
 
 
 # ---- the whole tiny model -------------------------------------------------------------------------
@@ -273,7 +273,7 @@ def test_transformers_tiny_random_llama():
                                       intermediate_size=TINY.n_hidden, num_hidden_layers=TINY.n_layer,
                                       num_attention_heads=TINY.n_head, num_key_value_heads=TINY.n_kv_head,
                                       max_position_embeddings=TINY.block_size, rms_norm_eps=TINY.norm_eps,
-                                      rope_theta=TINY.rope_theta, tie_word_embeddings=True)  # fmt: skip
+                                      rope_theta=TINY.rope_theta, tie_word_embeddings=True)
     torch.manual_seed(0)
     hf = transformers.LlamaForCausalLM(hf_cfg).eval()
     with torch.no_grad():
@@ -318,7 +318,7 @@ def transformers_smollm2(real_model):
 
     torch.set_num_threads(1)  # like minillm's one BLAS thread here: two threads stall on a busy 2-core machine
     return torch, transformers.LlamaForCausalLM.from_pretrained(
-        smollm2_path().parent, gguf_file=SMOLLM2_FILE, dtype=torch.float32).eval()  # fmt: skip
+        smollm2_path().parent, gguf_file=SMOLLM2_FILE, dtype=torch.float32).eval()
 
 
 def test_load_model_smollm2(real_model):
@@ -417,5 +417,5 @@ def test_transformers_real_model_greedy_30_tokens(real_model, transformers_smoll
     ours = generate(real_model[0], prompt, 30, temperature=0, cache=KVCache(real_model[0].config, max_len=64)).tokens
     with torch.no_grad():
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=30, min_new_tokens=30, do_sample=False,
-                          pad_token_id=2)  # fmt: skip
+                          pad_token_id=2)
     assert ours == out[0, len(prompt) :].tolist()

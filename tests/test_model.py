@@ -139,7 +139,7 @@ def test_matches_huggingface_gpt2():
         vocab_size=cfg.vocab_size, n_positions=cfg.block_size, n_embd=cfg.n_embd,
         n_layer=cfg.n_layer, n_head=cfg.n_head, activation_function="gelu_new",
         layer_norm_epsilon=1e-5, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-    )  # fmt: skip
+    )
     hf = transformers.GPT2LMHeadModel(hf_cfg).eval()
     state = {"transformer." + k: torch.from_numpy(v) for k, v in params.items()}
     state["lm_head.weight"] = state["transformer.wte.weight"]

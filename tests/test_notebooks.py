@@ -80,7 +80,7 @@ def test_notebook_executes(path):
     nbclient = pytest.importorskip("nbclient")
     nb = nbformat.read(path, as_version=4)
     client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
-                                     resources={"metadata": {"path": str(path.parent)}})  # fmt: skip
+                                     resources={"metadata": {"path": str(path.parent)}})
     client.execute()  # raises CellExecutionError naming the failing cell
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", []) if o.output_type == "error"]
     assert not errors

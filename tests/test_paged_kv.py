@@ -406,7 +406,7 @@ def random_cache(config, page_size, lengths, rng, num_blocks=64):
                 cache.append(s, k, v)
                 kv[s].append((k, v))
     contiguous = {s: (np.concatenate([k for k, _ in kv[s]], 2), np.concatenate([v for _, v in kv[s]], 2))
-                  for s in seqs}  # fmt: skip
+                  for s in seqs}
     return cache, seqs, contiguous
 
 
@@ -743,7 +743,7 @@ def test_mistake_no_copy_on_write_is_caught():
 def test_mistake_leaked_reference_is_caught():
     with pytest.raises(AssertionError, match="leaked"):
         run_random_ops(LeakyFree(BOOK, num_blocks=12, page_size=2),
-                       [("new", 0, [1, 2, 0]), ("fork", 0, [0]), ("free", 0, [0])])  # fmt: skip
+                       [("new", 0, [1, 2, 0]), ("fork", 0, [0]), ("free", 0, [0])])
 
 
 @pytest.mark.parametrize("mutant,n", [(TruncateKeepsOneBlockTooFew, 5), (TruncateKeepsOneBlockTooMany, 8)])

@@ -128,7 +128,7 @@ def test_settings_are_frozen_and_checked_once(tiny_model, monkeypatch):
 def test_sample_frequencies_and_never_zero_probability():
     p = np.array([0.2, 0.0, 0.5, 0.3])
     draws = np.array([sample(p, np.random.default_rng(0)) for _ in range(1)] +
-                     list(sample(np.tile(p, (40000, 1)), np.random.default_rng(1))))  # fmt: skip
+                     list(sample(np.tile(p, (40000, 1)), np.random.default_rng(1))))
     freq = np.bincount(draws, minlength=4) / len(draws)
     assert freq[1] == 0
     np.testing.assert_allclose(freq, p, atol=0.01)

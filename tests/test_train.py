@@ -193,7 +193,7 @@ def test_resume_continues_exactly(tmp_path, monkeypatch):
     """A run killed during step 5 and resumed from its step-3 checkpoint == an uninterrupted run:
     same loss at every step (same batches, same optimizer state), bit-identical final weights."""
     full = tr.train("draft", tmp_path / "full.npz", train_config=TINY_TRAIN, model_config=TINY_MODEL,
-                    progress=False)  # fmt: skip
+                    progress=False)
     real_clip, calls = tr.clip_grad_norm, []
 
     def dies_in_step_5(grads, max_norm):
@@ -205,7 +205,7 @@ def test_resume_continues_exactly(tmp_path, monkeypatch):
     monkeypatch.setattr(tr, "clip_grad_norm", dies_in_step_5)
     with pytest.raises(KeyboardInterrupt):
         tr.train("draft", tmp_path / "part.npz", train_config=TINY_TRAIN, model_config=TINY_MODEL,
-                 progress=False)  # fmt: skip
+                 progress=False)
     monkeypatch.setattr(tr, "clip_grad_norm", real_clip)
     resumed = tr.train("draft", tmp_path / "part.npz", resume=True, progress=False)
     assert [r["loss"] for r in resumed["history"]] == [r["loss"] for r in full["history"]]

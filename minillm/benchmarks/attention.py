@@ -78,7 +78,7 @@ def run_cpu(ns, repeat, out_dir, plot=True):
         rows.append({"N": N, "naive MiB": naive_peak / MIB, "tiled MiB": tiled_peak / MIB,
                      "mem tiled/naive": tiled_peak / naive_peak, "naive ms": 1e3 * t_naive,
                      "tiled ms": 1e3 * t_tiled, "time tiled/naive": t_tiled / t_naive,
-                     "max |err|": err})  # fmt: skip
+                     "max |err|": err})
         print(f"  N={N}: done", flush=True)
     tiles = f"{CPU_TILE}x{CPU_TILE}"
     print(f"\nCPU (NumPy), one head, hs {HS}, causal, float32; tiled = flash_attention with {tiles} tiles;")
@@ -144,7 +144,7 @@ def plot_io_model(out_dir):
         label="standard",
     )
     b.loglog([m / 1024 for m in ms], [fa.attention_io_bytes(N, d, m)["flash"] for m in ms], "s-",
-             label="tiled  ~ N^2 d^2 / M")  # fmt: skip
+             label="tiled  ~ N^2 d^2 / M")
     b.set(xlabel="SRAM per block M (KiB)", ylabel="HBM bytes moved", title=f"IO vs SRAM size (N = {N}, d = {d})")
     for ax in (a, b):
         ax.legend()
@@ -159,7 +159,7 @@ def io_table():
             io = fa.attention_io_bytes(N, HS, M)
             rows.append({"N": N, "M KiB": M // 1024, "Br x Bc": f"{io['Br']}x{io['Bc']}",
                          "standard MB": io["standard"] / 1e6, "tiled MB": io["flash"] / 1e6,
-                         "standard/tiled": io["standard"] / io["flash"]})  # fmt: skip
+                         "standard/tiled": io["standard"] / io["flash"]})
     return format_table(rows)
 
 
@@ -220,19 +220,19 @@ def run_gpu(ns, repeat, out_dir, B=1, nh=8, plot=True):
         if reference == "naive":
             t_naive = time_fn(naive, warmup=2, repeat=repeat)
             row |= {"naive ms": 1e3 * t_naive, "naive TFLOP/s": flops / t_naive / 1e12,
-                    "naive pool MiB": gpu_pool_bytes(naive) / MIB}  # fmt: skip
+                    "naive pool MiB": gpu_pool_bytes(naive) / MIB}
         else:
             row |= {"naive ms": "OOM", "naive TFLOP/s": "-", "naive pool MiB": "OOM"}
         row |= {"kernel ms": 1e3 * t_cuda, "kernel TFLOP/s": flops / t_cuda / 1e12,
                 "kernel % FP32 peak": 100 * flops / t_cuda / 1e12 / peak,
-                "kernel pool MiB": gpu_pool_bytes(kernel) / MIB}  # fmt: skip
+                "kernel pool MiB": gpu_pool_bytes(kernel) / MIB}
         if reference == "naive":
             row["speedup"] = t_naive / t_cuda
         rows.append(row)
         del q, k, v, naive, kernel
         cupy.get_default_memory_pool().free_all_blocks()
     columns = ["N", "naive ms", "kernel ms", "speedup", "naive TFLOP/s", "kernel TFLOP/s", "kernel % FP32 peak",
-               "naive pool MiB", "kernel pool MiB", "max |err|", "checked vs"]  # fmt: skip
+               "naive pool MiB", "kernel pool MiB", "max |err|", "checked vs"]
     print(f"\nGPU: naive CuPy vs kernels/flash_attention.cu, B {B}, nh {nh}, hs {HS}, causal, float32")
     print(f"FP32 peak {peak:.1f} TFLOP/s ({how}); FLOPs = 4 N^2 hs / 2 per head (causal);")
     print("pool MiB: what CuPy's memory pool holds after one call from empty (outputs + temporaries)")

@@ -55,7 +55,7 @@ def parse_args(argv):
     unknown = set(args.policies) - set(POLICIES)
     if unknown or args.k < 1 or args.tokens < 2 or args.repeat < 1:
         p.error(f"bad options (unknown policies {sorted(unknown)}; k >= 1; --tokens >= 2; "
-                "--repeat >= 1)")  # fmt: skip
+                "--repeat >= 1)")
     if args.prompt_len <= 3 * PROMPT_STEP:
         p.error(f"--prompt-len must exceed {3 * PROMPT_STEP}")
     return args
@@ -110,7 +110,7 @@ def plot(rows, out_dir):
             ax2.plot(bb, [r["cost model"] for r in group], ":", color=color, label=f"{method} cost model")
             ax3.plot(bb, [r["rejected %"] for r in group], "o-", color=color, label=f"{method}: rejected")
             ax3.plot(bb, [r["wasted %"] for r in group], "s--", color=color,
-                     label=f"{method}: rejected + padding")  # fmt: skip
+                     label=f"{method}: rejected + padding")
     ax2.axhline(1.0, color="gray", lw=0.8)
     for ax in (ax1, ax2, ax3):
         ax.set_xscale("log", base=2)
@@ -130,7 +130,7 @@ def main(argv: list[str]) -> int:
     n_new = min(args.tokens, target.config.block_size - args.prompt_len)
     print(f"target {target.num_params():,} params, draft {draft.num_params():,}; batch sizes {args.batch_sizes}; "
           f"prompts of {sorted({len(p) for p in prompts})} tokens x {n_new} new tokens; K = {args.k}; "
-          f"T = {args.temperature:g}; policies {args.policies}")  # fmt: skip
+          f"T = {args.temperature:g}; policies {args.policies}")
 
     # 1. validate
     wrong = validate(target, draft, prompts, n_new, args.k, args.policies)
@@ -143,7 +143,7 @@ def main(argv: list[str]) -> int:
     for B in args.batch_sizes:
         step = batch_step_time(target, B, 1)
         costs[B] = dict(step=step, v=batch_step_time(target, B, args.k + 1) / step,
-                        c=batch_step_time(draft, B, 1) / step)  # fmt: skip
+                        c=batch_step_time(draft, B, 1) / step)
         print(f"  B={B}: target step {step * 1e3:.2f} ms; verify of K+1 = {args.k + 1} tokens = "
               f"{costs[B]['v']:.2f} steps; draft step c = {costs[B]['c']:.3f}", flush=True)
 
@@ -161,7 +161,7 @@ def main(argv: list[str]) -> int:
         for policy in args.policies:
             def run(b=batch, policy=policy):
                 return speculative_generate_batch(target, draft, b, n_new, k=args.k, temperature=args.temperature,
-                                                  policy=policy)  # fmt: skip
+                                                  policy=policy)
 
             plain_s, wall, result = time_paired(plain, run, args.repeat)  # alternating runs
             stats, bst = [row.stats for row in result.rows], result.stats
@@ -175,14 +175,14 @@ def main(argv: list[str]) -> int:
                 "padded %": 100 * bst.padded / bst.slots, "rejected %": 100 * bst.rejected / bst.slots,
                 "v(B)": costs[B]["v"], "c(B)": costs[B]["c"],
                 "cost model": per_call / (draft_steps * costs[B]["c"] + costs[B]["v"]),
-            })  # fmt: skip
+            })
             print(f"  B={B:2d} {policy:8s}: {rows[-1]['tok/s']:.0f} tok/s, speed-up {rows[-1]['speed-up']:.2f}x, "
-                  f"thrown away {rows[-1]['wasted %']:.1f} %", flush=True)  # fmt: skip
+                  f"thrown away {rows[-1]['wasted %']:.1f} %", flush=True)
         plain_row["tok/s"] = B * n_new / float(np.median(plain_times))  # over every pairing
 
     # 4. report
     columns = ["B", "method", "tok/s", "speed-up", "alpha", "tok/call", "wasted %", "padded %", "rejected %",
-               "v(B)", "c(B)", "cost model"]  # fmt: skip
+               "v(B)", "c(B)", "cost model"]
     print()
     print(format_table(rows, columns))
     if not args.no_plot:

@@ -80,14 +80,14 @@ def naive_vs_cached(model, prompt, lengths, repeat) -> tuple[list[dict], dict]:
         if naive.tokens != cached.tokens:
             raise BenchmarkError(f"cached generation differs from naive at {n} new tokens")
         naive_s, cached_s, _ = time_pairs(lambda n=n: generate_naive(model, prompt, n, temperature=0),
-                                          lambda n=n: generate(model, prompt, n, temperature=0), repeat)  # fmt: skip
+                                          lambda n=n: generate(model, prompt, n, temperature=0), repeat)
         t_naive, t_cached = float(np.median(naive_s)), float(np.median(cached_s))
         ratios = np.divide(naive_s, cached_s)
         rows.append({
             "new tokens": n, "naive s": t_naive, "cached s": t_cached, "speed-up": float(np.median(ratios)),
             "pairs": f"{ratios.min():.1f}-{ratios.max():.1f}x",
             "naive ms/token": 1e3 * t_naive / n, "cached ms/token": 1e3 * t_cached / n,
-        })  # fmt: skip
+        })
         traces[n] = (naive.stats.step_times_s, cached.stats.step_times_s)
     return rows, traces
 
@@ -112,7 +112,7 @@ def prealloc_vs_growing(model, prompt, n, repeat) -> list[dict]:
         allocated = cache.bytes_allocated if isinstance(cache, GrowingKVCache) else cache.nbytes
         t = float(np.median(times[name]))
         rows.append({"cache": name, "total s": t, "ms/token": 1e3 * t / n, "MB allocated": allocated / 1e6,
-                     "MB held at end": cache.nbytes / 1e6})  # fmt: skip
+                     "MB held at end": cache.nbytes / 1e6})
     ratios = np.divide(*times.values())  # growing / preallocated, pair by pair
     rows[0]["time vs preallocated"] = f"{np.median(ratios):.3f}x (pairs {ratios.min():.2f}-{ratios.max():.2f})"
     rows[1]["time vs preallocated"] = "1x"
@@ -131,12 +131,12 @@ def prefix_cache_rows(model, tokenizer, repeat) -> list[dict]:
         ttfts, outputs = [], []
         for q in questions[1:]:
             ttft = time_fn(lambda q=q, pc=pc: generate(model, system + q, 1, temperature=0, prefix_cache=pc),
-                           warmup=0, repeat=repeat)  # fmt: skip
+                           warmup=0, repeat=repeat)
             ttfts.append(ttft)
             outputs.append(generate(model, system + q, 16, temperature=0, prefix_cache=pc).tokens)
         rows.append({"prompt": label, "prompt tokens": len(system) + 24,
                      "tokens prefilled": 24 if use_cache else len(system) + 24,
-                     "mean TTFT ms": 1e3 * float(np.mean(ttfts)), "_outputs": outputs})  # fmt: skip
+                     "mean TTFT ms": 1e3 * float(np.mean(ttfts)), "_outputs": outputs})
     if rows[0]["_outputs"] != rows[1]["_outputs"]:
         raise BenchmarkError("prefix caching changed the generated tokens")
     for r in rows:
@@ -264,7 +264,7 @@ def main(argv=None) -> int:
     print("2. time per step vs position:", plot_steps(traces, lengths[-1], out_dir))
     naive, cached = (1e3 * np.array(t) for t in traces[lengths[-1]])
     print(f"   ms per step, tokens 2-9 -> the last 8: naive {naive[1:9].mean():.2f} -> {naive[-8:].mean():.2f}, "
-          f"cached {cached[1:9].mean():.2f} -> {cached[-8:].mean():.2f}\n")  # fmt: skip
+          f"cached {cached[1:9].mean():.2f} -> {cached[-8:].mean():.2f}\n")
     print("3. time to first token vs prompt length")
     ttft = ttft_rows(model, tok, [16, 64, 128, 255] if args.quick else [16, 32, 64, 128, 192, 255], repeat)
     print(format_table(ttft))

@@ -140,13 +140,13 @@ def memory_rows(prompts, outputs, max_len: int, budget: int, page_sizes):
         held, reserved, steps = slot_steps(prompts, outputs, reserved_at)
         rows.append({"KV cache": name, "page size": page_size, "KV usage %": 100 * held / reserved,
                      "waste %": 100 * (1 - held / reserved), "fit (peak)": peak_fit,
-                     "fit (steady)": budget / (reserved / steps)})  # fmt: skip
+                     "fit (steady)": budget / (reserved / steps)})
 
     for policy in ("max_len", "pow2", "oracle"):
         res = [contiguous_reservation(policy, P, O, max_len) for P, O in zip(prompts, outputs)]
         peak_fit = int(np.searchsorted(np.cumsum(res), budget, side="right"))
         row(f"contiguous, {policy}", "-", lambda P, O, t, p=policy: contiguous_reservation(p, P, O, max_len),
-            peak_fit)  # fmt: skip
+            peak_fit)
     for bs in page_sizes:
         paged_at = lambda P, O, t, b=bs: num_blocks_for(t, b) * b  # noqa: E731
         row("paged", bs, paged_at, paged_fit(prompts, outputs, bs, budget, config))
@@ -168,7 +168,7 @@ def memory_figures(rows):
     for r, color in zip(contiguous, ("C3", "C1", "C2")):
         ax.axhline(r["KV usage %"], color=color, ls="--", label=f"{r['KV cache']} (ours)")
     ax.axhspan(min(PAPER_CONTIGUOUS.values()), max(PAPER_CONTIGUOUS.values()), color="0.85",
-               label="paper: contiguous (Orca) 20.4-38.2%")  # fmt: skip
+               label="paper: contiguous (Orca) 20.4-38.2%")
     ax.plot([16], [PAPER_VLLM], "k*", ms=12, label=f"paper: vLLM, page size 16 ({PAPER_VLLM}%)")
     ax.set_xscale("log", base=2)
     ax.set_xticks(xs, [str(x) for x in xs])
@@ -181,9 +181,9 @@ def memory_figures(rows):
 
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([str(x) for x in xs], [r["fit (steady)"] for r in paged], "o-", color="C0",
-            label="paged, steady state")  # fmt: skip
+            label="paged, steady state")
     ax.bar([str(x) for x in xs], [r["fit (peak)"] for r in paged], color="C0", alpha=0.35,
-           label="paged, all at peak length")  # fmt: skip
+           label="paged, all at peak length")
     for r, color in zip(contiguous, ("C3", "C1", "C2")):
         ax.axhline(r["fit (steady)"], color=color, ls="--", label=f"{r['KV cache']}, steady state")
     ax.set_xlabel("page size (tokens per block)")
@@ -196,7 +196,7 @@ def memory_figures(rows):
 def plot_memory(rows, out_dir):
     usage_fig, fit_fig = memory_figures(rows)
     return [save_figure(usage_fig, "paged_memory_usage", out_dir),
-            save_figure(fit_fig, "paged_requests_fit", out_dir)]  # fmt: skip
+            save_figure(fit_fig, "paged_requests_fit", out_dir)]
 
 
 # --- part 2: prefix caching TTFT ---------------------------------------------------------------------
@@ -264,7 +264,7 @@ def ttft_rows(model, tok, new_tokens: int, repeat: int, page_size: int, n_questi
             "contiguous ms": 1e3 * t_contig, "paged ms": 1e3 * t_paged,
             "paged+prefix ms": 1e3 * t_prefix, "speedup": f"{t_paged / t_prefix:.1f}x",
             "same tokens": "yes" if same else "NO",
-        })  # fmt: skip
+        })
     return rows, tokens
 
 
@@ -276,7 +276,7 @@ def ttft_figure(rows, label):
     ax.bar(x - 0.2, [r["paged ms"] for r in rows], 0.4, color="C3", label="paged, no prefix caching")
     ax.bar(x + 0.2, [r["paged+prefix ms"] for r in rows], 0.4, color="C0", label="paged + prefix caching")
     labels = [f"{r['question'].rstrip(':')}\n{r['prompt tok']} tokens\n{r['reused tok']} reused"
-              for r in rows]  # fmt: skip
+              for r in rows]
     ax.set_xticks(x, labels, fontsize=7)
     ax.set_ylabel("time to first token (ms)")
     ax.set_title(f"TTFT with a shared system prompt ({label} model)")
@@ -332,7 +332,7 @@ def draw_block_tables(cache: PagedKVCache, ax=None, title: str | None = None):
             ax.add_patch(Rectangle((i, y), 0.9, 0.6, fc=colors[seq], alpha=0.35, ec="k"))
             ax.text(i + 0.45, y + 0.3, str(b), ha="center", va="center", fontsize=8)
             ax.add_artist(FancyArrowPatch((i + 0.45, y), (b + 0.45, 0.62), arrowstyle="->", color=colors[seq],
-                                          lw=0.8, alpha=0.7, mutation_scale=8))  # fmt: skip
+                                          lw=0.8, alpha=0.7, mutation_scale=8))
     ax.text(-0.2, 0.3, "physical\nblocks", ha="right", va="center", fontsize=8)
     ax.set_xlim(-2.2, cache.num_blocks + 0.2)
     ax.set_ylim(-0.7, 1.6 + 0.9 * max(1, len(cache.block_tables)))
@@ -366,26 +366,26 @@ def main(argv: list[str]) -> int:
     page_sizes = args.page_sizes
 
     prompts, outputs = make_workload(args.requests, args.max_len, args.mean_prompt, args.mean_output,
-                                     args.seed)  # fmt: skip
+                                     args.seed)
     one_slot = GPTConfig(vocab_size=1, block_size=args.max_len, n_layer=1, n_head=1, n_embd=1)
     validate_paged_formula(prompts, outputs, page_sizes, one_slot)
     total = prompts + outputs
     print(f"workload: {args.requests} requests (seed {args.seed}), prompt mean {prompts.mean():.1f} tokens, "
           f"output mean {outputs.mean():.1f}, total mean {total.mean():.1f} / max_len {args.max_len} "
-          f"(max {total.max()}); budget {args.budget} token slots")  # fmt: skip
+          f"(max {total.max()}); budget {args.budget} token slots")
     print("validated: a real PagedKVCache holds ceil(t / page size) blocks at every step and frees them all\n")
     rows = memory_rows(prompts, outputs, args.max_len, args.budget, page_sizes)
     print(format_table(rows))
     print(f"\npaper (Kwon et al. 2023, Fig. 2): contiguous {PAPER_CONTIGUOUS['Max']}% (Max), "
           f"{PAPER_CONTIGUOUS['Pow2']}% (Pow2), {PAPER_CONTIGUOUS['Oracle']}% (Oracle); "
-          f"vLLM {PAPER_VLLM}% (page size 16)")  # fmt: skip
+          f"vLLM {PAPER_VLLM}% (page size 16)")
     paths = [] if args.no_plots else plot_memory(rows, figure_dir(args))
 
     if not args.no_ttft:
         model, tok, label = load_target(args.model)
         print(f"\nprefix caching, {label} model: system prompt {len(tok.encode(SYSTEM_PROMPT))} tokens, "
               f"greedy, {args.new_tokens} new tokens, page size {args.ttft_page_size}, "
-              f"median of {args.repeat}")  # fmt: skip
+              f"median of {args.repeat}")
         trows, _ = ttft_rows(model, tok, args.new_tokens, args.repeat, args.ttft_page_size, args.questions)
         print(format_table(trows))
         if not args.no_plots:

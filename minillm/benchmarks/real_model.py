@@ -83,7 +83,7 @@ def prefill_decode_rows(ours, theirs, prompt, new_tokens, repeat):
     rows.append(row("prefill", len(prompt), base, cand))
     prefill_s = statistics.median(base), statistics.median(cand)
     base, cand, _ = time_pairs(lambda: theirs.decode(prompt, new_tokens), lambda: ours.decode(prompt, new_tokens),
-                               repeat)  # fmt: skip
+                               repeat)
     decode_base = [t - prefill_s[0] for t in base]  # decode time: generation minus its prefill
     decode_cand = [t - prefill_s[1] for t in cand]
     rows.append(row("decode", new_tokens - 1, decode_base, decode_cand))
@@ -94,7 +94,7 @@ def row(phase, tokens, theirs_s, ours_s):
     t_theirs, t_ours = statistics.median(theirs_s), statistics.median(ours_s)
     ratios = [t / o for t, o in zip(theirs_s, ours_s)]
     return {"phase": phase, "tokens": tokens, "transformers tok/s": tokens / t_theirs, "minillm tok/s": tokens / t_ours,
-            "minillm speed-up": statistics.median(ratios), "pairs": f"{min(ratios):.2f}-{max(ratios):.2f}"}  # fmt: skip
+            "minillm speed-up": statistics.median(ratios), "pairs": f"{min(ratios):.2f}-{max(ratios):.2f}"}
 
 
 def cached_vs_recompute_row(model, L: int, repeat: int) -> dict:
@@ -115,7 +115,7 @@ def cached_vs_recompute_row(model, L: int, repeat: int) -> dict:
     ratios = [b / c for b, c in zip(base, cand)]
     return {"context": L, "recompute ms": 1e3 * statistics.median(base), "cached ms": 1e3 * statistics.median(cand),
             "speed-up": statistics.median(ratios), "pairs": f"{min(ratios):.1f}-{max(ratios):.1f}",
-            "max |logit diff|": err}  # fmt: skip
+            "max |logit diff|": err}
 
 
 def kv_bytes_rows(config):
@@ -126,7 +126,7 @@ def kv_bytes_rows(config):
     mha = kv_cache_bytes(config.n_layer, config.n_head, config.head_size, 1, bytes_per_elem=FLOAT32_BYTES)
     return [{"cache": f"GQA, {config.n_kv_head} KV heads (measured)", "bytes/token": int(measured)},
             {"cache": f"formula 2*{config.n_layer}*{config.n_kv_head}*{config.head_size}*4", "bytes/token": gqa},
-            {"cache": f"multi-head, {config.n_head} KV heads (formula)", "bytes/token": mha}]  # fmt: skip
+            {"cache": f"multi-head, {config.n_head} KV heads (formula)", "bytes/token": mha}]
 
 
 def tokenizer_rows(tokenizer, repeat):
@@ -139,7 +139,7 @@ def tokenizer_rows(tokenizer, repeat):
     base, cand, _ = time_pairs(lambda: tokenizer.decode(ids), lambda: tokenizer.encode(text), repeat)
     return [{"text": "Shakespeare", "chars": len(text), "tokens": len(ids),
              "encode chars/s": len(text) / statistics.median(cand),
-             "decode chars/s": len(text) / statistics.median(base)}]  # fmt: skip
+             "decode chars/s": len(text) / statistics.median(base)}]
 
 
 def load_transformers(threads):
@@ -152,7 +152,7 @@ def load_transformers(threads):
             from None
     torch.set_num_threads(threads)
     hf = transformers.LlamaForCausalLM.from_pretrained(smollm2_path().parent, gguf_file=SMOLLM2_FILE,
-                                                       dtype=torch.float32).eval()  # fmt: skip
+                                                       dtype=torch.float32).eval()
     return torch, hf
 
 
@@ -179,7 +179,7 @@ def run(args, repeat) -> int:
     torch, hf = load_transformers(args.threads)
     cfg = model.config
     print(f"model {SMOLLM2}: {model.num_params():,} params, {cfg.n_layer} layers, {cfg.n_head} query / "
-          f"{cfg.n_kv_head} KV heads, float32 on both sides\n")  # fmt: skip
+          f"{cfg.n_kv_head} KV heads, float32 on both sides\n")
     prompt = prompt_ids(args.prompt_tokens)
     ours = MinillmRunner(model, args.prompt_tokens + args.new_tokens)
     theirs = TransformersRunner(torch, hf)
@@ -190,7 +190,7 @@ def run(args, repeat) -> int:
                              f"greedy tokens equal: {tokens_ours == tokens_theirs}")
     print(f"validated: max |logit diff| {err:.1e}, {args.new_tokens} greedy tokens identical\n")
     print(f"1. prefill ({args.prompt_tokens} tokens) and greedy decode ({args.new_tokens - 1} steps after it), "
-          f"{repeat} alternating pairs: medians; speed-up = median of the pair ratios")  # fmt: skip
+          f"{repeat} alternating pairs: medians; speed-up = median of the pair ratios")
     print(format_table(prefill_decode_rows(ours, theirs, prompt, args.new_tokens, repeat)), "\n")
     contexts = CONTEXTS[:1] if args.quick else CONTEXTS
     print("2. one decode step at a given context: KV-cached vs recomputing the whole context (minillm)")

@@ -129,17 +129,17 @@ def plot(rows, ks, out_dir):
         label = f"{name}, {'greedy' if temp == 0 else f'T={temp:g}'}"
         color = colors[name]
         ax1.plot([r["K"] for r in group], [r["speed-up"] for r in group], "o" + style, color=color,
-                 label=label + " measured")  # fmt: skip
+                 label=label + " measured")
         alpha, c = _pooled_alpha(group), group[0]["c"]
         ax1.plot(kk, [expected_speedup(alpha, k, c) for k in kk], ":", color=color, alpha=0.6)
         ax2.plot([r["K"] for r in group], [r["tok/call"] for r in group], "o" + style, color=color,
-                 label=label)  # fmt: skip
+                 label=label)
         ax2.plot(kk, [expected_tokens_per_call(alpha, k) for k in kk], ":", color=color, alpha=0.6)
     ax1.axhline(1.0, color="gray", lw=0.8)
     ax1.set(xlabel="K (draft tokens per round)", ylabel="speed-up over cached decoding",
-            title="speed-up (dotted: Thm 3.8 at measured alpha, c)")  # fmt: skip
+            title="speed-up (dotted: Thm 3.8 at measured alpha, c)")
     ax2.set(xlabel="K", ylabel="new tokens per target call",
-            title="tokens per target call (dotted: Eq. 1)")  # fmt: skip
+            title="tokens per target call (dotted: Eq. 1)")
     ax1.legend(fontsize=7)
     ax2.legend(fontsize=7)
     return save_figure(fig, "spec_speedup", out_dir)
@@ -161,13 +161,13 @@ def main(argv: list[str]) -> int:
     target, tok = load_model(args.target)
     base_draft, _ = load_model(args.draft)
     drafts = {"draft": base_draft, "int8": quantize_weights(base_draft, bits=8),
-              "bigram": BigramDraft.from_corpus(tok)}  # fmt: skip
+              "bigram": BigramDraft.from_corpus(tok)}
     drafts = {name: drafts[name] for name in args.drafts}
     prompts = validation_prompts(tok, args.prompts, args.prompt_len)
     n_new = min(args.tokens, target.config.block_size - args.prompt_len)
     print(f"target: {target.num_params():,} params; drafts: "
           + ", ".join(f"{n} ({d.num_params():,})" for n, d in drafts.items())
-          + f"; {len(prompts)} prompts x {n_new} new tokens; K in {args.ks}")  # fmt: skip
+          + f"; {len(prompts)} prompts x {n_new} new tokens; K in {args.ks}")
 
     # 1. validate: greedy speculative decoding is the target's greedy decoding
     reference = [generate(target, p, n_new, temperature=0).tokens for p in prompts]
@@ -184,7 +184,7 @@ def main(argv: list[str]) -> int:
     v = {k: step_time(target, k + 1) / t_step for k in args.ks}
     print(f"target decode step {t_step * 1e3:.2f} ms; c = "
           + ", ".join(f"{n} {x:.3f}" for n, x in c.items())
-          + "; verify K+1 tokens / step: " + ", ".join(f"K={k}: {x:.2f}" for k, x in v.items()))  # fmt: skip
+          + "; verify K+1 tokens / step: " + ", ".join(f"K={k}: {x:.2f}" for k, x in v.items()))
 
     # 3. time the baseline and every configuration
     rows = []
@@ -212,14 +212,14 @@ def main(argv: list[str]) -> int:
                     "theory": expected_speedup(alpha, k, c[name]),
                     "cost model": per_call / (k * c[name] + v[k]),
                     "_accepted": tot["accepted"], "_checked": tot["checked"],
-                })  # fmt: skip
+                })
                 print(f"  {name:6s} T={temp:g} K={k}: alpha {alpha:.3f}, {per_call:.2f} tok/call, "
-                      f"speed-up {base_s / wall:.2f}x", flush=True)  # fmt: skip
+                      f"speed-up {base_s / wall:.2f}x", flush=True)
         base_row["tok/s"] = n_total / statistics.median(base_times)  # over every pairing
 
     # 4. report
     columns = ["draft", "T", "K", "alpha", "tok/call", "formula", "c", "tok/s", "speed-up", "theory",
-               "cost model"]  # fmt: skip
+               "cost model"]
     print()
     print(format_table(rows, columns))
     for temp in args.temperatures:
@@ -227,7 +227,7 @@ def main(argv: list[str]) -> int:
             group = [r for r in rows if r["draft"] == name and r["T"] == temp]
             best = max(group, key=lambda r: r["speed-up"])
             print(f"best K for {name}, T={temp:g}: K={best['K']} -> {best['speed-up']:.2f}x "
-                  f"(alpha {best['alpha']:.3f}, {best['tok/call']:.2f} tokens per target call)")  # fmt: skip
+                  f"(alpha {best['alpha']:.3f}, {best['tok/call']:.2f} tokens per target call)")
     if not args.no_plot:
         path = plot([r for r in rows if r["K"] > 0], args.ks, figure_dir(args))
         print(f"figure: {path}")
