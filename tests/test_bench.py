@@ -66,7 +66,7 @@ def test_decode_step_parts_swaps_each_part_and_then_restores_the_model(tiny_mode
     np.testing.assert_array_equal(tiny_model.forward(idx), before)  # the real ops and attention are back
 
 
-def test_decode_step_parts_stand_ins_really_replace_the_part(tiny_model):
+def test_each_stand_in_really_replaces_its_part(tiny_model):
     """With the matmuls swapped out, the model's output changes: the stand-in is on the forward's path."""
     from minillm.benchmarks.kv_cache import swapped
 

@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from minillm import CharTokenizer, CheckpointError, load_model, save_model
+from minillm import CharTokenizer, CheckpointError, checkpoint, load_model, save_model
 from minillm.backend import to_numpy
 from minillm.checkpoint import HEADER_KEY, atomic_save_npz, encode_header, read_npz
 
@@ -52,9 +52,11 @@ def test_failed_write_leaves_previous_checkpoint_intact(tmp_path, tiny_model, mo
     assert [p.name for p in tmp_path.iterdir()] == ["m.npz"]
 
 
-def test_unknown_shipped_name_is_treated_as_path():
-    with pytest.raises(CheckpointError, match="not found"):
+def test_unknown_name_lists_the_models_and_the_checkpoint_layer_treats_it_as_a_path():
+    with pytest.raises(CheckpointError, match="unknown model 'no-such-model': use one of target, draft, smollm2-135m"):
         load_model("no-such-model")
+    with pytest.raises(CheckpointError, match="not found"):
+        checkpoint.load_model("no-such-model")
 
 
 def write_checkpoint(path, header, arrays):

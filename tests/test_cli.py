@@ -14,6 +14,8 @@ from minillm.checkpoint import shipped_path
 NEEDS = {
     ("3.1", "3.3"): "generate_streams or generate_uses",
     ("3.1", "3.2", "3.3", "5.1", "5.2", "5.3"): "demo_options",  # the demo runs generate and speculative decoding
+    ("8.1", "8.2", "8.3", "8.4"): "with_real_model",  # and opens with SmolLM2 unless told not to
+    ("3.1", "3.3", "6.1", "7.1", "10.1", "10.2", "10.3"): "serve_demo",  # a continuous-batching engine
 }
 
 
@@ -97,7 +99,7 @@ DEMO_ARGS = [["--max-new-tokens", "12", "--k", "3", "--answer-tokens", "12"],
 
 
 @pytest.mark.skipif(not shipped_path("target").is_file(), reason="shipped models not trained yet")
-@pytest.mark.parametrize("args", DEMO_ARGS, ids=["no command", "demo"])
+@pytest.mark.parametrize("args", DEMO_ARGS, ids=["with_real_model", "demo_only"])
 def test_demo_options_with_and_without_the_demo_command(args, capsys):
     """`python -m minillm --k 3` and `python -m minillm demo --k 3` both run the demo with K = 3; the
     demo opens with the real model's streamed answer unless told not to."""
