@@ -14,6 +14,7 @@ fails the same way.
 import json
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -224,11 +225,18 @@ def test_student_edition_fails_exactly_the_named_tests(edition, tmp_path):
     Not run here: the notebooks (minutes each; named by their chapter's exercises) and the Hugging
     Face oracles (tests named *transformers* / *huggingface*: seconds to a minute of loading torch and
     the weights; they check what the float64 references of test_model and test_llama also cover)."""
-    report = tmp_path / "report.json"
-    r = run_pytest(edition, "--tb=line", "--deselect", "tests/test_notebooks.py::test_notebook_executes",
-                   "-k", "not transformers and not huggingface", report=report)
-    assert r.returncode in (0, 1), r.stdout[-3000:] + r.stderr[-3000:]
-    tests = json.loads(report.read_text())
+    files = sorted(p.relative_to(edition).as_posix() for p in (edition / "tests").glob("test_*.py"))
+    halves = [files[0::2], files[1::2]]  # two pytest processes, one per core
+
+    def run(i):
+        report = tmp_path / f"report{i}.json"
+        r = run_pytest(edition, "--tb=line", *halves[i], "-k", "not transformers and not huggingface",
+                       "--deselect", "tests/test_notebooks.py::test_notebook_executes", report=report)
+        assert r.returncode in (0, 1), r.stdout[-3000:] + r.stderr[-3000:]
+        return json.loads(report.read_text())
+
+    with ThreadPoolExecutor(2) as pool:
+        tests = {t: e for part in pool.map(run, range(2)) for t, e in part.items()}
     failed = {t for t, e in tests.items() if e["failed"]}
     named = {t for t, e in tests.items() if e["named_by"]}
     assert not failed - named, f"tests that break but no exercise names: {sorted(failed - named)}"
