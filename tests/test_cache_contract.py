@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
+from test_kv_cache import chunks_logits
 
 from minillm import GPT, GPTConfig, GrowingKVCache, KVCache, PagedKVCache, PrefixCache
 from minillm.backend import to_numpy
@@ -38,14 +39,6 @@ def model():
     return GPT.init(GPTConfig(vocab_size=13, block_size=12, n_layer=2, n_head=2, n_embd=16), seed=3)
 
 
-def logits_in_chunks(model, idx, sizes, cache):
-    out, start = [], 0
-    for n in sizes:
-        out.append(to_numpy(model.forward(idx[:, start : start + n], cache)))
-        start += n
-    return np.concatenate(out, axis=1)
-
-
 def test_every_cache_keeps_the_protocols(model):
     """The three protocols, by isinstance: decode caches (KVCache, GrowingKVCache, a paged
     sequence), a forward cache (a paged batch view), prompt caches (PrefixCache, PrefixBlockCache)."""
@@ -65,7 +58,7 @@ def test_prefill_decode_verify_through_the_cache_equal_one_forward(model, make):
     idx = np.random.default_rng(0).integers(0, 13, (1, 12))
     cache = make(model.config)
     want = to_numpy(model.forward(idx))
-    np.testing.assert_allclose(logits_in_chunks(model, idx, [5, 1, 4, 2], cache), want, atol=1e-4)
+    np.testing.assert_allclose(chunks_logits(model, idx, [5, 1, 4, 2], cache), want, atol=1e-4)
     assert cache.length == 12 == cache.max_len
 
 
