@@ -33,9 +33,9 @@ import time
 import numpy as np
 
 from ..batch_speculative import generate_batch
-from ..checkpoint import load_model
 from ..data import load_corpus
 from ..generate import generate
+from ..registry import load_model
 from ..serving import (
     Engine,
     RealClock,
@@ -47,7 +47,7 @@ from ..serving import (
     replay,
     save_trace,
 )
-from .common import add_output_args, figure_dir, format_table, save_figure
+from .common import BenchmarkError, add_output_args, figure_dir, format_table, save_figure
 from .common import parse_args as common_parse_args
 
 MODES = ("static", "continuous", "chunked")
@@ -132,7 +132,7 @@ def replay_all(model, requests, arrivals, args):
         i for i in range(len(requests)) if not outputs["static"][i] == outputs["continuous"][i] == outputs["chunked"][i]
     ]
     if mismatched:
-        raise AssertionError(f"requests {mismatched} got different tokens in different modes")
+        raise BenchmarkError(f"requests {mismatched} got different tokens in different modes")
     rows = [
         summarize(
             m, outputs[m], metrics[m], requests, args.long_prompt, None if m == "static" else engines[m].num_preemptions
@@ -252,6 +252,7 @@ def plot_timelines(results: dict, out_dir):
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m minillm bench serving", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="target", help="'target' (the shipped char model), 'smollm2-135m', ...")
     p.add_argument("--requests", type=int, default=40, help="requests in the generated trace")
     p.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second")
     p.add_argument("--mean-prompt", type=float, default=40.0)
@@ -273,7 +274,7 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    model, tok = load_model("target")
+    model, tok = load_model(args.model)
     context = model.config.block_size
     if args.trace:
         rows = load_trace(args.trace)
