@@ -10,7 +10,8 @@ metrics and text (the ``serve-demo`` command).
 The workload: a seeded Poisson arrival trace (``serving.poisson_trace``; exponential prompt and output
 lengths) plus a few long prompts placed in it, with prompts cut from the validation part of the
 shipped corpus; greedy decoding with the shipped character model (``--model target``, the default)
-or any other model ``minillm.load_model`` knows (``--model smollm2-135m``). The trace is replayed in real time (a request is handed to the server when its arrival time has passed).
+or any other model ``minillm.load_model`` knows (``--model smollm2-135m``). The trace is replayed
+in real time (a request is handed to the server when its arrival time has passed).
 
     static       chapter 7's ``generate_batch``: batches of max_num_seqs requests in arrival order; a
                  batch starts when its last member has arrived and the previous batch is done, and
