@@ -24,6 +24,8 @@ from __future__ import annotations
 
 import regex
 
+from .tokenizer import check_ids
+
 CONTROL = 3  # tokenizer.ggml.token_type of a control token such as <|im_start|>
 WORD_CACHE_SIZE = 100_000  # words remembered with their ids; cleared when full
 
@@ -191,13 +193,7 @@ class BPETokenizer:
 
     def decode_bytes(self, ids) -> bytes:
         """ids -> the bytes they stand for (possibly ending inside a multi-byte character)."""
-        out = []
-        for i in ids:
-            i = int(i)
-            if not 0 <= i < len(self.tokens):
-                raise ValueError(f"token id {i} is outside the vocabulary (size {len(self.tokens)})")
-            out.append(self.token_bytes[i])
-        return b"".join(out)
+        return b"".join(self.token_bytes[i] for i in check_ids(ids, len(self.tokens)))
 
     def decode(self, ids) -> str:
         """ids -> text; bytes that do not form valid UTF-8 (a cut character) become U+FFFD."""

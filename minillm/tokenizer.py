@@ -9,6 +9,15 @@ from __future__ import annotations
 import codecs
 
 
+def check_ids(ids, vocab_size: int) -> list[int]:
+    """Token ids as ints, each in 0..vocab_size-1, or a ValueError naming the first one outside."""
+    ids = [int(i) for i in ids]
+    for i in ids:
+        if not 0 <= i < vocab_size:
+            raise ValueError(f"token id {i} is outside the vocabulary (size {vocab_size})")
+    return ids
+
+
 class CharTokenizer:
     """Maps characters to ids and back.
 
@@ -40,13 +49,7 @@ class CharTokenizer:
 
     def decode(self, ids) -> str:
         """token ids -> str; raises ValueError for an id outside 0..vocab_size-1."""
-        out = []
-        for i in ids:
-            i = int(i)
-            if not 0 <= i < len(self.chars):
-                raise ValueError(f"token id {i} is outside the vocabulary (size {len(self.chars)})")
-            out.append(self.chars[i])
-        return "".join(out)
+        return "".join(self.chars[i] for i in check_ids(ids, len(self.chars)))
 
     @property
     def token_bytes(self) -> list[bytes]:
