@@ -6,6 +6,8 @@ Shapes follow one convention everywhere in minillm: q (B, nh, Tq, hs), k and v (
 with Tq <= Tk. The Tq queries are the *last* Tq positions of the sequence, so with ``causal=True``
 query i sits at absolute position Tk - Tq + i and may look at keys 0..Tk - Tq + i. This one rule
 covers training (Tq = Tk), prefill, decode (Tq = 1) and speculative verification (Tq = K).
+An explicit ``mask`` (Tq, Tk), True where query i may see key j, replaces the causal rule: a token
+tree verified in one forward (``minillm.token_tree``) needs one in which siblings do not see each other.
 """
 
 from __future__ import annotations
@@ -55,18 +57,29 @@ def sliding_window_mask(Tq: int, Tk: int, window: int):
     # EXERCISE 2.1 END
 
 
-def attention_weights(q, k, causal=True, window=None):
+def check_mask(mask, Tq: int, Tk: int):
+    """An explicit attention mask must be a (Tq, Tk) bool array; -> the mask on the backend."""
+    mask = xp.asarray(mask)
+    if mask.shape != (Tq, Tk) or mask.dtype != bool:
+        raise ValueError(f"attention mask must be bool of shape ({Tq}, {Tk}), got {mask.dtype} {mask.shape}")
+    return mask
+
+
+def attention_weights(q, k, causal=True, window=None, mask=None):
     """softmax(q k^T / sqrt(hs) + mask): the full (Tq, Tk) matrix of attention probabilities.
 
     (B, nh, Tq, hs), (B, nh, Tk, hs) -> (B, nh, Tq, Tk). Masked scores are set to -inf, so they
     get exactly zero weight; every row sums to 1. ``window``: attend only to each query's last
-    ``window`` keys (``sliding_window_mask``; implies causal).
+    ``window`` keys (``sliding_window_mask``; implies causal). ``mask`` (Tq, Tk) bool: attend
+    exactly where it is True (replaces ``causal``).
     """
     Tq, Tk, hs = q.shape[-2], k.shape[-2], q.shape[-1]
     if Tq > Tk:
         raise ValueError(f"attention: {Tq} queries but only {Tk} keys (need Tq <= Tk)")
     att = (q @ k.swapaxes(-1, -2)) * (1.0 / math.sqrt(hs))  # (B, nh, Tq, Tk)
-    if window is not None:
+    if mask is not None:
+        att = xp.where(check_mask(mask, Tq, Tk), att, -xp.inf)
+    elif window is not None:
         att = xp.where(sliding_window_mask(Tq, Tk, window), att, -xp.inf)
     elif causal and Tq > 1:  # one query (a decode step) is the newest token: it sees every key
         att = xp.where(causal_mask(Tq, Tk), att, -xp.inf)
@@ -86,10 +99,11 @@ def attention_entropy(weights):
     # EXERCISE 2.2 END
 
 
-def naive_attention(q, k, v, causal=True):
+def naive_attention(q, k, v, causal=True, mask=None):
     """softmax(q k^T / sqrt(hs) + mask) v, materializing the full (Tq, Tk) score matrix.
 
-    (B, nh, Tq, hs), (B, nh, Tk, hs), (B, nh, Tk, hs) -> (B, nh, Tq, hs).
+    (B, nh, Tq, hs), (B, nh, Tk, hs), (B, nh, Tk, hs) -> (B, nh, Tq, hs). ``mask`` (Tq, Tk) bool,
+    if given, replaces the causal rule.
     """
-    return attention_weights(q, k, causal) @ v  # (B, nh, Tq, Tk) @ (B, nh, Tk, hs)
+    return attention_weights(q, k, causal, mask=mask) @ v  # (B, nh, Tq, Tk) @ (B, nh, Tk, hs)
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import math
 
+from .attention import check_mask
 from .backend import xp
 
 FLOAT_BYTES = 4
@@ -93,7 +94,7 @@ def flash_tile_update(m, l, o, s, v):
     # EXERCISE 4.2 END
 
 
-def flash_attention(q, k, v, causal=True, block_q: int = 64, block_k: int = 64):
+def flash_attention(q, k, v, causal=True, block_q: int = 64, block_k: int = 64, mask=None):
     """softmax(q k^T / sqrt(hs) + mask) v, tile by tile: the FlashAttention forward in array code.
 
     (B, nh, Tq, hs), (B, nh, Tk, hs), (B, nh, Tk, hs) -> O (B, nh, Tq, hs), L (B, nh, Tq)
@@ -103,6 +104,7 @@ def flash_attention(q, k, v, causal=True, block_q: int = 64, block_k: int = 64):
     each into the running (m, l, O) with ``flash_tile_update``. Causal: query i sits at absolute
     position Tk - Tq + i (as in ``naive_attention``), and key tiles entirely in a query tile's future
     are skipped. Memory: one (Br, Bc) score tile at a time instead of the (Tq, Tk) matrix.
+    ``mask`` (Tq, Tk) bool, if given, replaces the causal rule (each tile reads its slice; none is skipped).
     """
     B, nh, Tq, hs = q.shape
     Tk = k.shape[-2]
@@ -110,6 +112,8 @@ def flash_attention(q, k, v, causal=True, block_q: int = 64, block_k: int = 64):
         raise ValueError(f"flash_attention: {Tq} queries but only {Tk} keys (need Tq <= Tk)")
     if block_q < 1 or block_k < 1:
         raise ValueError(f"flash_attention: tile sizes must be >= 1, got {block_q} x {block_k}")
+    if mask is not None:
+        mask, causal = check_mask(mask, Tq, Tk), False
     scale = 1.0 / math.sqrt(hs)
     offset = Tk - Tq  # query row r sits at absolute position offset + r
     out = xp.empty(q.shape, dtype=q.dtype)  # (B, nh, Tq, hs)
@@ -127,15 +131,17 @@ def flash_attention(q, k, v, causal=True, block_q: int = 64, block_k: int = 64):
             if causal and j1 - 1 > offset + i0:  # the tile crosses the diagonal: mask the future
                 visible = (xp.arange(j0, j1)[None, :] <= xp.arange(offset + i0, offset + i1)[:, None])
                 s = xp.where(visible, s, -xp.inf)  # (Br, Bc) mask broadcast over (B, nh)
+            elif mask is not None:
+                s = xp.where(mask[i0:i1, j0:j1], s, -xp.inf)
             m, l, o = flash_tile_update(m, l, o, s, v[:, :, j0:j1])
         out[:, :, i0:i1] = o / l[..., None]
         lse[:, :, i0:i1] = m + xp.log(l)
     return out, lse
 
 
-def tiled_attention(q, k, v, causal=True):
+def tiled_attention(q, k, v, causal=True, mask=None):
     """``flash_attention``'s output alone: (B, nh, Tq, hs) x 3 -> (B, nh, Tq, hs), like ``naive_attention``."""
-    return flash_attention(q, k, v, causal)[0]
+    return flash_attention(q, k, v, causal, mask=mask)[0]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import numpy as np
 
 from .backend import to_numpy, xp
 from .config import LlamaConfig
-from .model import INIT_STD, check_params, get_attention, merge_heads, split_heads, token_positions
+from .model import INIT_STD, check_layers, check_params, get_attention, merge_heads, split_heads, token_positions
 
 
 def rms_norm(x, w, eps: float):
@@ -83,11 +83,11 @@ def repeat_kv(x, n_rep: int):
 def grouped_attention(attention, n_rep: int):
     """attention(q, k, v) with k, v of n_kv_head heads: each group of n_rep query heads shares one.
 
-    Returns f(q, k, v, causal=True): (B, nh, Tq, hs), (B, nh / n_rep, Tk, hs) x 2 -> (B, nh, Tq, hs).
+    Returns f(q, k, v, causal=True, mask=None): (B, nh, Tq, hs), (B, nh / n_rep, Tk, hs) x 2 -> (B, nh, Tq, hs).
     """
 
-    def grouped(q, k, v, causal=True):
-        return attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), causal=causal)
+    def grouped(q, k, v, causal=True, mask=None):
+        return attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), causal=causal, mask=mask)
 
     return grouped
 
@@ -129,23 +129,30 @@ class Llama:
 
     def forward(self, idx, cache=None):
         """Token ids (B, T) -> logits (B, T, V) float32; with a cache, at positions cache.positions(T)."""
+        return self.logits(self.hidden(idx, cache))
+
+    def hidden(self, idx, cache=None, layers=None):
+        """Token ids (B, T) -> the final RMSNorm of the residual stream (B, T, C) after ``layers`` blocks (all)."""
         cfg, p = self.config, self.params
+        layers = check_layers(cfg, layers)
         idx, pos = token_positions(idx, cache, cfg)
         T = idx.shape[1]
         cos, sin = rope_cos_sin(pos, cfg.head_size, cfg.rope_theta)  # (T, hs) or (B, 1, T, hs)
         x = p["embed_tokens.weight"][idx]  # (B, T, C)
-        for layer in range(cfg.n_layer):
+        for layer in range(layers):
             h = f"layers.{layer}."
             normed = rms_norm(x, p[h + "input_layernorm.weight"], cfg.norm_eps)
             x = x + self._attention_block(layer, normed, cos, sin, cache)  # (B, T, C)
             normed = rms_norm(x, p[h + "post_attention_layernorm.weight"], cfg.norm_eps)
             x = x + swiglu(normed, p[h + "mlp.gate_proj.weight"], p[h + "mlp.up_proj.weight"],
                            p[h + "mlp.down_proj.weight"])
-        x = rms_norm(x, p["norm.weight"], cfg.norm_eps)
-        logits = x @ self.lm_head.T  # (B, T, C) @ (C, V) -> (B, T, V)
         if cache is not None:
             cache.advance(T)
-        return logits
+        return rms_norm(x, p["norm.weight"], cfg.norm_eps)
+
+    def logits(self, h):
+        """(B, T, C) -> (B, T, V): h @ lm_head^T."""
+        return h @ self.lm_head.T
 
     def _attention_block(self, layer, x, cos, sin, cache):
         """Causal grouped-query self-attention with RoPE on q and k.  (B, T, C) -> (B, T, C)"""

@@ -119,27 +119,43 @@ class GPT:
     def num_params(self) -> int:
         return self.config.num_params()
 
+    @property
+    def lm_head(self):
+        """(V, C): the LM head, tied to the token embedding."""
+        return self.params["wte.weight"]
+
     def forward(self, idx, cache=None):
         """Token ids (B, T) -> logits (B, T, V) float32.
 
         Without a cache the T tokens sit at positions 0..T-1 (T <= block_size). With a cache they
         sit at positions cache.positions(T), usually cache.length + t, and attend over the cache.
         """
+        return self.logits(self.hidden(idx, cache))
+
+    def hidden(self, idx, cache=None, layers=None):
+        """Token ids (B, T) -> the final LayerNorm of the residual stream (B, T, C) after ``layers`` blocks.
+
+        ``forward`` is ``logits(hidden(idx, cache))``. ``layers`` < n_layer exits early: the first
+        blocks only, then ln_f (self-speculation's draft). Medusa heads read this hidden state.
+        """
         cfg, p = self.config, self.params
+        layers = check_layers(cfg, layers)
         idx, pos = token_positions(idx, cache, cfg)  # (B, T), (T,) or (B, T)
         T = idx.shape[1]
         x = p["wte.weight"][idx] + p["wpe.weight"][pos]  # (B, T, C)
-        for layer in range(cfg.n_layer):
+        for layer in range(layers):
             h = f"h.{layer}."
             ln_1 = self.layer_norm(x, p[h + "ln_1.weight"], p[h + "ln_1.bias"])
             x = x + self._attention_block(layer, ln_1, cache)  # (B, T, C)
             ln_2 = self.layer_norm(x, p[h + "ln_2.weight"], p[h + "ln_2.bias"])
             x = x + self._mlp_block(layer, ln_2)  # (B, T, C)
-        x = self.layer_norm(x, p["ln_f.weight"], p["ln_f.bias"])
-        logits = x @ p["wte.weight"].T  # (B, T, C) @ (C, V) -> (B, T, V), the tied LM head
         if cache is not None:
             cache.advance(T)
-        return logits
+        return self.layer_norm(x, p["ln_f.weight"], p["ln_f.bias"])
+
+    def logits(self, h):
+        """(B, T, C) -> (B, T, V): the LM head, h @ wte^T."""
+        return h @ self.lm_head.T
 
     def _attention_block(self, layer, x, cache):
         """Causal multi-head self-attention.  (B, T, C) -> (B, T, C)"""
@@ -175,6 +191,15 @@ def check_params(config, params: dict, model_name: str) -> dict:
         if tuple(params[name].shape) != shape:
             raise ValueError(f"{model_name} param {name}: shape {tuple(params[name].shape)} != {shape}")
     return {name: xp.asarray(p, dtype=xp.float32) for name, p in params.items()}
+
+
+def check_layers(config, layers) -> int:
+    """How many blocks a forward runs: all (None) or an int in 1..n_layer."""
+    if layers is None:
+        return config.n_layer
+    if not isinstance(layers, (int, np.integer)) or not 1 <= layers <= config.n_layer:
+        raise ValueError(f"layers must be an int in 1..n_layer={config.n_layer}, got {layers!r}")
+    return int(layers)
 
 
 def token_positions(idx, cache, config):

@@ -178,11 +178,15 @@ def flash_attention_emulated(q, k, v, causal=True, block_k: int | None = None, r
     return (out, lse) if return_lse else out
 
 
-def kernel_attention(q, k, v, causal=True):
+def kernel_attention(q, k, v, causal=True, mask=None):
     """softmax(q k^T / sqrt(hs) + mask) v by the CUDA kernel: on a GPU, else the same kernel emulated.
 
     (B, nh, Tq, hs), (B, nh, Tk, hs) x 2 -> (B, nh, Tq, hs) on the backend's arrays, like ``naive_attention``.
+    The kernel knows the causal rule only: an explicit ``mask`` (a token tree's) is refused.
     """
+    if mask is not None:
+        raise ValueError("the CUDA kernel applies the causal mask only; verify token trees with "
+                         "attention='naive' or 'flash'")
     if is_gpu():
         return flash_attention_cuda(q, k, v, causal)
     return xp.asarray(flash_attention_emulated(q, k, v, causal))
