@@ -11,6 +11,8 @@ step N computes q, k, v for the one new token, appends k and v, and attends over
 - ``kv_cache_bytes``: the memory formula 2 * n_layer * n_kv_head * head_dim * seq_len * batch * bytes.
 - ``PrefixCache``: keeps the KV of earlier prompts and reuses the longest shared prefix, so a
   common system prompt is prefilled once (prompt caching).
+- ``MaskedView``: one forward over new tokens at explicit positions with an explicit mask (a token
+  tree), then ``keep`` compacts the accepted tokens' K/V into place in any decode cache.
 
 Both caches are decode caches and ``PrefixCache`` is a prompt cache, as ``minillm.cache_contract``
 states them: that module is the one place that says what a cache must do.
@@ -20,6 +22,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from typing import NamedTuple
+
+import numpy as np
 
 from .backend import xp
 from .cache_contract import CacheFullError, DecodeCache, ForwardCache
@@ -261,3 +265,56 @@ class PrefixCache:
         self.entries.move_to_end(key)
         while len(self.entries) > self.max_entries:
             self.entries.popitem(last=False)
+
+
+class MaskedView:
+    """One forward over T new tokens at explicit positions under an explicit mask; then keep some.
+
+    Token i sits at absolute position base + offsets[i] (base = cache.length when the view is
+    made) and sees every cached token plus the new tokens j with mask[i, j]. For a token tree the
+    offsets are the depths and the mask says "ancestor or self", so one forward scores every
+    branch. The view passes the forward-cache contract through to ``cache`` (any decode cache,
+    contiguous or paged), handing the attention callable the full (T, base + T) mask, and records
+    each layer's new k, v. Afterwards ``keep(indices)`` compacts: the cache is rolled back to base
+    and the kept tokens' keys and values are appended in order (``append_kv``), so kept token j
+    lands in slot base + j, which must be its position (offsets[indices[j]] == j: a root-to-node
+    path). Everything else the forward wrote is dropped.
+    """
+
+    def __init__(self, cache: DecodeCache, offsets, mask):
+        self.offsets = np.asarray(offsets, dtype=np.int64)  # (T,)
+        mask = np.asarray(mask)
+        T = len(self.offsets)
+        if mask.shape != (T, T) or mask.dtype != bool:
+            raise ValueError(f"MaskedView: mask must be bool of shape ({T}, {T}), got {mask.dtype} {mask.shape}")
+        if T and (self.offsets.min() < 0 or not mask[np.arange(T), np.arange(T)].all()):
+            raise ValueError("MaskedView: offsets must be >= 0 and every token must see itself")
+        self.cache, self.base = cache, cache.length
+        self.full_mask = xp.asarray(np.concatenate([np.ones((T, self.base), dtype=bool), mask], axis=1))
+        self.recorder = KVRecorder(cache)
+
+    def positions(self, T: int):
+        if T != len(self.offsets):
+            raise ValueError(f"MaskedView made for {len(self.offsets)} tokens, forward got {T}")
+        self.cache.positions(T)  # refuses an overflow before anything is written
+        return xp.asarray(self.base + self.offsets)
+
+    def attend(self, layer: int, q, k, v, attention):
+        def masked(q, k, v, causal=True):
+            return attention(q, k, v, mask=self.full_mask)
+
+        return self.recorder.attend(layer, q, k, v, masked)
+
+    def advance(self, T: int) -> None:
+        self.cache.advance(T)
+
+    def keep(self, indices) -> None:
+        """Roll the cache back to base, then append the K/V of new tokens ``indices`` (in that order)."""
+        indices = [int(i) for i in indices]
+        if [int(self.offsets[i]) for i in indices] != list(range(len(indices))):
+            raise ValueError(f"MaskedView.keep: tokens {indices} do not sit at consecutive positions from base")
+        self.cache.truncate(self.base)
+        if indices:
+            layers = sorted(self.recorder.ks)
+            append_kv(self.cache, [self.recorder.ks[i][:, :, indices] for i in layers],
+                      [self.recorder.vs[i][:, :, indices] for i in layers])

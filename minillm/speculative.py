@@ -202,6 +202,7 @@ class SpecStats(Throughput):
     proposed: int = 0  # draft tokens proposed
     accepted: int = 0  # draft tokens accepted
     rejected: int = 0  # rounds that ended at a rejection (the others ended with a bonus token)
+    verified: int = 0  # tokens sent to the target to check: the drafts, or a token tree's nodes past its root
     accepted_at: list = field(default_factory=list)
     reached_at: list = field(default_factory=list)
     reprefills: int = 0  # times the target's context window was prefilled again
@@ -214,12 +215,16 @@ class SpecStats(Throughput):
         self.accepted_at = self.accepted_at or [0] * self.k
         self.reached_at = self.reached_at or [0] * self.k
 
-    def record_round(self, k_round: int, n_accepted: int) -> None:
-        """One round proposed k_round drafts and accepted the first n_accepted of them."""
+    def record_round(self, k_round: int, n_accepted: int, verified: int | None = None) -> None:
+        """One round proposed k_round drafts (a tree: its depth) and accepted the first n_accepted.
+
+        ``verified``: tokens the target checked (default k_round; a tree checks all its nodes).
+        """
         if self.rounds == 0:
             self.first_round_tokens = n_accepted + 1
         self.rounds += 1
         self.proposed += k_round
+        self.verified += k_round if verified is None else verified
         self.accepted += n_accepted
         self.rejected += n_accepted < k_round
         for i in range(min(n_accepted + 1, k_round)):
@@ -245,6 +250,11 @@ class SpecStats(Throughput):
     def tokens_per_call(self) -> float:
         """New tokens per target forward pass (plain decoding: 1)."""
         return self.new_tokens / self.target_calls if self.target_calls else float("nan")
+
+    @property
+    def verified_per_call(self) -> float:
+        """Tokens checked per target forward (besides the one every decode step feeds)."""
+        return self.verified / self.target_calls if self.target_calls else float("nan")
 
     @property
     def acceptance_by_position(self) -> list:

@@ -14,6 +14,8 @@ LAYERS = [  # lowest first; a module may import from its own layer and the ones 
     {"model", "kv_cache", "paged_kv", "prefix_blocks"},
     {"llama", "checkpoint", "gguf", "registry", "drafts"},
     {"generate", "speculative"},
+    {"token_tree"},
+    {"draft_free", "medusa", "lookahead"},
     {"batch_speculative"},
     {"serving", "chat", "train"},
     {"benchmarks", "course", "demo", "cli", "gpu_check", "__main__", ""},
