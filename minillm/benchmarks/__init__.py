@@ -13,6 +13,7 @@ TOPICS = {
     "kv-cache": "minillm.benchmarks.kv_cache",
     "attention": "minillm.benchmarks.attention",
     "speculative": "minillm.benchmarks.speculative",
+    "speculation-zoo": "minillm.benchmarks.speculation_zoo",
     "paged": "minillm.benchmarks.paged",
     "batch-speculative": "minillm.benchmarks.batch_speculative",
     "threads": "minillm.benchmarks.threads",
