@@ -22,6 +22,7 @@ from minillm.benchmarks.speculation_zoo import (
     run_plain,
     run_tree,
     survey,
+    survey_rows,
     verify_cost,
     zoo,
 )
@@ -94,6 +95,7 @@ def test_survey_validates_every_greedy_method_and_refuses_one_that_differs(tiny_
     skip = found["greedy", "layer skip", "L'=1"]
     assert skip.new == 24 and skip.calls < 24 and skip.verified > 0  # it proposed, and some were accepted
     assert layer_skip_rows(found, works)[0]["L'"] == "1"
+    assert len(survey_rows(found, works, COSTS)) == len(found) == 7  # typical runs on the sampled workload only
 
     def off_by_one(models, prompt, n_new, temperature, seed):
         result = run_plain(models, prompt, n_new, temperature, seed)

@@ -312,6 +312,42 @@ COLUMNS = ["workload", "method", "knob", "alpha", "tok/call", "verified/call", "
            "bound", "tok/s", "speed-up"]
 
 
+def time_methods(methods: dict, models: Models, works: list[Workload], found: dict, costs: dict,
+                 repeat: int) -> list[dict]:
+    """Per workload: each family's fastest variant in ``found`` timed in alternation with plain decoding
+    (``time_paired``, medians of ``repeat``) -> table rows (``result_row`` plus tok/s and speed-up)."""
+    rows = []
+    for work in works:
+        n_total = work.n_new * len(work.prompts)
+
+        def baseline(w=work):
+            return run_workload(methods["plain"][0], models, w)
+
+        plain_row = result_row(work, "plain", "", found[work.name, "plain", ""], costs)
+        rows.append(plain_row)
+        base_times = []
+        for name, variants in methods.items():
+            variants = [v for v in variants if work.temperature > 0 or not v.sampled_only]
+            if name == "plain" or not variants:
+                continue
+            variant = min(variants, key=lambda v: found[work.name, name, v.knob].seconds)
+            base_s, wall, _ = time_paired(baseline, lambda v=variant, w=work: run_workload(v, models, w), repeat)
+            base_times.append(base_s)
+            row = result_row(work, name, variant.knob, found[work.name, name, variant.knob], costs)
+            row.update({"tok/s": n_total / wall, "speed-up": base_s / wall})
+            rows.append(row)
+            print(f"  {work.name:11s} {name:13s} {variant.knob:5s}: {row['tok/call']:.2f} tok/call, "
+                  f"speed-up {row['speed-up']:.2f}x", flush=True)
+        plain_row.update({"tok/s": n_total / float(np.median(base_times)), "speed-up": 1.0})
+    return rows
+
+
+def survey_rows(found: dict, works: list[Workload], costs: dict) -> list[dict]:
+    """Every variant's hardware-free columns (``result_row``), workload by workload, in the zoo's order."""
+    by_name = {w.name: w for w in works}
+    return [result_row(by_name[w], name, knob, pooled, costs) for (w, name, knob), pooled in found.items()]
+
+
 def layer_skip_rows(found: dict, works: list[Workload]) -> list[dict]:
     """Layer skip's acceptance and tokens per call against L', one column pair per workload."""
     knobs = sorted({k for (_, name, k) in found if name == "layer skip"})
@@ -333,10 +369,8 @@ def write_csv(rows: list[dict], columns: list[str], path) -> None:
         writer.writerows(rows)
 
 
-def plot(rows, costs, skip_rows, works, out_dir):
-    import matplotlib
-
-    matplotlib.use("Agg")
+def zoo_figure(rows, costs, skip_rows, works):
+    """The four panels: tokens per target call, measured speed-up, the verify cost, layer skip's alpha vs L'."""
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 2, figsize=(13, 8.5))
@@ -349,7 +383,8 @@ def plot(rows, costs, skip_rows, works, out_dir):
         for ax, column in ((ax_calls, "tok/call"), (ax_speed, "speed-up")):
             heights = [by_method[m][column] if m in by_method else np.nan for m in methods]
             ax.bar(x + (i - (len(works) - 1) / 2) * width, heights, width, label=w.name, color=f"C{i}")
-    for ax, label, title in ((ax_calls, "new tokens per target forward", "tokens per target call (hardware-free)"),
+    for ax, label, title in ((ax_calls, "new tokens per target forward",
+                              "tokens per target call (hardware-free; the timed variant)"),
                              (ax_speed, "speed-up over plain cached decoding",
                               "measured wall-clock speed-up (paired, medians)")):
         ax.axhline(1.0, color="gray", lw=0.8)
@@ -365,14 +400,15 @@ def plot(rows, costs, skip_rows, works, out_dir):
     ax_verify.set(xlabel="tokens in one verify forward n", ylabel="cost in single-token decode steps",
                   title=f"the verify cost (decode step {costs['step_s'] * 1e3:.2f} ms)")
     ax_verify.legend(fontsize=8)
+    ls = [int(r["L'"]) for r in skip_rows]
     for i, w in enumerate(works):
-        ls = [int(r["L'"]) for r in skip_rows]
         ax_skip.plot(ls, [r[f"alpha {w.name}"] for r in skip_rows], "o-", color=f"C{i}", label=w.name)
+    ax_skip.set_xticks(ls)
     ax_skip.set(xlabel="L' (target layers the draft runs)", ylabel="acceptance alpha",
                 title=f"layer skip: acceptance vs L' (k = {LAYER_SKIP_K})", ylim=(0, 1))
     ax_skip.legend(fontsize=8, title="workload")
     fig.tight_layout()
-    return save_figure(fig, "speculation_zoo", out_dir)
+    return fig
 
 
 # ----------------------------------------------------------------------------------------------
@@ -425,31 +461,13 @@ def main(argv: list[str]) -> int:
           + "; ".join(f"{kind} " + ", ".join(f"n={n}: {costs[kind][n]:.2f}" for n in ns) for kind in ("chain", "tree")))
 
     # 3. time each family's fastest variant in alternation with plain decoding
-    rows = []
-    for work in works:
-        n_total = work.n_new * len(work.prompts)
-
-        def baseline(w=work):
-            return run_workload(methods["plain"][0], models, w)
-
-        plain_row = result_row(work, "plain", "", found[work.name, "plain", ""], costs)
-        rows.append(plain_row)
-        base_times = []
-        for name, variants in methods.items():
-            variants = [v for v in variants if work.temperature > 0 or not v.sampled_only]
-            if name == "plain" or not variants:
-                continue
-            variant = min(variants, key=lambda v: found[work.name, name, v.knob].seconds)
-            base_s, wall, _ = time_paired(baseline, lambda v=variant, w=work: run_workload(v, models, w), args.repeat)
-            base_times.append(base_s)
-            row = result_row(work, name, variant.knob, found[work.name, name, variant.knob], costs)
-            row.update({"tok/s": n_total / wall, "speed-up": base_s / wall})
-            rows.append(row)
-            print(f"  {work.name:11s} {name:13s} {variant.knob:5s}: {row['tok/call']:.2f} tok/call, "
-                  f"speed-up {row['speed-up']:.2f}x", flush=True)
-        plain_row.update({"tok/s": n_total / float(np.median(base_times)), "speed-up": 1.0})
+    rows = time_methods(methods, models, works, found, costs, args.repeat)
 
     # 4. report
+    every = survey_rows(found, works, costs)
+    print()
+    print("every variant, untimed (hardware-free; the fastest of each family is timed below)")
+    print(format_table(every, COLUMNS[:-2]))
     print()
     print(format_table(rows, COLUMNS))
     print("verify cost: one target forward over 1 + verified/call tokens, in decode steps; "
@@ -461,7 +479,11 @@ def main(argv: list[str]) -> int:
     out = figure_dir(args)
     out.mkdir(parents=True, exist_ok=True)
     write_csv(rows, COLUMNS, out / "speculation_zoo.csv")
-    print(f"table: {out / 'speculation_zoo.csv'}")
+    write_csv(every, COLUMNS[:-2], out / "speculation_zoo_variants.csv")
+    print(f"tables: {out / 'speculation_zoo.csv'}, {out / 'speculation_zoo_variants.csv'}")
     if not args.no_plot:
-        print(f"figure: {plot(rows, costs, skip_rows, works, out)}")
+        import matplotlib
+
+        matplotlib.use("Agg")
+        print(f"figure: {save_figure(zoo_figure(rows, costs, skip_rows, works), 'speculation_zoo', out)}")
     return 0
