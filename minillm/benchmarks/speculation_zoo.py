@@ -54,7 +54,7 @@ from .common import (
     time_paired,
 )
 from .common import parse_args as common_parse_args
-from .speculative import STEP_CONTEXT, step_time, validation_prompts
+from .speculative import STEP_CONTEXT, validation_prompts
 
 DRAFT_KS = (2, 4, 6)  # chapter 5's draft and the int8 target: K tried (the fastest is timed)
 LAYER_SKIP_K = 4  # draft tokens per round for layer skipping
@@ -263,11 +263,23 @@ def survey(methods: dict, models: Models, works: list[Workload]) -> dict:
     return found
 
 
-def tree_step_time(model, n_tokens, context=STEP_CONTEXT, repeat=30):
-    """Median seconds of one token-tree verify: a masked forward over a chain of n_tokens nodes after
-    ``context`` cached, its logits, and the compaction of the whole path (``MaskedView.keep``)."""
+def verify_step(model, n_tokens: int, tree: bool, context: int = STEP_CONTEXT):
+    """A callable that runs one verify of n_tokens after ``context`` cached tokens, and rolls it back.
+
+    tree False: chapter 5's verify, one causal forward. tree True: a token tree's round, a masked
+    forward over a chain of n_tokens nodes (``round_inputs``, ``MaskedView``), its logits, and the
+    compaction of the whole path (``MaskedView.keep``).
+    """
     cache = KVCache(model.config)
     model.forward(xp.zeros((1, context), dtype=xp.int64), cache)
+    if not tree:
+        new = xp.ones((1, n_tokens), dtype=xp.int64)
+
+        def step():
+            cache.truncate(context)
+            model.forward(new, cache)
+
+        return step
     tokens, offsets, mask = round_inputs([1], Proposal(TokenTree.chain(1, [1] * (n_tokens - 1))))
     idx = xp.asarray([tokens])
 
@@ -277,15 +289,19 @@ def tree_step_time(model, n_tokens, context=STEP_CONTEXT, repeat=30):
         model.logits(model.hidden(idx, view)[0])
         view.keep(range(n_tokens))
 
-    return time_fn(step, warmup=3, repeat=repeat)
+    return step
 
 
 def verify_costs(model, ns, repeat=30) -> dict:
-    """{'chain': {n: v}, 'tree': {n: v}}: one verify of n tokens in single-token decode steps."""
-    step = step_time(model, 1, repeat=repeat)
-    return {"step_s": step,
-            "chain": {n: (step_time(model, n, repeat=repeat) if n > 1 else step) / step for n in ns},
-            "tree": {n: tree_step_time(model, n, repeat=repeat) / step for n in ns}}
+    """{'step_s': s, 'chain': {n: v}, 'tree': {n: v}}: one verify of n tokens in single-token decode steps,
+    each timed in alternation with the decode step it is divided by (``time_paired``, medians)."""
+    decode = verify_step(model, 1, tree=False)
+    costs = {"step_s": time_fn(decode, warmup=3, repeat=repeat), "chain": {}, "tree": {}}
+    for kind in ("chain", "tree"):
+        for n in ns:
+            step_s, verify_s, _ = time_paired(decode, verify_step(model, n, tree=kind == "tree"), repeat)
+            costs[kind][n] = verify_s / step_s
+    return costs
 
 
 def verify_cost(costs: dict, kind: str, n: float) -> float:
