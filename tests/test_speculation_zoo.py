@@ -47,6 +47,8 @@ def test_the_zoo_is_a_table_with_plain_first_and_is_wired_into_bench():
     for name, variants in methods.items():
         assert variants and len({v.knob for v in variants}) == len(variants), name
     assert all(len(vs) == 1 for vs in zoo(n_layer=6, quick=True).values())
+    assert {v.verify for name in ("plain", "draft", "int8 target") for v in methods[name]} == {"chain"}
+    assert {v.verify for name in ("prompt lookup", "layer skip") for v in methods[name]} == {"tree"}
     assert TOPICS["speculation-zoo"] == "minillm.benchmarks.speculation_zoo"
 
 
@@ -66,7 +68,7 @@ def test_verify_cost_interpolates_the_measured_points_and_the_bound_divides_by_i
     assert verify_cost(COSTS, "chain", 2.5) == pytest.approx(1.3)  # half-way between n = 1 and n = 4
     work = Workload("w", [[1]], 4, 0.0)
     draft = result_row(work, "draft", "K=3", Pooled(new=12, calls=4, accepted=8, checked=10, verified=12), COSTS)
-    tree = result_row(work, "prompt lookup", "", Pooled(new=12, calls=4, verified=12), COSTS)
+    tree = result_row(work, "prompt lookup", "", Pooled(new=12, calls=4, verified=12, verify="tree"), COSTS)
     assert draft["verify cost"] == 1.6 and tree["verify cost"] == 2.0  # 1 + 3 tokens: chain vs masked tree
     assert draft["bound"] == 3.0 / 1.6 and draft["alpha"] == 0.8 and draft["target fwd"] == 4
 
@@ -82,7 +84,7 @@ def test_survey_validates_every_greedy_method_and_refuses_one_that_differs(tiny_
     prompts = [[1, 2, 3, 1, 2], [4, 5, 6, 7]]
     works = [Workload("greedy", prompts, 12, 0.0), Workload("sampled", prompts, 12, 1.0)]
     methods = {
-        "plain": [Variant("", run_plain)],
+        "plain": [Variant("", run_plain, verify="chain")],
         "prompt lookup": [Variant("", functools.partial(run_tree, proposer=lambda m: PromptLookup()))],
         "layer skip": [Variant("L'=1", functools.partial(run_tree, proposer=lambda m: LayerSkip(m.target, 1)))],
         "typical": [Variant("", functools.partial(run_tree, proposer=lambda m: PromptLookup(), rule="typical"),
@@ -94,6 +96,7 @@ def test_survey_validates_every_greedy_method_and_refuses_one_that_differs(tiny_
     assert plain.new == plain.calls == 24 and plain.verified == 0
     skip = found["greedy", "layer skip", "L'=1"]
     assert skip.new == 24 and skip.calls < 24 and skip.verified > 0  # it proposed, and some were accepted
+    assert (plain.verify, skip.verify) == ("chain", "tree")  # which verify cost each row is charged
     assert layer_skip_rows(found, works)[0]["L'"] == "1"
     assert len(survey_rows(found, works, COSTS)) == len(found) == 7  # typical runs on the sampled workload only
 

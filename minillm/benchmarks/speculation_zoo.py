@@ -102,12 +102,15 @@ def run_tree(models, prompt, n_new, temperature, seed, proposer, rule="exact") -
 class Variant:
     """One way to run a method: its knob ('K=4', "L'=2", '' when it has none) and the call.
 
-    run(models, prompt ids, n_new, temperature, seed) -> GenerationResult. ``sampled_only``: a rule
-    that equals another at temperature 0 (typical acceptance is the greedy walk there).
+    run(models, prompt ids, n_new, temperature, seed) -> GenerationResult. ``verify``: the shape of
+    its target forwards, 'chain' (causal, chapter 5's loop) or 'tree' (masked, ``tree_generate``).
+    ``sampled_only``: a rule that equals another at temperature 0 (typical acceptance is the greedy
+    walk there).
     """
 
     knob: str
     run: Callable
+    verify: str = "tree"
     sampled_only: bool = False
 
 
@@ -116,9 +119,9 @@ def zoo(n_layer: int, quick: bool = False) -> dict[str, list[Variant]]:
     ks = (4,) if quick else DRAFT_KS
     skip_layers = (n_layer // 2,) if quick else tuple(range(1, n_layer))
     return {
-        "plain": [Variant("", run_plain)],
-        "draft": [Variant(f"K={k}", functools.partial(run_draft, k=k, draft="draft")) for k in ks],
-        "int8 target": [Variant(f"K={k}", functools.partial(run_draft, k=k, draft="int8")) for k in ks],
+        "plain": [Variant("", run_plain, verify="chain")],
+        "draft": [Variant(f"K={k}", functools.partial(run_draft, k=k, draft="draft"), "chain") for k in ks],
+        "int8 target": [Variant(f"K={k}", functools.partial(run_draft, k=k, draft="int8"), "chain") for k in ks],
         "prompt lookup": [Variant("", functools.partial(run_tree, proposer=lambda m: PromptLookup()))],
         "layer skip": [Variant(f"L'={n}", functools.partial(
             run_tree, proposer=lambda m, n=n: LayerSkip(m.target, n, k=LAYER_SKIP_K))) for n in skip_layers],
@@ -207,6 +210,7 @@ class Pooled:
     checked: int = 0  # proposed tokens the target judged
     verified: int = 0  # proposed tokens sent to the target
     seconds: float = 0.0  # wall time of the generations
+    verify: str = "chain"  # the shape of the target forwards: 'chain' or 'tree' (``Variant.verify``)
 
     def add(self, stats) -> None:
         self.new += stats.new_tokens
@@ -231,7 +235,7 @@ class Pooled:
 
 def run_workload(variant: Variant, models: Models, work: Workload) -> tuple[list, Pooled]:
     """One variant over every prompt of a workload (seed i for prompt i) -> (token lists, counters)."""
-    outs, pooled = [], Pooled()
+    outs, pooled = [], Pooled(verify=variant.verify)
     for i, prompt in enumerate(work.prompts):
         result = variant.run(models, prompt, work.n_new, work.temperature, i)
         outs.append(result.tokens)
@@ -317,8 +321,7 @@ def verify_cost(costs: dict, kind: str, n: float) -> float:
 def result_row(work: Workload, name: str, knob: str, pooled: Pooled, costs: dict) -> dict:
     """The hardware-free columns of one (workload, method) and the verify cost they imply."""
     n_verify = 1 + pooled.verified_per_call  # the pending token (or tree root) plus the proposals
-    kind = "tree" if name not in ("plain", "draft", "int8 target") else "chain"
-    cost = verify_cost(costs, kind, n_verify)
+    cost = verify_cost(costs, pooled.verify, n_verify)
     return {"workload": work.name, "method": name, "knob": knob, "alpha": pooled.alpha,
             "tok/call": pooled.tokens_per_call, "verified/call": pooled.verified_per_call,
             "target fwd": pooled.calls, "verify cost": cost, "bound": pooled.tokens_per_call / cost}
