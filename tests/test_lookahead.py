@@ -227,6 +227,16 @@ def test_lookahead_files_each_column_under_its_first_token():
     assert levels == [[21, 22], [30, 31, 32], [40, 41, 42]]
 
 
+def test_lookahead_pool_from_prompt_holds_every_ngram_of_the_text():
+    """pool_from_prompt: every N-gram of the prompt and of the output is filed (a pool big enough to
+    forget nothing), besides the window's."""
+    model, prompt, N = varied_model(), [3, 1, 4, 1, 5, 9, 2, 6], 3
+    la = Lookahead(N=N, W=2, G=1000, pool_from_prompt=True)
+    text = prompt + tree_generate(model, prompt, 20, la).tokens
+    for i in range(len(text) - N + 1):
+        assert tuple(text[i + 1 : i + N]) in la.pool.candidates(text[i])
+
+
 def test_lookahead_window_fills_its_levels_first():
     """The window starts as one chain of W + N - 3 guesses and gains a level per round, every level one
     column shorter each time, until it holds W - 1 chain tokens and N - 2 levels of W."""
@@ -242,8 +252,8 @@ def test_lookahead_on_the_char_target():
     are accepted often enough to emit more than one token per target call."""
     model, tok = load_model("target")
     prompt = tok.encode("ROMEO:\nI will")
-    out = tree_generate(model, prompt, 60, Lookahead())
-    assert out.tokens == generate(model, prompt, 60, temperature=0).tokens
+    out = tree_generate(model, prompt, 40, Lookahead())
+    assert out.tokens == generate(model, prompt, 40, temperature=0).tokens
     assert out.stats.accepted > 0 and out.stats.tokens_per_call > 1
 
 
