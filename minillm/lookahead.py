@@ -56,7 +56,7 @@ JACOBI_M = 4  # guesses per Jacobi block
 LOOKAHEAD_N = 5  # n-gram size: the window has N - 1 levels, candidates are N - 1 tokens after the root
 LOOKAHEAD_W = 7  # window columns
 LOOKAHEAD_G = 7  # candidates verified per round (and n-grams the pool keeps per first token)
-MIN_N = 3  # the window needs a level besides the causal chain (the paper's code asserts the same)
+MIN_N = 3  # the window needs a level besides the causal chain (the paper's code needs LEVEL >= 3 too)
 
 
 def check_count(name: str, value, low: int) -> int:
@@ -229,7 +229,7 @@ class Lookahead:
             self.start(state.seq)
         root = state.seq[-1]
         self.context = list(state.seq[-(self.N - 1) :])
-        tree = TokenTree.from_paths(root, self.pool.candidates(root)[: self.G])
+        tree = TokenTree.from_paths(root, self.pool.candidates(root))  # at most G: the pool keeps no more
         tokens, offsets, mask = window_inputs(self.levels)
         return Proposal(tree, tuple(tokens), tuple(offsets), mask)
 
