@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from minillm import GPT, GPTConfig, KVCache, generate, load_model
+from minillm import GPT, GPTConfig, KVCache, Llama, LlamaConfig, generate, load_model
 from minillm.backend import to_numpy
 from minillm.lookahead import Lookahead, NGramPool, jacobi_generate, jacobi_step, window_inputs
 from minillm.token_tree import Proposal, TokenTree, round_inputs, tree_generate
@@ -25,6 +25,7 @@ NEEDS = {
     ("3.2", "3.3"): "feeds_back",
     ("3.1", "3.2", "3.3", "9.1", "9.2"): "lookahead_equals or window_computes or fills or from_prompt or char_target",
     "9.1": "branches",
+    ("8.1", "8.2", "8.3", "9.4"): "llama",
 }
 
 CONFIG = GPTConfig(vocab_size=16, block_size=64, n_layer=2, n_head=2, n_embd=32)
@@ -35,9 +36,12 @@ PROMPTS = [[1, 2, 3, 4], [7], [5, 5, 5, 5, 5, 5, 9, 0, 3]]
 @functools.cache
 def varied_model() -> GPT:
     """A tiny random GPT whose greedy text varies, so Jacobi and Lookahead guess wrong as often as right."""
-    params = GPT.init(CONFIG, seed=1).numpy_params()
-    return GPT(CONFIG, {k: v * WEIGHT_SCALE if k.endswith("weight") and ".ln_" not in k else v
-                        for k, v in params.items()})
+    return GPT(CONFIG, scaled(GPT.init(CONFIG, seed=1).numpy_params()))
+
+
+def scaled(params: dict) -> dict:
+    """Every matrix times WEIGHT_SCALE (norm gains and biases unchanged)."""
+    return {k: v * WEIGHT_SCALE if v.ndim == 2 else v for k, v in params.items()}
 
 
 def greedy(model, prompt, n, max_len=None):
@@ -131,6 +135,18 @@ def test_lookahead_equals_greedy_near_the_cache_limit(max_len):
     assert out.tokens == greedy(model, PROMPTS[0], 60, max_len)
     assert out.stats.reprefills > 0
     assert la.window_rounds < out.stats.target_calls  # some rounds ran without the window
+
+
+def test_lookahead_equals_greedy_on_a_tiny_llama():
+    """The Llama architecture (RoPE positions from the explicit offsets, grouped KV heads) too:
+    Lookahead and Jacobi both give its greedy decoding, also with a cache that forces re-prefills."""
+    cfg = LlamaConfig(vocab_size=16, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, n_hidden=48)
+    model = Llama(cfg, scaled(Llama.init(cfg, seed=2).numpy_params()))
+    for max_len in (None, 20):
+        expected = greedy(model, PROMPTS[0], 30, max_len)
+        assert tree_generate(model, PROMPTS[0], 30, Lookahead(N=4, W=3, G=3),
+                             cache=KVCache(cfg, max_len=max_len)).tokens == expected
+        assert jacobi_generate(model, PROMPTS[0], 30, m=4, cache=KVCache(cfg, max_len=max_len)).tokens == expected
 
 
 @dataclass
