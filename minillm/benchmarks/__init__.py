@@ -20,6 +20,7 @@ TOPICS = {
     "serving": "minillm.benchmarks.serving",
     "real-model": "minillm.benchmarks.real_model",
     "training-curves": "minillm.benchmarks.training",
+    "lookahead": "minillm.benchmarks.lookahead",
 }
 
 
