@@ -13,6 +13,7 @@ from minillm.benchmarks.common import BenchmarkError
 from minillm.benchmarks.speculation_zoo import (
     Models,
     Pooled,
+    Run,
     Variant,
     Workload,
     copy_prompts,
@@ -27,7 +28,8 @@ from minillm.benchmarks.speculation_zoo import (
     zoo,
 )
 from minillm.draft_free import LayerSkip, PromptLookup
-from minillm.generate import GenerationStats
+from minillm.generate import GenerationResult, GenerationStats
+from minillm.lookahead import Lookahead
 from minillm.speculative import SpecStats
 from minillm.tokenizer import CharTokenizer
 
@@ -42,24 +44,26 @@ COSTS = {"step_s": 1e-3, "chain": {1: 1.0, 4: 1.6, 16: 2.2}, "tree": {1: 1.1, 4:
 def test_the_zoo_is_a_table_with_plain_first_and_is_wired_into_bench():
     methods = zoo(n_layer=6)
     assert list(methods)[0] == "plain" and len(methods["plain"]) == 1
-    assert {"draft", "int8 target", "prompt lookup", "layer skip"} <= set(methods)
+    assert {"draft", "int8 target", "prompt lookup", "layer skip", "Lookahead"} <= set(methods)
     assert [v.knob for v in methods["layer skip"]] == ["L'=1", "L'=2", "L'=3", "L'=4", "L'=5"]
     for name, variants in methods.items():
         assert variants and len({v.knob for v in variants}) == len(variants), name
     assert all(len(vs) == 1 for vs in zoo(n_layer=6, quick=True).values())
     assert {v.verify for name in ("plain", "draft", "int8 target") for v in methods[name]} == {"chain"}
-    assert {v.verify for name in ("prompt lookup", "layer skip") for v in methods[name]} == {"tree"}
+    assert {v.verify for name in ("prompt lookup", "layer skip", "Lookahead") for v in methods[name]} == {"tree"}
     assert TOPICS["speculation-zoo"] == "minillm.benchmarks.speculation_zoo"
 
 
 def test_pooled_counts_plain_decoding_as_one_target_call_per_token():
     """Plain decoding's stats have no target_calls: each new token costs one forward (prefill included)."""
     pooled = Pooled()
-    pooled.add(GenerationStats(prompt_tokens=5, new_tokens=10, ttft_s=0.1, tpot_s=0.01, total_s=0.2))
+    plain = GenerationStats(prompt_tokens=5, new_tokens=10, ttft_s=0.1, tpot_s=0.01, total_s=0.2)
+    pooled.add(Run(GenerationResult([0] * 10, plain)))
     spec = SpecStats(k=4, new_tokens=12, target_calls=4, accepted=8, rejected=2, verified=14, total_s=0.1)
-    pooled.add(spec)
+    pooled.add(Run(GenerationResult([0] * 12, spec), extra_fed=28))  # a window of 7 tokens in each forward
     assert (pooled.new, pooled.calls, pooled.accepted, pooled.checked, pooled.verified) == (22, 14, 8, 10, 14)
     assert pooled.tokens_per_call == 22 / 14 and pooled.verified_per_call == 1.0 and pooled.alpha == 0.8
+    assert pooled.fed_per_call == 1 + (14 + 28) / 14
     assert pooled.seconds == pytest.approx(0.3)
 
 
@@ -70,6 +74,8 @@ def test_verify_cost_interpolates_the_measured_points_and_the_bound_divides_by_i
     draft = result_row(work, "draft", "K=3", Pooled(new=12, calls=4, accepted=8, checked=10, verified=12), COSTS)
     tree = result_row(work, "prompt lookup", "", Pooled(new=12, calls=4, verified=12, verify="tree"), COSTS)
     assert draft["verify cost"] == 1.6 and tree["verify cost"] == 2.0  # 1 + 3 tokens: chain vs masked tree
+    window = result_row(work, "Lookahead", "", Pooled(new=12, calls=4, verified=12, extra_fed=48, verify="tree"), COSTS)
+    assert window["fed/call"] == 16 and window["verify cost"] == 3.0  # the window's tokens cost too
     assert draft["bound"] == 3.0 / 1.6 and draft["alpha"] == 0.8 and draft["target fwd"] == 4
 
 
@@ -87,6 +93,7 @@ def test_survey_validates_every_greedy_method_and_refuses_one_that_differs(tiny_
         "plain": [Variant("", run_plain, verify="chain")],
         "prompt lookup": [Variant("", functools.partial(run_tree, proposer=lambda m: PromptLookup()))],
         "layer skip": [Variant("L'=1", functools.partial(run_tree, proposer=lambda m: LayerSkip(m.target, 1)))],
+        "Lookahead": [Variant("", functools.partial(run_tree, proposer=lambda m: Lookahead(N=3, W=2, G=2)))],
         "typical": [Variant("", functools.partial(run_tree, proposer=lambda m: PromptLookup(), rule="typical"),
                             sampled_only=True)],
     }
@@ -98,12 +105,14 @@ def test_survey_validates_every_greedy_method_and_refuses_one_that_differs(tiny_
     assert skip.new == 24 and skip.calls < 24 and skip.verified > 0  # it proposed, and some were accepted
     assert (plain.verify, skip.verify) == ("chain", "tree")  # which verify cost each row is charged
     assert layer_skip_rows(found, works)[0]["L'"] == "1"
-    assert len(survey_rows(found, works, COSTS)) == len(found) == 7  # typical runs on the sampled workload only
+    assert len(survey_rows(found, works, COSTS)) == len(found) == 9  # typical runs on the sampled workload only
+    window = found["greedy", "Lookahead", ""]
+    assert window.extra_fed > 0 and window.fed_per_call > 1 + window.verified_per_call
 
     def off_by_one(models, prompt, n_new, temperature, seed):
-        result = run_plain(models, prompt, n_new, temperature, seed)
-        result.tokens[-1] = (result.tokens[-1] + 1) % 13
-        return result
+        run = run_plain(models, prompt, n_new, temperature, seed)
+        run.result.tokens[-1] = (run.result.tokens[-1] + 1) % 13
+        return run
 
     methods["broken"] = [Variant("", off_by_one)]
     with pytest.raises(BenchmarkError, match="broken .* differs from generate"):

@@ -7,6 +7,8 @@ The methods are one table (``zoo``), one entry each; a family lists the knob val
     int8 target     the target's own weights rounded to int8 as the draft (``drafts.quantize_weights``)
     prompt lookup   draft tokens copied from earlier in the text (``draft_free.PromptLookup``)
     layer skip      the target's first L' layers draft k = 4 tokens (``draft_free.LayerSkip``)
+    Lookahead       n-grams from a Jacobi window verified as a tree; the window rides in the same forward
+                    (``lookahead.Lookahead``, N 5, W 7, G 7)
 
 Workloads on the shipped character target (prompts from the validation split):
 
@@ -40,6 +42,7 @@ from ..draft_free import LayerSkip, PromptLookup
 from ..drafts import quantize_weights
 from ..generate import GenerationResult, generate
 from ..kv_cache import KVCache, MaskedView
+from ..lookahead import Lookahead
 from ..options import positive_int
 from ..speculative import speculative_generate
 from ..token_tree import Proposal, TokenTree, round_inputs, tree_generate
@@ -83,26 +86,37 @@ def load_models() -> Models:
     return Models(target, tok, load_model("draft")[0], quantize_weights(target, bits=8))
 
 
-def run_plain(models, prompt, n_new, temperature, seed) -> GenerationResult:
-    return generate(models.target, prompt, n_new, temperature=temperature, seed=seed)
+@dataclass
+class Run:
+    """One generation: its result, and the tokens its target forwards carried besides the pending
+    ones and the proposals (Lookahead's window), summed over the forwards."""
+
+    result: GenerationResult
+    extra_fed: int = 0
 
 
-def run_draft(models, prompt, n_new, temperature, seed, k, draft) -> GenerationResult:
-    return speculative_generate(models.target, getattr(models, draft), prompt, n_new, k=k,
-                                temperature=temperature, seed=seed)
+def run_plain(models, prompt, n_new, temperature, seed) -> Run:
+    return Run(generate(models.target, prompt, n_new, temperature=temperature, seed=seed))
 
 
-def run_tree(models, prompt, n_new, temperature, seed, proposer, rule="exact") -> GenerationResult:
+def run_draft(models, prompt, n_new, temperature, seed, k, draft) -> Run:
+    return Run(speculative_generate(models.target, getattr(models, draft), prompt, n_new, k=k,
+                                    temperature=temperature, seed=seed))
+
+
+def run_tree(models, prompt, n_new, temperature, seed, proposer, rule="exact") -> Run:
     """``tree_generate`` with a fresh proposer from ``proposer(models)`` (proposers may keep state)."""
-    return tree_generate(models.target, prompt, n_new, proposer(models), temperature=temperature, seed=seed,
-                         rule=rule)
+    proposed_by = proposer(models)
+    result = tree_generate(models.target, prompt, n_new, proposed_by, temperature=temperature, seed=seed,
+                           rule=rule)
+    return Run(result, getattr(proposed_by, "window_tokens", 0))
 
 
 @dataclass(frozen=True)
 class Variant:
     """One way to run a method: its knob ('K=4', "L'=2", '' when it has none) and the call.
 
-    run(models, prompt ids, n_new, temperature, seed) -> GenerationResult. ``verify``: the shape of
+    run(models, prompt ids, n_new, temperature, seed) -> Run. ``verify``: the shape of
     its target forwards, 'chain' (causal, chapter 5's loop) or 'tree' (masked, ``tree_generate``).
     ``sampled_only``: a rule that equals another at temperature 0 (typical acceptance is the greedy
     walk there).
@@ -125,6 +139,7 @@ def zoo(n_layer: int, quick: bool = False) -> dict[str, list[Variant]]:
         "prompt lookup": [Variant("", functools.partial(run_tree, proposer=lambda m: PromptLookup()))],
         "layer skip": [Variant(f"L'={n}", functools.partial(
             run_tree, proposer=lambda m, n=n: LayerSkip(m.target, n, k=LAYER_SKIP_K))) for n in skip_layers],
+        "Lookahead": [Variant("N=5 W=7 G=7", functools.partial(run_tree, proposer=lambda m: Lookahead()))],
     }
 
 
@@ -209,10 +224,13 @@ class Pooled:
     accepted: int = 0  # proposed tokens accepted
     checked: int = 0  # proposed tokens the target judged
     verified: int = 0  # proposed tokens sent to the target
+    extra_fed: int = 0  # other tokens the target forwards carried (Lookahead's window)
     seconds: float = 0.0  # wall time of the generations
     verify: str = "chain"  # the shape of the target forwards: 'chain' or 'tree' (``Variant.verify``)
 
-    def add(self, stats) -> None:
+    def add(self, run: Run) -> None:
+        stats = run.result.stats
+        self.extra_fed += run.extra_fed
         self.new += stats.new_tokens
         self.calls += getattr(stats, "target_calls", stats.new_tokens)
         self.accepted += getattr(stats, "accepted", 0)
@@ -232,14 +250,20 @@ class Pooled:
     def verified_per_call(self) -> float:
         return self.verified / self.calls
 
+    @property
+    def fed_per_call(self) -> float:
+        """Tokens in one target forward, on average: the pending token (or tree root), the proposals
+        and any extra tokens (a round's pending chain after a re-prefill is not counted)."""
+        return 1 + (self.verified + self.extra_fed) / self.calls
+
 
 def run_workload(variant: Variant, models: Models, work: Workload) -> tuple[list, Pooled]:
     """One variant over every prompt of a workload (seed i for prompt i) -> (token lists, counters)."""
     outs, pooled = [], Pooled(verify=variant.verify)
     for i, prompt in enumerate(work.prompts):
-        result = variant.run(models, prompt, work.n_new, work.temperature, i)
-        outs.append(result.tokens)
-        pooled.add(result.stats)
+        run = variant.run(models, prompt, work.n_new, work.temperature, i)
+        outs.append(run.result.tokens)
+        pooled.add(run)
     return outs, pooled
 
 
@@ -321,15 +345,15 @@ def verify_cost(costs: dict, kind: str, n: float) -> float:
 
 def result_row(work: Workload, name: str, knob: str, pooled: Pooled, costs: dict) -> dict:
     """The hardware-free columns of one (workload, method) and the verify cost they imply."""
-    n_verify = 1 + pooled.verified_per_call  # the pending token (or tree root) plus the proposals
-    cost = verify_cost(costs, pooled.verify, n_verify)
+    cost = verify_cost(costs, pooled.verify, pooled.fed_per_call)
     return {"workload": work.name, "method": name, "knob": knob, "alpha": pooled.alpha,
             "tok/call": pooled.tokens_per_call, "verified/call": pooled.verified_per_call,
-            "target fwd": pooled.calls, "verify cost": cost, "bound": pooled.tokens_per_call / cost}
+            "fed/call": pooled.fed_per_call, "target fwd": pooled.calls, "verify cost": cost,
+            "bound": pooled.tokens_per_call / cost}
 
 
-COLUMNS = ["workload", "method", "knob", "alpha", "tok/call", "verified/call", "target fwd", "verify cost",
-           "bound", "tok/s", "speed-up"]
+COLUMNS = ["workload", "method", "knob", "alpha", "tok/call", "verified/call", "fed/call", "target fwd",
+           "verify cost", "bound", "tok/s", "speed-up"]
 
 
 def time_methods(methods: dict, models: Models, works: list[Workload], found: dict, costs: dict,
@@ -490,7 +514,7 @@ def main(argv: list[str]) -> int:
     print(format_table(every, COLUMNS[:-2]))
     print()
     print(format_table(rows, COLUMNS))
-    print("verify cost: one target forward over 1 + verified/call tokens, in decode steps; "
+    print("verify cost: one target forward over fed/call tokens, in decode steps; "
           "bound = tok/call / verify cost (the speed-up if proposing were free)")
     skip_rows = layer_skip_rows(found, works)
     print()
