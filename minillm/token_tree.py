@@ -186,7 +186,10 @@ def verify_tree(tree: TokenTree, target_probs, rng: np.random.Generator, draft_p
     children are tried in order: accept child x with probability min(1, p(x) / q(x)) and descend;
     after a rejection p <- norm(max(0, p - q)). When no child is accepted, emit y ~ p (what is left
     of it). Each step is a speculative-sampling step against the current p, so by induction the
-    emitted sequence is distributed exactly as the target would sample it.
+    emitted sequence is distributed exactly as the target would sample it. Children drawn i.i.d.
+    from q must stay separate nodes even when they are equal (each rejection updates p);
+    deterministic candidates may be merged (``from_paths`` does): a second try of a one-hot x
+    would change nothing.
     """
     target_probs = np.asarray(check_tree_rows(tree, target_probs, "target_probs"), dtype=np.float64)
     draft_probs = draft_probs or {}

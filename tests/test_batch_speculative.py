@@ -18,7 +18,8 @@ fail proves nothing.
 
 import numpy as np
 import pytest
-from scipy.stats import chi2, chisquare, ncx2
+from scipy.stats import chi2, ncx2
+from stats import P_MIN, chi2_pvalue
 
 from minillm import GPT, GPTConfig, generate
 from minillm import batch_speculative as bs
@@ -47,7 +48,6 @@ EXERCISES = {
     "7.3": "next_draft_length or spec_rows_greedy or lossless",
 }
 
-P_MIN = 1e-3  # a chi-square check fails below this p-value
 N_PER_PROMPT = 15_000  # rows per prompt in the losslessness test (see its docstring)
 
 
@@ -271,17 +271,6 @@ def test_spec_rows_bonus_token_every_round_when_draft_is_target(pair):
         assert out == generate(target, p, 25, temperature=0).tokens
         assert s.alpha == 1.0 and s.target_calls == 5 and s.tokens_per_call == 5.0
     assert batch.target_calls == 5 and batch.rejected == 0 and batch.wasted_share == 0.0
-
-
-def chi2_pvalue(samples, probs) -> float:
-    """Pearson chi-square p-value of "samples were drawn from probs" (cells expecting < 5 pooled)."""
-    counts = np.bincount(samples, minlength=len(probs)).astype(np.float64)
-    if counts[probs <= 0].sum() > 0:
-        return 0.0
-    big = probs * len(samples) >= 5
-    obs, exp = np.append(counts[big], counts[~big].sum()), np.append(probs[big], probs[~big].sum()) * len(samples)
-    keep = exp > 0
-    return float(chisquare(obs[keep], exp[keep]).pvalue)
 
 
 def target_joint(target, prompt, n):

@@ -13,7 +13,8 @@ check that cannot fail proves nothing.
 
 import numpy as np
 import pytest
-from scipy.stats import chi2, chisquare, ncx2
+from scipy.stats import chi2, ncx2
+from stats import MIN_EXPECTED, P_MIN, chi2_pvalue
 
 from minillm import GPT, GPTConfig, generate
 from minillm import speculative as spec
@@ -32,9 +33,7 @@ from minillm.speculative import (
     verify_greedy,
 )
 
-P_MIN = 1e-3  # a check fails when a chi-square p-value falls below this
 N_TRIALS = 50_000  # verify calls per statistical case (see test_rejection_sample_size_...)
-MIN_EXPECTED = 5  # chi-square cells expecting fewer counts are pooled into one
 
 # The tests that check each exercise, as pytest -k expressions (read by minillm.course; docs/instructors.md)
 EXERCISES = {
@@ -54,26 +53,6 @@ NEEDS = {  # speculative_generate runs the KV cache (3.1-3.3), verify (5.1, 5.2)
 
 # ----------------------------------------------------------------------------------------------
 # the statistical harness
-
-
-def chi2_pvalue(samples, probs) -> float:
-    """p-value of "samples were drawn from probs" (Pearson chi-square, small cells pooled).
-
-    A sample of a zero-probability token gives 0.0 at once: no amount of data excuses it.
-    """
-    samples, probs = np.asarray(samples, dtype=np.int64), np.asarray(probs, dtype=np.float64)
-    counts = np.bincount(samples, minlength=len(probs)).astype(np.float64)
-    if counts[probs <= 0].sum() > 0:
-        return 0.0
-    expected = probs * len(samples)
-    big = expected >= MIN_EXPECTED
-    obs = np.append(counts[big], counts[~big].sum())
-    exp = np.append(expected[big], expected[~big].sum())
-    if exp[-1] == 0:
-        obs, exp = obs[:-1], exp[:-1]
-    if len(obs) < 2:
-        return 1.0
-    return float(chisquare(obs, exp * obs.sum() / exp.sum()).pvalue)
 
 
 def accepted_count_law(p, q):
