@@ -9,6 +9,7 @@ from minillm.benchmarks.verify_cost import (
     cost_rows,
     forward_bytes,
     forward_flops,
+    matmul_rows,
     matmul_weights,
     parts_rows,
     roofline_seconds,
@@ -66,3 +67,12 @@ def test_parts_rows_pivot_the_ablation_and_leave_the_rest_to_everything_else():
     assert by_part["whole forward"]["growth 1->8 us"] == 400
     assert by_part["everything else"]["n=1 us"] == 500 - 100 * len(STAND_INS)
     assert np.isclose(by_part["everything else"]["n=8 us"], 900 - 200 * len(STAND_INS))
+
+
+def test_matmul_rows_compare_each_n_with_the_matrix_vector_product_and_the_roofline():
+    """1000 weights (4000 bytes) at 1e9 B/s take 4 us to read; 2 n 1000 FLOPs at 1e9 FLOP/s take 2n us."""
+    rows = matmul_rows({1: [4e-6, 6e-6], 4: [16e-6, 16e-6]}, 1000, bandwidth=1e9, peak=1e9)
+    assert [r["n"] for r in rows] == [1, 4]
+    assert rows[0]["roofline us"] == pytest.approx(4.0) and rows[1]["roofline us"] == pytest.approx(8.0)
+    assert rows[1]["x n=1"] == pytest.approx(16 / 5) and rows[1]["measured/roofline"] == pytest.approx(2.0)
+    assert rows[1]["GFLOP/s"] == pytest.approx(8000 / 16e-6 / 1e9)

@@ -13,7 +13,10 @@ v(n) = 1; every method of chapters 5 and 9 pays the measured v(n) instead.
    matrix product. No forward over n tokens can beat max(bytes read / bandwidth, FLOPs / peak); the
    "floor" column is the v(n) left if only that unavoidable work grew with n;
 4. where the time goes (the character GPT): each part of the forward swapped for a free stand-in at
-   several n (``bench kv-cache``'s ablation), so the growth from n = 1 is attributed to the parts.
+   several n (``bench kv-cache``'s ablation), so the growth from n = 1 is attributed to the parts;
+5. the weight matrices of one block alone, x (n, in) @ W (in, out) for each: n = 1 is a matrix-vector
+   product (BLAS gemv, which streams W once); n > 1 a matrix-matrix product (gemm, which first
+   copies W into its own blocked layout, "packing", then multiplies), beside their roofline.
 """
 
 from __future__ import annotations
@@ -103,6 +106,20 @@ def cost_rows(times: dict, roofline: dict, bounds: dict) -> list[dict]:
     return rows
 
 
+def matmul_rows(times: dict, weight_elements: int, bandwidth: float, peak: float) -> list[dict]:
+    """{n: [seconds per round]} of the products x (n, in) @ W over ``weight_elements`` float32 weights
+    -> rows: microseconds, times the n = 1 product, GFLOP/s reached, and the roofline in microseconds."""
+    one = float(np.median(times[1]))
+    rows = []
+    for n in sorted(times):
+        t = float(np.median(times[n]))
+        flops = 2 * n * weight_elements
+        roof = roofline_seconds(FLOAT32_BYTES * weight_elements, flops, bandwidth, peak)
+        rows.append({"n": n, "us": 1e6 * t, "x n=1": t / one, "GFLOP/s": flops / t / 1e9,
+                     "roofline us": 1e6 * roof, "measured/roofline": t / roof})
+    return rows
+
+
 def parts_rows(parts: dict) -> list[dict]:
     """{n: decode_step_parts rows} -> one row per part, its cost in microseconds at each n and its
     growth from the smallest n; "everything else" is the whole forward minus the swapped parts."""
@@ -141,6 +158,28 @@ def gemm_peak(size: int = GEMM_SIZE, repeat: int = 5) -> float:
     a @ b  # warm-up
     best = min(timed(lambda: a @ b)[0] for _ in range(repeat))
     return 2 * size**3 / best
+
+
+def block_matmul_seconds(model, ns: list[int], rounds: int, steps: int) -> tuple[dict, int]:
+    """x (n, in) @ W (in, out) for every weight matrix W of block 0 -> ({n: [seconds, one per round]},
+    the number of weights in those matrices). Timed like ``forward_seconds``."""
+    prefix = "h.0." if isinstance(model, GPT) else "layers.0."
+    weights = [a for name, a in model.params.items() if name.startswith(prefix) and a.ndim == 2]
+    rng = np.random.default_rng(0)
+    xs = {n: [xp.asarray(rng.standard_normal((n, w.shape[0]), dtype=np.float32)) for w in weights] for n in ns}
+
+    def run(n):
+        for _ in range(steps):
+            for x, w in zip(xs[n], weights):
+                x @ w
+
+    for n in ns:
+        run(n)  # warm-up
+    times = {n: [] for n in ns}
+    for r in progress(range(rounds), "block matmuls"):
+        for n in ns[:: 1 if r % 2 else -1]:
+            times[n].append(timed(lambda n=n: run(n))[0] / steps)
+    return times, sum(int(w.size) for w in weights)
 
 
 def prefix_ids(tokenizer, n: int) -> list[int]:
@@ -266,4 +305,9 @@ def main(argv=None) -> int:
         parts = {n: decode_step_parts(model, args.context, steps=args.steps, rounds=args.parts_rounds, tokens=n)
                  for n in progress(args.parts_ns, "parts at n")}
         print(format_table(parts_rows(parts)))
+
+    print(f"\n5. the weight matrices of block 0 alone: x (n, in) @ W (in, out) for each ({args.rounds} rounds; "
+          "they stay in the CPU caches, so the roofline uses the cached copy's bandwidth)")
+    mm_times, block_weights = block_matmul_seconds(model, ns, args.rounds, args.steps)
+    print(format_table(matmul_rows(mm_times, block_weights, cached_bandwidth, peak)))
     return 0
