@@ -76,3 +76,13 @@ def test_matmul_rows_compare_each_n_with_the_matrix_vector_product_and_the_roofl
     assert rows[0]["roofline us"] == pytest.approx(4.0) and rows[1]["roofline us"] == pytest.approx(8.0)
     assert rows[1]["x n=1"] == pytest.approx(16 / 4) and rows[1]["measured/roofline"] == pytest.approx(2.0)
     assert rows[1]["GFLOP/s"] == pytest.approx(8000 / 16e-6 / 1e9)
+
+
+def test_a_context_that_leaves_no_room_for_the_new_tokens_is_a_usage_error(capsys):
+    """100 cached + 64 new fits the 256-token context; 250 + 8 does not: exit 2 naming the limit, nothing timed."""
+    from minillm.benchmarks.verify_cost import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--context", "250", "--ns", "1,8", "--no-parts"])
+    assert exc.value.code == 2
+    assert "--context 250 + n up to 8 exceeds block_size=256" in capsys.readouterr().err

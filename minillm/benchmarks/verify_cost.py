@@ -267,8 +267,9 @@ def main(argv=None) -> int:
     ns = sorted(set(args.ns) | {1})  # v(n) is in units of n = 1
     model, tok = load_model(args.model)
     cfg = model.config
-    if args.context + max(ns + args.parts_ns) > cfg.block_size:
-        p.error(f"--context {args.context} + n up to {max(ns + args.parts_ns)} exceeds block_size={cfg.block_size}")
+    largest = max(ns + ([] if args.no_parts else args.parts_ns))
+    if args.context + largest > cfg.block_size:
+        p.error(f"--context {args.context} + n up to {largest} exceeds block_size={cfg.block_size}")
     prefix = prefix_ids(tok, args.context)
     weights = matmul_weights(model)
     w_bytes, w_elems = sum(int(a.nbytes) for a in weights), sum(int(a.size) for a in weights)
