@@ -29,8 +29,17 @@ from minillm.token_tree import (
 
 # The tests that check each exercise, as pytest -k expressions (read by minillm.course; docs/instructors.md)
 EXERCISES = {"9.1": "tree_mask", "9.2": "greedy_walk", "9.3": "ngram"}
-# Tests that also run other exercises' code (the tree loop verifies with 9.1 and 9.2 over the KV cache)
-NEEDS = {("3.1", "3.2", "3.3", "9.1", "9.2"): "loop or compaction or one_forward", "9.3": "prompt_lookup"}
+# Tests that also run other exercises' code: the KV cache (3.1-3.3) under every forward, the tree
+# loop's mask, walk and lookup (9.1-9.3), the residual of chapter 5 (5.1) in lossless tree sampling,
+# verify_greedy (5.3) as the chain's reference, the paged cache (6.1, 6.3) and the Llama (8.1-8.3)
+NEEDS = {
+    ("3.1", "3.2", "3.3", "5.1", "9.1", "9.2", "9.3"): "loop or compaction or one_forward or positions or masked_view",
+    "5.1": "lossless",
+    "5.3": "greedy_walk_on_a_chain",
+    ("6.1", "6.3"): "paged",
+    ("8.1", "8.2", "8.3"): "llama",
+    "9.3": "prompt_lookup",
+}
 
 CFG = GPTConfig(vocab_size=11, block_size=48, n_layer=2, n_head=2, n_embd=16)
 LLAMA = LlamaConfig(vocab_size=11, block_size=48, n_layer=2, n_head=4, n_kv_head=2, n_embd=16, n_hidden=24)
