@@ -4,17 +4,20 @@ Speculative decoding lives or dies by v(n): the wall time of ONE target forward 
 (a verification of K = n - 1 drafts) in units of a single-token decode step. Its theory assumes
 v(n) = 1; every method of chapters 5 and 9 pays the measured v(n) instead.
 
-1. validate: the cached forward over n tokens gives the logits of a forward over the whole sequence;
+Validated first: the cached forward over n tokens gives the logits of a forward over the whole
+sequence. Then, in the order printed:
+
+1. a roofline for this machine, measured here under minillm's BLAS thread policy: memory bandwidth
+   from a large NumPy copy (read + write bytes per second) and the GEMM peak from a float32 matrix
+   product, each the best of many short runs. No forward over n tokens can beat
+   max(bytes read / bandwidth, FLOPs / peak);
 2. v(n) for n = 1..64 on top of a cache already holding ``--context`` tokens (default 100): every
    round times each n once (the order reversed every other round), so t(n) and t(1) of a round ran
-   under the same machine load; v(n) is the median over rounds of t(n) / t(1);
-3. a roofline for this machine, measured here under minillm's BLAS thread policy: memory bandwidth
-   from a large NumPy copy (read + write bytes per second) and the GEMM peak from a large float32
-   matrix product. No forward over n tokens can beat max(bytes read / bandwidth, FLOPs / peak); the
-   "floor" column is the v(n) left if only that unavoidable work grew with n;
-4. where the time goes (the character GPT): each part of the forward swapped for a free stand-in at
+   under the same machine load; v(n) is the median over rounds of t(n) / t(1). Beside it the
+   roofline, and the "floor": the v(n) left if only the roofline's work grew with n;
+3. where the time goes (the character GPT): each part of the forward swapped for a free stand-in at
    several n (``bench kv-cache``'s ablation), so the growth from n = 1 is attributed to the parts;
-5. the weight matrices of one block alone, x (n, in) @ W (in, out) for each: n = 1 is a matrix-vector
+4. the weight matrices of one block alone, x (n, in) @ W (in, out) for each: n = 1 is a matrix-vector
    product (BLAS gemv, which streams W once); n > 1 a matrix-matrix product (gemm, which first
    copies W into its own blocked layout, "packing", then multiplies), beside their roofline.
 """
@@ -313,7 +316,7 @@ def main(argv=None) -> int:
 
     mm_times, block_weights = block_matmul_seconds(model, ns, 3 * args.rounds, steps=1)
     block_bandwidth = copy_bandwidth(FLOAT32_BYTES * block_weights)
-    print(f"\n5. the weight matrices of block 0 alone: x (n, in) @ W (in, out) for each (best of {3 * args.rounds} "
+    print(f"\n4. the weight matrices of block 0 alone: x (n, in) @ W (in, out) for each (best of {3 * args.rounds} "
           f"rounds; the roofline with the bandwidth of a copy that size, {block_bandwidth / 1e9:.1f} GB/s)")
     print(format_table(matmul_rows(mm_times, block_weights, block_bandwidth, peak)))
     return 0
