@@ -20,6 +20,7 @@ TOPICS = {
     "real-model": "minillm.benchmarks.real_model",
     "training-curves": "minillm.benchmarks.training",
     "lookahead": "minillm.benchmarks.lookahead",
+    "verify-cost": "minillm.benchmarks.verify_cost",
 }
 
 
