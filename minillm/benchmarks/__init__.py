@@ -21,6 +21,7 @@ TOPICS = {
     "real-model": "minillm.benchmarks.real_model",
     "training-curves": "minillm.benchmarks.training",
     "lookahead": "minillm.benchmarks.lookahead",
+    "verify-cost": "minillm.benchmarks.verify_cost",
 }
 
 

@@ -168,16 +168,17 @@ def swapped(model, name: str, stand_in):
             delattr(model, name)
 
 
-def decode_step_parts(model, context: int, steps: int, rounds: int) -> list[dict]:
+def decode_step_parts(model, context: int, steps: int, rounds: int, tokens: int = 1) -> list[dict]:
     """Where one decode step's time goes, by ablation: time the step with ``context`` tokens cached,
     then with one part swapped for a stand-in that returns its input (or zeros of the right shape);
     the difference is that part's cost *inside the loop*. Timing a part on its own would miss that
     every step streams all weights through the CPU caches and so evicts everything else. Variants
-    are timed in alternation, ``steps`` decode steps per timing, medians over ``rounds``.
+    are timed in alternation, ``steps`` decode steps per timing, medians over ``rounds``. ``tokens``
+    > 1 times a forward over that many new tokens instead (a speculative verification).
     """
-    cache = KVCache(model.config)
+    cache = KVCache(model.config, max_len=context + tokens)
     model.forward(xp.asarray([[t % model.config.vocab_size for t in range(context)]]), cache)
-    token = xp.asarray([[1]])
+    token = xp.asarray([[(t + 1) % model.config.vocab_size for t in range(tokens)]])
 
     def step():
         for _ in range(steps):
