@@ -5,6 +5,7 @@ Timings are never asserted; what is tested is what the benchmark counts and what
 
 import functools
 
+import numpy as np
 import pytest
 
 from minillm import GPT, GPTConfig
@@ -14,6 +15,7 @@ from minillm.benchmarks.speculation_zoo import (
     Models,
     Pooled,
     Run,
+    TreeVerify,
     Variant,
     Workload,
     copy_prompts,
@@ -35,8 +37,10 @@ from minillm.tokenizer import CharTokenizer
 
 # Tests that also run other exercises' code, so they fail until those are solved (minillm.course):
 # generate and tree_generate run the KV cache (3.1-3.3); the tree loop its mask, walk and lookup
-# (9.1-9.3) and, at temperature 1, chapter 5's residual (5.1); the copy prompts run generate only
-NEEDS = {("3.1", "3.2", "3.3", "5.1", "9.1", "9.2", "9.3"): "survey", ("3.1", "3.3"): "copy_prompts"}
+# (9.1-9.3) and, at temperature 1, chapter 5's residual (5.1); the copy prompts run generate only; the
+# timed tree round runs the cache, its rollback and the tree mask
+NEEDS = {("3.1", "3.2", "3.3", "5.1", "9.1", "9.2", "9.3"): "survey", ("3.1", "3.3"): "copy_prompts",
+         ("3.1", "3.2", "9.1"): "tree_verify"}
 
 COSTS = {"step_s": 1e-3, "chain": {1: 1.0, 4: 1.6, 16: 2.2}, "tree": {1: 1.1, 4: 2.0, 16: 3.0}}
 
@@ -77,6 +81,23 @@ def test_verify_cost_interpolates_the_measured_points_and_the_bound_divides_by_i
     window = result_row(work, "Lookahead", "", Pooled(new=12, calls=4, verified=12, extra_fed=48, verify="tree"), COSTS)
     assert window["fed/call"] == 16 and window["verify cost"] == 3.0  # the window's tokens cost too
     assert draft["bound"] == 3.0 / 1.6 and draft["alpha"] == 0.8 and draft["target fwd"] == 4
+
+
+def test_tree_verify_is_a_forward_through_the_tree_path(tiny_model):
+    """The tree round the verify cost times computes what a plain cached forward computes, and keeps
+    the same keys and values (so the timing loop's rollback works the same for both)."""
+    from minillm import KVCache
+
+    prefix, new = [1, 2, 3, 4], [5, 6, 7]
+    caches = [KVCache(tiny_model.config), KVCache(tiny_model.config)]
+    for model, cache in zip((tiny_model, TreeVerify(tiny_model)), caches):
+        model.forward(np.array([prefix]), cache)
+    plain = tiny_model.forward(np.array([new]), caches[0])
+    tree = TreeVerify(tiny_model).forward(np.array([new]), caches[1])
+    np.testing.assert_allclose(tree, plain, atol=1e-5)
+    assert caches[0].length == caches[1].length == 7
+    for layer in range(tiny_model.config.n_layer):
+        np.testing.assert_allclose(caches[1].k[layer][:, :, :7], caches[0].k[layer][:, :, :7], atol=1e-5)
 
 
 @pytest.fixture

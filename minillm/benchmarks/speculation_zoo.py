@@ -36,7 +36,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..backend import xp
+from ..backend import to_numpy, xp
 from ..checkpoint import load_model
 from ..draft_free import LayerSkip, PromptLookup
 from ..drafts import quantize_weights
@@ -53,15 +53,16 @@ from .common import (
     format_table,
     progress,
     save_figure,
-    time_fn,
     time_paired,
 )
 from .common import parse_args as common_parse_args
 from .speculative import STEP_CONTEXT, validation_prompts
+from .verify_cost import check_cached_forward, forward_seconds, prefix_ids
 
 DRAFT_KS = (2, 4, 6)  # chapter 5's draft and the int8 target: K tried (the fastest is timed)
 LAYER_SKIP_K = 4  # draft tokens per round for layer skipping
 VERIFY_NS = (1, 2, 4, 8, 16, 32, 64)  # tokens in one verify forward, for its cost in decode steps
+VERIFY_ROUNDS, VERIFY_STEPS = 15, 5  # rounds (every n once each) x forwards per timing (bench verify-cost's)
 COPY_CUE = 24  # characters of the cue the copy prompts repeat
 COPY_ROUNDS = 4  # at most this many greedy passes to reach a copy prompt's fixed point
 COPY_SCAN = 4  # cues tried per copy prompt wanted
@@ -291,45 +292,37 @@ def survey(methods: dict, models: Models, works: list[Workload]) -> dict:
     return found
 
 
-def verify_step(model, n_tokens: int, tree: bool, context: int = STEP_CONTEXT):
-    """A callable that runs one verify of n_tokens after ``context`` cached tokens, and rolls it back.
+class TreeVerify:
+    """The target with ``forward`` replaced by one token-tree round over its input (a chain): a masked
+    forward (``round_inputs``, ``MaskedView``), the logits of every node, and the compaction of the
+    whole path. What ``tree_generate`` pays per round, timed by the same loop as a plain forward."""
 
-    tree False: chapter 5's verify, one causal forward. tree True: a token tree's round, a masked
-    forward over a chain of n_tokens nodes (``round_inputs``, ``MaskedView``), its logits, and the
-    compaction of the whole path (``MaskedView.keep``).
-    """
-    cache = KVCache(model.config)
-    model.forward(xp.zeros((1, context), dtype=xp.int64), cache)
-    if not tree:
-        new = xp.ones((1, n_tokens), dtype=xp.int64)
+    def __init__(self, model):
+        self.model, self.config = model, model.config
 
-        def step():
-            cache.truncate(context)
-            model.forward(new, cache)
-
-        return step
-    tokens, offsets, mask = round_inputs([1], Proposal(TokenTree.chain(1, [1] * (n_tokens - 1))))
-    idx = xp.asarray([tokens])
-
-    def step():
-        cache.truncate(context)
-        view = MaskedView(cache, offsets, mask)
-        model.logits(model.hidden(idx, view)[0])
-        view.keep(range(n_tokens))
-
-    return step
+    def forward(self, idx, cache=None):
+        """(1, T) ids -> (1, T, V) logits, the tokens kept in ``cache`` as a plain forward keeps them."""
+        tokens = [int(t) for t in np.asarray(to_numpy(idx))[0]]
+        _, offsets, mask = round_inputs([tokens[0]], Proposal(TokenTree.chain(tokens[0], tokens[1:])))
+        view = MaskedView(KVCache(self.config) if cache is None else cache, offsets, mask)
+        logits = self.model.logits(self.model.hidden(xp.asarray([tokens]), view)[0])  # (T, V)
+        view.keep(range(len(tokens)))
+        return logits[None]
 
 
-def verify_costs(model, ns, repeat=30) -> dict:
-    """{'step_s': s, 'chain': {n: v}, 'tree': {n: v}}: one verify of n tokens in single-token decode steps,
-    each timed in alternation with the decode step it is divided by (``time_paired``, medians)."""
-    decode = verify_step(model, 1, tree=False)
-    costs = {"step_s": time_fn(decode, warmup=3, repeat=repeat), "chain": {1: 1.0}, "tree": {}}  # chain 1: the step
-    for kind in ("chain", "tree"):
-        for n in ns:
-            if n not in costs[kind]:
-                step_s, verify_s, _ = time_paired(decode, verify_step(model, n, tree=kind == "tree"), repeat)
-                costs[kind][n] = verify_s / step_s
+def verify_costs(model, tok, ns, rounds: int = VERIFY_ROUNDS) -> dict:
+    """{'step_s': s, 'chain': {n: v}, 'tree': {n: v}}: one verify of n tokens after STEP_CONTEXT cached
+    tokens of real text, in single-token decode steps (``verify_cost.forward_seconds``: every n once
+    per round, medians). chain: a causal forward (chapter 5's verify); tree: ``TreeVerify``."""
+    ns = sorted({1, *ns})
+    prefix = prefix_ids(tok, STEP_CONTEXT)
+    costs = {}
+    for kind, verifier in (("chain", model), ("tree", TreeVerify(model))):
+        check_cached_forward(verifier, prefix, [(3 * t + 2) % model.config.vocab_size for t in range(max(ns))])
+        times = forward_seconds(verifier, prefix, ns, rounds, VERIFY_STEPS)
+        if kind == "chain":
+            costs["step_s"] = float(np.median(times[1]))
+        costs[kind] = {n: float(np.median(times[n])) / costs["step_s"] for n in ns}
     return costs
 
 
@@ -500,7 +493,7 @@ def main(argv: list[str]) -> int:
 
     # 2. the verify cost, in decode steps
     ns = (1, 4, 16, 64) if args.quick else VERIFY_NS
-    costs = verify_costs(models.target, ns, repeat=5 if args.quick else 30)
+    costs = verify_costs(models.target, models.tok, ns, rounds=3 if args.quick else VERIFY_ROUNDS)
     print(f"decode step {costs['step_s'] * 1e3:.2f} ms; one verify of n tokens costs (decode steps): "
           + "; ".join(f"{kind} " + ", ".join(f"n={n}: {costs[kind][n]:.2f}" for n in ns) for kind in ("chain", "tree")))
 
