@@ -38,7 +38,7 @@ IGNORED = (".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache", ".hyp
            ".ipynb_checkpoints", "_build", "build", "*.egg-info", "*.pyc", "*.tmp", "*.train.npz",
            "*.log.json")
 # left out of the student edition: the bug zoo holds reference lines, the kit checks the reference
-# and the flash mutants hold the chapter-4 bugs with their fixes in the docstrings
+# and the flash mutants are exercises 4.1 and 4.2 with one bug each, the fix in their docstrings
 INSTRUCTORS_ONLY = ("tests/test_course.py", "tests/test_bug_zoo.py", "tests/fixtures/bug_zoo.py",
                     "tests/fixtures/course_plugin.py", "tests/fixtures/flash_mutants.py")
 
