@@ -39,6 +39,8 @@ EXERCISES = {
 }
 # Tests that also run other exercises' code, so they fail until those are solved (minillm.course)
 NEEDS = {"3.1": "model_logits_kernel"}
+# Exercises of other chapters that a grading selection also runs (the model's forward through a KVCache)
+DEPENDS = {"4.2": "3.1"}
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GRID_N = [1, 31, 32, 33, 100, 257]
