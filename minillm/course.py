@@ -7,12 +7,15 @@ exercise, as literals that this module reads without importing the tests:
 
     EXERCISES = {"3.1": "prefill_decode or overflow", ...}   # exercise -> pytest -k expression
     NEEDS = {"3.1": "loop or shipped"}   # tests here that also run another chapter's exercise
+    DEPENDS = {"3.3": "1.1, 1.2"}   # exercises of other chapters that an exercise's grading tests run
 
 ``student_edition(root, out)`` copies the project (``root``: a checkout, see ``minillm.project``),
 replaces the body of every marked region (or of the chosen chapters' regions) by
 ``raise NotImplementedError("Exercise 3.1: <the text after BEGIN:>")`` (markers, signature and
 docstring kept) and writes the manifest: per exercise its chapter, file, function, the pytest
-command that grades it, and the other tests that fail until it is solved (``also_fails``).
+command that grades it, the other tests that fail until it is solved (``also_fails``) and the
+exercises of other chapters its grading tests also run (``depends``: solve those first; the stub
+says so in a comment).
 ``grade(project)`` runs each exercise's grading command there and reports passed / total.
 docs/instructors.md explains the rule; tests/test_course.py enforces it.
 """
@@ -38,7 +41,7 @@ IGNORED = (".git", ".venv", "__pycache__", ".pytest_cache", ".ruff_cache", ".hyp
            ".ipynb_checkpoints", "_build", "build", "*.egg-info", "*.pyc", "*.tmp", "*.train.npz",
            "*.log.json")
 # left out of the student edition: the bug zoo holds reference lines, the kit checks the reference
-# and the flash mutants hold the chapter-4 bugs with their fixes in the docstrings
+# and the flash mutants are exercises 4.1 and 4.2 with one bug each, the fix in their docstrings
 INSTRUCTORS_ONLY = ("tests/test_course.py", "tests/test_bug_zoo.py", "tests/fixtures/bug_zoo.py",
                     "tests/fixtures/course_plugin.py", "tests/fixtures/flash_mutants.py")
 
@@ -73,6 +76,7 @@ class Exercise:
     end: int  # 1-based line of the END marker
     checks: Selection | None = None  # the tests that grade it
     also_fails: list[Selection] = field(default_factory=list)  # other tests that need it solved
+    depends: list[str] = field(default_factory=list)  # other chapters' exercises its grading tests run
 
     @property
     def command(self) -> str:
@@ -168,7 +172,8 @@ def find_exercises(root: Path) -> list[Exercise]:
     """Every exercise of the project, in id order, with the tests that check it and that need it.
 
     Raises CourseError for duplicate ids, an exercise no test file claims, a claim of an exercise
-    that has no marker, or a chapter with fewer than 2 or more than 4 exercises.
+    that has no marker, a DEPENDS outside the file that grades the exercise or naming an unknown
+    exercise or one of its own chapter, or a chapter with fewer than 2 or more than 4 exercises.
     """
     root = Path(root)
     exercises: dict[str, Exercise] = {}
@@ -179,9 +184,11 @@ def find_exercises(root: Path) -> list[Exercise]:
                 where = f"{first.file}:{first.begin} and {ex.file}:{ex.begin}"
                 raise CourseError(f"exercise {ex.id} is marked twice: {where}")
             exercises[ex.id] = ex
+    depends = []
     for path in sorted((root / "tests").glob("test_*.py")):
         rel = path.relative_to(root).as_posix()
         tree = ast.parse(path.read_text(), filename=rel)
+        depends += [(rel, ex_id, ids) for ex_id, ids in _declared(tree, "DEPENDS", rel)]
         for kind in ("EXERCISES", "NEEDS"):
             for ex_id, keyword in _declared(tree, kind, rel):
                 if ex_id not in exercises:
@@ -193,6 +200,8 @@ def find_exercises(root: Path) -> list[Exercise]:
                     raise CourseError(f"exercise {ex_id} is checked by two files: {ex.checks.tests} and {rel}")
                 else:
                     ex.checks = Selection(rel, keyword)
+    for rel, ex_id, ids in depends:
+        _add_depends(exercises, rel, ex_id, [i.strip() for i in ids.split(",")])
     chapters: dict[str, list[Exercise]] = {}
     for ex in exercises.values():
         if ex.checks is None:
@@ -206,6 +215,19 @@ def find_exercises(root: Path) -> list[Exercise]:
             for ex in members:
                 ex.also_fails.append(Selection(NOTEBOOK_TEST, notebook.stem))
     return sorted(exercises.values(), key=lambda e: exercise_sort_key(e.id))
+
+
+def _add_depends(exercises: dict[str, Exercise], rel: str, ex_id: str, ids: list[str]) -> None:
+    """Record DEPENDS[ex_id] = ids of test file ``rel``; CourseError for a declaration that cannot hold."""
+    ex = exercises.get(ex_id)
+    if ex is None or ex.checks is None or ex.checks.tests != rel:
+        raise CourseError(f"{rel}: DEPENDS names exercise {ex_id}, which this file does not grade (EXERCISES)")
+    for dep in ids:
+        if dep not in exercises:
+            raise CourseError(f"{rel}: DEPENDS[{ex_id!r}] names exercise {dep!r}, which no source file marks")
+        if exercises[dep].chapter == ex.chapter:
+            raise CourseError(f"{rel}: DEPENDS[{ex_id!r}] names {dep}, of the same chapter (solved with it anyway)")
+    ex.depends = sorted(set(ex.depends) | set(ids), key=exercise_sort_key)
 
 
 def exercise_sort_key(ex_id: str) -> tuple:
@@ -225,13 +247,20 @@ def chapter_notebook(root: Path, chapter: str) -> Path | None:
 
 
 def stub_source(text: str, exercises: list[Exercise]) -> str:
-    """Replace the lines between each BEGIN and END marker by one ``raise NotImplementedError``."""
+    """Replace the lines between each BEGIN and END marker by one ``raise NotImplementedError``, after
+    a comment naming the exercises its grading tests also need (``depends``) when there are any."""
     lines = text.splitlines(keepends=True)
     for ex in sorted(exercises, key=lambda e: e.begin, reverse=True):
         indent = MARKER.match(lines[ex.begin - 1])["indent"]
         message = f"Exercise {ex.id}: {ex.task}"
-        lines[ex.begin : ex.end - 1] = [f"{indent}raise NotImplementedError({json.dumps(message)})\n"]
+        needs = [f"{indent}# {depends_note(ex)}\n"] if ex.depends else []
+        lines[ex.begin : ex.end - 1] = needs + [f"{indent}raise NotImplementedError({json.dumps(message)})\n"]
     return "".join(lines)
+
+
+def depends_note(ex: Exercise) -> str:
+    """The sentence the stub and the manifest give an exercise with dependencies."""
+    return f"its grading tests also run exercise(s) {', '.join(ex.depends)}: solve those too"
 
 
 def copy_project(root: Path, out: Path, leave_out: tuple = ()) -> Path:
@@ -271,11 +300,11 @@ def manifest_markdown(exercises: list[Exercise]) -> str:
     out = ["# Exercises", "",
            "Each marked region raises `NotImplementedError` until you write it. The command in the last",
            "column grades it; the tests under *also fails* pass once it (and what they use) is solved.", "",
-           "| exercise | chapter | file | function | what to implement | grade with |",
-           "|---|---|---|---|---|---|"]
+           "| exercise | chapter | file | function | what to implement | also needs | grade with |",
+           "|---|---|---|---|---|---|---|"]
     for ex in exercises:
         where = f"`{ex.file}` | `{ex.function}`"
-        out.append(f"| {ex.id} | {ex.chapter} | {where} | {ex.task} | `{ex.command}` |")
+        out.append(f"| {ex.id} | {ex.chapter} | {where} | {ex.task} | {', '.join(ex.depends)} | `{ex.command}` |")
     out += ["", "## Also fails until solved", ""]
     for ex in exercises:
         out.append(f"- **{ex.id}**: " + "; ".join(f"`{s.command}`" for s in ex.also_fails))
@@ -321,6 +350,7 @@ GRADE_TIMEOUT_S = 900  # per exercise
 class Grade:
     exercise: str
     command: str
+    depends: list[str]  # exercises of other chapters its grading tests also run
     passed: int  # tests of the grading selection that passed
     total: int  # tests it selected (skipped ones not counted)
     seconds: float
@@ -340,7 +370,7 @@ def project_exercises(project: Path) -> list[Exercise]:
         checks = Selection(**{k: row["checks"][k] for k in ("tests", "keyword")})
         also = [Selection(s["tests"], s["keyword"]) for s in row["also_fails"]]
         fields = {k: row[k] for k in ("id", "chapter", "task", "file", "function", "begin", "end")}
-        exercises.append(Exercise(**fields, checks=checks, also_fails=also))
+        exercises.append(Exercise(**fields, checks=checks, also_fails=also, depends=row.get("depends", [])))
     return exercises
 
 
@@ -354,7 +384,7 @@ def grade(project: Path, chapters=None) -> list[Grade]:
         args = [ex.checks.tests] + (["-k", ex.checks.keyword] if ex.checks.keyword else [])
         outcomes, seconds, _ = pytest_outcomes(project, args, GRADE_TIMEOUT_S)
         counted = [o for _, o in outcomes if o != "skipped"]
-        grades.append(Grade(ex.id, ex.command, counted.count("passed"), len(counted), seconds))
+        grades.append(Grade(ex.id, ex.command, ex.depends, counted.count("passed"), len(counted), seconds))
     return grades
 
 
@@ -363,7 +393,8 @@ def format_grades(grades: list[Grade]) -> str:
     from .benchmarks.common import format_table
 
     rows = [{"exercise": g.exercise, "tests passed": f"{g.passed}/{g.total}", "result": "pass" if g.ok else "FAIL",
-             "time s": round(g.seconds, 1), "grade with": g.command} for g in grades]
+             "time s": round(g.seconds, 1), "also needs": ",".join(g.depends), "grade with": g.command}
+            for g in grades]
     solved = sum(g.ok for g in grades)
     return format_table(rows) + f"\n\n{solved}/{len(grades)} exercises pass"
 

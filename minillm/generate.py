@@ -81,7 +81,8 @@ def fit_context(cache: DecodeCache, seq, pending, extra: int = 0) -> tuple[list,
     If length + len(pending) + extra <= max_len they fit and are fed as they are. Otherwise the
     cache is reset and the last max(1, max_len // 2) tokens of ``seq`` are fed instead: half the
     window stays free, so this happens once every max_len // 2 tokens, not at every step. The flag
-    is True when cached tokens were thrown away (a prompt longer than the window is not counted).
+    is True when cached tokens were thrown away (a prompt longer than the window is not counted):
+    every loop adds it to its stats' ``reprefills`` counter, which the tests check.
     Example: max_len 8, length 8, pending [t] -> the cache is reset; feed seq[-4:], True.
     """
     # EXERCISE 3.3 BEGIN: feed pending if it fits; otherwise reset the cache and feed the last half window

@@ -344,7 +344,12 @@ class PagedKVCache:
         return np.array([[self.lengths[s] + min(t, n - 1) for t in range(T)] for s, n in zip(seq_ids, counts)])
 
     def _copy_on_write(self, seq_id: int, i: int) -> None:
-        """Give seq_id a private copy of its i-th block, which other holders share."""
+        """Give seq_id a private copy of its i-th block, which other holders share.
+
+        The new block comes from ``_allocate_block`` and receives the shared block's K and V in every
+        layer; this sequence's reference to the shared block is dropped with ``allocator.free``;
+        ``self.copies`` counts the copies made (the tests and the notebook read it).
+        """
         # EXERCISE 6.2 BEGIN: copy the shared block table[i] into a new block; drop the shared one
         table = self.block_tables[seq_id]
         shared, private = table[i], self._allocate_block()

@@ -196,7 +196,12 @@ class AdamW:
         self.t = 0
 
     def step(self, params: dict, grads: dict, lr: float) -> None:
-        """m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;  p -= lr (m_hat / (sqrt(v_hat) + eps) + wd p)"""
+        """m = b1 m + (1-b1) g;  v = b2 v + (1-b2) g^2;  p -= lr (m_hat / (sqrt(v_hat) + eps) + wd p)
+
+        In place: ``self.m``, ``self.v`` and ``params``' arrays are updated, not replaced (the model
+        holds the same arrays). ``self.t`` counts the steps taken: m_hat = m / (1 - b1^t), v_hat =
+        v / (1 - b2^t). Weight decay applies to matrices (ndim >= 2) only.
+        """
         # EXERCISE A1.3 BEGIN: update the moments in place, bias-correct them, decay matrices, step
         b1, b2 = self.betas
         self.t += 1

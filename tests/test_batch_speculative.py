@@ -47,6 +47,12 @@ EXERCISES = {
     "7.2": "round_waste or every_round or stats_add_up or drives",
     "7.3": "next_draft_length or spec_rows_greedy or lossless",
 }
+# Exercises of other chapters that a grading selection also runs (the speculative loop on the paged cache)
+DEPENDS = {
+    "7.1": "1.1, 1.2, 3.1, 3.2, 3.3, 5.1, 5.2, 5.3, 6.1, 6.3",
+    "7.2": "3.1, 3.3, 5.1, 5.2, 5.3, 6.1, 6.3",
+    "7.3": "3.1, 3.2, 3.3, 5.1, 5.2, 5.3, 6.1, 6.3",
+}
 
 N_PER_PROMPT = 15_000  # rows per prompt in the losslessness test (see its docstring)
 

@@ -12,13 +12,14 @@ fails the same way.
 """
 
 import json
+import os
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from project_copy import run_pytest
+from project_copy import patched, run_pytest
 
 from minillm import course, project
 
@@ -109,6 +110,54 @@ def test_every_notebook_lists_its_exercises_with_the_manifest_commands():
         for ex in exercises:
             for text in (ex.id, ex.file, ex.function.split(".")[-1], ex.command):
                 assert text in section, f"{notebook.name}: exercise {ex.id} does not name {text!r}"
+
+
+def test_depends_are_read_checked_and_written_to_the_stub_and_the_manifest(tmp_path):
+    """DEPENDS = {exercise: "ids"} beside EXERCISES: the manifest lists them, the stub names them in a
+    comment; a dependency that is unknown, of the same chapter, or declared by another file is refused."""
+    (tmp_path / "minillm").mkdir()
+    (tmp_path / "tests").mkdir()
+    region = "def {0}():\n    # EXERCISE {1} BEGIN: a\n    return 1\n    # EXERCISE {1} END\n"
+    ids = ("1.1", "1.2", "2.1", "2.2")
+    (tmp_path / "minillm" / "a.py").write_text("".join(region.format(f"f{n}", i) for n, i in enumerate(ids)))
+    claims = 'EXERCISES = {"1.1": "a", "1.2": "b", "2.1": "c", "2.2": "d"}\n'
+    test_file = tmp_path / "tests" / "test_a.py"
+    test_file.write_text(claims + 'DEPENDS = {"2.1": "1.1, 1.2"}\n')
+    ex = {e.id: e for e in course.find_exercises(tmp_path)}
+    assert ex["2.1"].depends == ["1.1", "1.2"] and ex["2.2"].depends == []
+    stub = course.stub_source((tmp_path / "minillm" / "a.py").read_text(), [ex["2.1"]])
+    assert "    # its grading tests also run exercise(s) 1.1, 1.2: solve those too\n" in stub
+    assert course.manifest([ex["2.1"]])[0]["depends"] == ["1.1", "1.2"]
+    assert "| a | 1.1, 1.2 | `python -m pytest tests/test_a.py -k c` |" in course.manifest_markdown([ex["2.1"]])
+    for depends, message in [('{"2.1": "1.9"}', "no source file marks"), ('{"2.1": "2.2"}', "same chapter"),
+                             ('{"3.1": "1.1"}', "does not grade")]:
+        test_file.write_text(claims + f"DEPENDS = {depends}\n")
+        with pytest.raises(course.CourseError, match=message):
+            course.find_exercises(tmp_path)
+
+
+@pytest.fixture(scope="module")
+def reference_copy(tmp_path_factory):
+    return course.copy_project(ROOT, tmp_path_factory.mktemp("solved") / "project", leave_out=course.INSTRUCTORS_ONLY)
+
+
+# Each run is a pytest process over one grading selection (from 10 s to over a minute, chapter 5's
+# chi-square tests being the slowest): by default only 3.3, whose dependency on chapter 1 is the one
+# a student meets first; MINILLM_KIT_ALL=1 checks every exercise (about 15 minutes on 2 cores).
+EXERCISES_BY_ID = {ex.id: ex for ex in course.find_exercises(ROOT)}
+SOLVED_ALONE = list(EXERCISES_BY_ID) if os.environ.get("MINILLM_KIT_ALL") == "1" else ["3.3"]
+
+
+@pytest.mark.parametrize("ex_id", SOLVED_ALONE)
+def test_exercise_passes_with_only_its_chapter_and_declared_dependencies_solved(reference_copy, ex_id):
+    """Every other exercise stubbed: the exercise's grading command passes, so the manifest's
+    ``depends`` (and the stub's comment) name everything a student must solve first."""
+    ex = EXERCISES_BY_ID[ex_id]
+    others = [e for e in EXERCISES_BY_ID.values() if e.chapter != ex.chapter and e.id not in ex.depends]
+    with patched(reference_copy, course.stubbed_sources(ROOT, others)):
+        r = run_pytest(reference_copy, "--tb=line", ex.checks.tests, "-k", ex.checks.keyword)
+    solved = f"only chapter {ex.chapter} and {ex.depends} solved"
+    assert r.returncode == 0, f"{ex.command} fails with {solved}:\n" + r.stdout[-2000:]
 
 
 # ---- the student edition -------------------------------------------------------------------------

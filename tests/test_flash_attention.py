@@ -3,10 +3,11 @@
 Every implementation is checked against naive_attention's equation in float64 (on the host) over
 awkward shapes: N = 1, one less / equal / one more than the tile (31, 32, 33), several tiles with a
 tail (100, 257); head sizes 16, 64, 128; causal on and off; fewer queries than keys (decode,
-prefill after a cache). The checks are shown to bite: the classic wrong versions described in
-tests/fixtures/flash_mutants.py (the real kernel edited at test time to drop a __syncthreads, a tail
-bounds check or the rescaling, or to put a barrier in divergent code; an online softmax without
-rescaling) are run through the same checks, and the tests assert that the checks fail for them.
+prefill after a cache). The checks are shown to bite: the classic wrong versions in
+minillm/kernels/mutants.py (the real kernel edited at test time to drop a __syncthreads, a tail
+bounds check or the rescaling, or to put a barrier in divergent code) and in
+tests/fixtures/flash_mutants.py (an online softmax and a tile update without rescaling) are run
+through the same checks, and the tests assert that the checks fail for them.
 
 Exercise tests: 4.1 `-k online_softmax`, 4.2 `-k "tile_update or tiled"`, 4.3 `-k io_bytes`.
 """
@@ -28,6 +29,7 @@ import minillm.flash_attention as fa
 from minillm.attention import naive_attention, softmax
 from minillm.backend import is_gpu, to_numpy
 from minillm.kernels import build, launch
+from minillm.kernels.mutants import KERNEL_MUTANTS, mutate_kernel, write_kernel_mutant
 
 # The tests that check each exercise, as pytest -k expressions (read by minillm.course; docs/instructors.md)
 EXERCISES = {
@@ -37,6 +39,8 @@ EXERCISES = {
 }
 # Tests that also run other exercises' code, so they fail until those are solved (minillm.course)
 NEEDS = {"3.1": "model_logits_kernel"}
+# Exercises of other chapters that a grading selection also runs (the model's forward through a KVCache)
+DEPENDS = {"4.2": "3.1"}
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GRID_N = [1, 31, 32, 33, 100, 257]
@@ -55,10 +59,10 @@ needs_mutants = pytest.mark.skipif(mutants is None, reason=f"{MUTANTS.name} is f
 
 
 def kernel_mutant(name):
-    """The real kernel with one classic bug edited in (tests/fixtures/flash_mutants.KERNEL_MUTANTS)."""
+    """The real kernel with one classic bug edited in (minillm.kernels.mutants.KERNEL_MUTANTS)."""
     out = Path(tempfile.gettempdir()) / "minillm-kernel-mutants"
     out.mkdir(exist_ok=True)
-    return mutants.write_kernel_mutant(name, build.KERNEL_SOURCE, out)
+    return write_kernel_mutant(name, build.KERNEL_SOURCE, out)
 
 needs_gxx = pytest.mark.skipif(
     shutil.which("g++") is None, reason="g++ (C++20) is needed to emulate the kernel"
@@ -339,7 +343,6 @@ def test_emulated_kernel_matches_naive(emulator, case):
 
 
 @needs_gxx
-@needs_mutants
 def test_emulated_grid_catches_missing_tail_check():
     """Without the tail bounds check the last K/V tile reads past the end (into a NaN red zone): caught."""
     bad = emulated(kernel_mutant("no_tail_check"))
@@ -349,15 +352,25 @@ def test_emulated_grid_catches_missing_tail_check():
 
 
 @needs_gxx
-@needs_mutants
 def test_emulated_grid_catches_missing_rescale():
     """A kernel that never rescales O_i and l_i by exp(m_old - m_new) fails the grid check."""
     with pytest.raises(AssertionError):
         check_attention(emulated(kernel_mutant("no_rescale")), [(1, 1, 100, 100, 16, True)], KERNEL_ATOL)
 
 
+def test_kernel_mutants_edit_the_current_kernel_once():
+    """Every mutant chapter 4 runs is the current kernel with its edits applied exactly once; an unknown
+    name or an edit the kernel no longer contains is refused, naming the mutant."""
+    kernel = build.KERNEL_SOURCE.read_text()
+    for name in KERNEL_MUTANTS:
+        assert mutate_kernel(name, kernel) != kernel
+    with pytest.raises(ValueError, match="unknown kernel mutant 'no_such_bug'"):
+        mutate_kernel("no_such_bug", kernel)
+    with pytest.raises(ValueError, match="'no_tail_check'.* occurs 0 times"):
+        mutate_kernel("no_tail_check", kernel.replace("kr < Tk", "kr >= 0 && kr < Tk"))
+
+
 @needs_gxx
-@needs_mutants
 def test_emulator_catches_divergent_syncthreads():
     """A __syncthreads() inside `if (row_valid)` is reached by only some threads of a tail tile: the
     emulator's barrier reports the divergence (on a GPU: undefined behaviour, often a hang)."""
@@ -455,7 +468,6 @@ def test_tsan_reports_no_data_race():
     assert rc == 0, out[-3000:]
 
 
-@needs_mutants
 def test_tsan_catches_missing_syncthreads():
     """Remove the __syncthreads() that protects K_j, V_j from the next load: TSan reports the race."""
     rc, out = run_under_tsan(kernel_mutant("missing_sync"))

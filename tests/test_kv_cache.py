@@ -26,6 +26,8 @@ EXERCISES = {
 }
 # Tests that also run other exercises' code, so they fail until those are solved (minillm.course)
 NEEDS = {("3.1", "3.3"): "prefix_cache"}
+# Exercises of other chapters that a grading selection also runs (sampled generation: top-k, top-p)
+DEPENDS = {"3.3": "1.1, 1.2"}
 
 CACHES = [KVCache, GrowingKVCache]
 

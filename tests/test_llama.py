@@ -31,6 +31,8 @@ EXERCISES = {
 }
 # Tests that also run other exercises' code, so they fail until those are solved (minillm.course)
 NEEDS = {("8.2", "8.3"): "tiny_llama", ("8.1", "8.2"): "gqa", ("8.1", "8.2", "8.3"): "real_model or transformers"}
+# Exercises of other chapters that a grading selection also runs (generation, speculation and batches on SmolLM2)
+DEPENDS = {"8.1": "3.1, 3.2, 3.3, 4.2, 5.3, 6.1, 7.1"}
 
 TINY = LlamaConfig(vocab_size=50, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, n_hidden=96,
                    rope_theta=10000.0)

@@ -19,6 +19,8 @@ from minillm.token_tree import Proposal, TokenTree, round_inputs, tree_generate
 
 # The tests that check each exercise, as pytest -k expressions (read by minillm.course; docs/instructors.md)
 EXERCISES = {"9.4": "jacobi and not bad"}
+# What a student must have solved before an exercise's grading command can pass (minillm.course)
+DEPENDS = {"9.4": "3.1, 3.2, 3.3"}
 # Tests that also run other exercises' code, so they fail until those are solved (minillm.course)
 NEEDS = {
     ("3.1", "3.2", "3.3"): "jacobi_equals or several_iterations",

@@ -45,21 +45,13 @@ def test_committed_notebooks_have_every_figure_and_no_error():
 
 # Outside the package: a path hack, or an import of the test suite (absent from a copy of notebooks/).
 OUTSIDE_THE_PACKAGE = re.compile(r"\bsys\.path\b|Path\.cwd\(\)|^\s*(from|import) tests\b|\bfixtures\b", re.MULTILINE)
-STILL_REACH_OUTSIDE = {
-    "04_flash_attention.ipynb",
-    "05_speculative_decoding.ipynb",
-    "06_paged_attention.ipynb",
-    "07_batched_speculative.ipynb",
-    "10_serving.ipynb",
-}
 
 
 def test_notebooks_need_only_minillm():
     """A notebook imports only minillm (and public packages), so it runs from any folder: a hosted
-    notebook, a copy of notebooks/, the student edition. STILL_REACH_OUTSIDE lists the notebooks
-    that do not yet; no other may start."""
-    outside = {p.name for p in NOTEBOOKS if any(OUTSIDE_THE_PACKAGE.search(src) for _, src, _ in committed_outputs(p))}
-    assert outside <= STILL_REACH_OUTSIDE, f"reach outside the minillm package: {sorted(outside - STILL_REACH_OUTSIDE)}"
+    notebook, a copy of notebooks/, the student edition."""
+    outside = [p.name for p in NOTEBOOKS if any(OUTSIDE_THE_PACKAGE.search(src) for _, src, _ in committed_outputs(p))]
+    assert not outside, f"reach outside the minillm package: {outside}"
 
 
 def test_figure_check_counts_what_it_should():

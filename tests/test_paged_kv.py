@@ -38,6 +38,8 @@ EXERCISES = {
     "6.3": "truncate and not mistake or rollback or invariants",
     "6.4": "hash or prefix or mistake_fully_cached",
 }
+# Exercises of other chapters that a grading selection also runs (generation, flash attention, sampling)
+DEPENDS = {"6.1": "1.1, 1.2, 3.1, 3.3, 4.2", "6.4": "3.1, 3.3"}
 
 
 def stamp(tokens) -> float:

@@ -49,6 +49,8 @@ NEEDS = {  # speculative_generate runs the KV cache (3.1-3.3), verify (5.1, 5.2)
     ),
     ("5.1", "5.2"): "catches_classic",  # the classic mistakes are planted around the real verify
 }
+# Exercises of other chapters that a grading selection also runs (the decoding loop: KVCache, fit_context)
+DEPENDS = {"5.3": "3.1, 3.2, 3.3"}
 
 
 # ----------------------------------------------------------------------------------------------

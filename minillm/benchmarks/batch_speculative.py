@@ -114,6 +114,8 @@ def plot(rows, out_dir):
     ax2.axhline(1.0, color="gray", lw=0.8)
     for ax in (ax1, ax2, ax3):
         ax.set_xscale("log", base=2)
+        ax.set_xticks(sorted({r["B"] for r in rows}), [str(b) for b in sorted({r["B"] for r in rows})])
+        ax.minorticks_off()
         ax.set_xlabel("batch size B")
         ax.legend(fontsize=7)
     ax1.set(ylabel="tokens/s (all rows)", title="throughput")

@@ -5,7 +5,8 @@ corpus bigram), K = 1..8, greedy and temperature 1:
 
 1. validate: greedy speculative output == ``generate(target, temperature=0)`` for every prompt;
 2. measure costs: c = draft decode step / target decode step, and v(K) = target forward over
-   K + 1 tokens / target decode step (the theory assumes v = 1);
+   K + 1 tokens / target decode step (the theory assumes v = 1), each the median ratio of steps
+   timed in alternating pairs (``step_ratio``);
 3. time every speculative configuration in alternation with the target's own cached decoding
    (``common.time_paired``: same prompts, same number of new tokens, medians of ``--repeat`` runs
    each after a warm-up), so each speed-up compares runs made under the same machine load;
@@ -41,6 +42,7 @@ from .common import (
     save_figure,
     time_fn,
     time_paired,
+    time_pairs,
 )
 from .common import (
     parse_args as common_parse_args,
@@ -88,8 +90,8 @@ def validation_prompts(tok, n, length):
     return prompts
 
 
-def step_time(model, n_tokens, context=STEP_CONTEXT, repeat=30):
-    """Median seconds of one cached forward over ``n_tokens`` new tokens after ``context`` cached."""
+def cached_step(model, n_tokens, context=STEP_CONTEXT):
+    """A function that runs one cached forward over ``n_tokens`` new tokens after ``context`` cached."""
     cache = KVCache(model.config)
     model.forward(xp.zeros((1, context), dtype=xp.int64), cache)
     new = xp.ones((1, n_tokens), dtype=xp.int64)
@@ -98,7 +100,20 @@ def step_time(model, n_tokens, context=STEP_CONTEXT, repeat=30):
         cache.truncate(context)
         model.forward(new, cache)
 
-    return time_fn(step, warmup=3, repeat=repeat)
+    return step
+
+
+def step_time(model, n_tokens, context=STEP_CONTEXT, repeat=30):
+    """Median seconds of one cached forward over ``n_tokens`` new tokens after ``context`` cached."""
+    return time_fn(cached_step(model, n_tokens, context), warmup=3, repeat=repeat)
+
+
+def step_ratio(model, n_tokens, ref_model, ref_tokens=1, repeat=30) -> float:
+    """Cost of ``model``'s cached step over n_tokens in units of ``ref_model``'s over ref_tokens: the
+    median of the ratios of ``repeat`` alternating pairs. Background load slows both steps of a pair
+    alike, so the ratio holds on a busy machine where two medians timed apart do not (c, v(K))."""
+    ref_times, times, _ = time_pairs(cached_step(ref_model, ref_tokens), cached_step(model, n_tokens), repeat)
+    return statistics.median(t / r for t, r in zip(times, ref_times))
 
 
 def run_speculative(target, draft, prompts, n_new, k, temperature):
@@ -121,27 +136,29 @@ def plot(rows, ks, out_dir):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 5.2))
     colors = {"draft": "tab:blue", "int8": "tab:green", "bigram": "tab:red"}
     kk = np.arange(1, max(ks) + 1)
     for (name, temp), group in _groups(rows).items():
-        style = "-" if temp == 0 else "--"
-        label = f"{name}, {'greedy' if temp == 0 else f'T={temp:g}'}"
-        color = colors[name]
-        ax1.plot([r["K"] for r in group], [r["speed-up"] for r in group], "o" + style, color=color,
-                 label=label + " measured")
+        greedy = temp == 0
+        label = f"{name}, {'greedy' if greedy else f'T={temp:g}'}"
+        measured = dict(color=colors[name], linestyle="-" if greedy else "--", marker="o" if greedy else "^")
+        theory = dict(color=colors[name], linestyle=":" if greedy else "-.", lw=1.2, alpha=0.7)
         alpha, c = _pooled_alpha(group), group[0]["c"]
-        ax1.plot(kk, [expected_speedup(alpha, k, c) for k in kk], ":", color=color, alpha=0.6)
-        ax2.plot([r["K"] for r in group], [r["tok/call"] for r in group], "o" + style, color=color,
-                 label=label)
-        ax2.plot(kk, [expected_tokens_per_call(alpha, k) for k in kk], ":", color=color, alpha=0.6)
+        ax1.plot([r["K"] for r in group], [r["speed-up"] for r in group], **measured, label=f"{label}: measured")
+        ax1.plot(kk, [expected_speedup(alpha, k, c) for k in kk], **theory, label=f"{label}: theory")
+        ax2.plot([r["K"] for r in group], [r["tok/call"] for r in group], **measured)
+        ax2.plot(kk, [expected_tokens_per_call(alpha, k) for k in kk], **theory)
     ax1.axhline(1.0, color="gray", lw=0.8)
     ax1.set(xlabel="K (draft tokens per round)", ylabel="speed-up over cached decoding",
-            title="speed-up (dotted: Thm 3.8 at measured alpha, c)")
-    ax2.set(xlabel="K", ylabel="new tokens per target call",
-            title="tokens per target call (dotted: Eq. 1)")
-    ax1.legend(fontsize=7)
-    ax2.legend(fontsize=7)
+            title="speed-up (theory: Thm 3.8 at the measured alpha, c)")
+    ax2.set(xlabel="K (draft tokens per round)", ylabel="new tokens per target call",
+            title="tokens per target call (theory: Eq. 1 at the measured alpha)")
+    # one key for both panels: a colour per draft, solid/dashed measured, dotted/dash-dot theory
+    handles = dict(zip(*reversed(ax1.get_legend_handles_labels())))  # label -> line
+    order = sorted(handles, key=lambda label: list(colors).index(label.split(",")[0]))  # a column per draft
+    fig.legend([handles[label] for label in order], order, loc="lower center", ncol=len(colors), fontsize=8)
+    fig.tight_layout(rect=(0, 0.17, 1, 1))
     return save_figure(fig, "spec_speedup", out_dir)
 
 
@@ -180,8 +197,8 @@ def main(argv: list[str]) -> int:
 
     # 2. costs in target decode steps
     t_step = step_time(target, 1)
-    c = {name: step_time(d, 1) / t_step for name, d in drafts.items()}
-    v = {k: step_time(target, k + 1) / t_step for k in args.ks}
+    c = {name: step_ratio(d, 1, target) for name, d in drafts.items()}
+    v = {k: step_ratio(target, k + 1, target) for k in args.ks}
     print(f"target decode step {t_step * 1e3:.2f} ms; c = "
           + ", ".join(f"{n} {x:.3f}" for n, x in c.items())
           + "; verify K+1 tokens / step: " + ", ".join(f"K={k}: {x:.2f}" for k, x in v.items()))

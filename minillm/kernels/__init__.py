@@ -4,4 +4,5 @@
     cuda_emu.h           the header that lets g++ compile and run the same .cu on a CPU
     build.py             its limits (read from the sources), g++/ctypes, NVRTC, nvcc's resource report
     launch.py            tiles and shared memory, flash_attention_cuda, flash_attention_emulated
+    mutants.py           the classic kernel bugs as edits of flash_attention.cu, for the checks to catch
 """

@@ -1,0 +1,65 @@
+"""Broken kernels on purpose: the classic CUDA mistakes, each an edit of the real flash_attention.cu.
+
+Chapter 4 shows that its checks bite by running them on these, and tests/test_flash_attention.py
+asserts that every one is caught. Each mutant is the current kernel with one or two textual edits,
+made when it is written (a stale full copy could drift from the kernel); an edit whose ``old`` text
+does not occur exactly once in the kernel is refused, so a rewritten kernel says which mutant to update.
+
+    path = write_kernel_mutant("no_tail_check", build.KERNEL_SOURCE, folder)
+    launch.flash_attention_emulated(q, k, v, source=path)   # NaN in the output when N % 32 != 0
+"""
+
+from pathlib import Path
+
+# name -> [(old, new), ...]: the edits of minillm/kernels/flash_attention.cu that make the mutant
+KERNEL_MUTANTS = {
+    # the __syncthreads() at the end of the key-tile loop is removed: a fast thread overwrites
+    # K_j, V_j with the next tile while slower threads still read them. Caught by ThreadSanitizer.
+    "missing_sync": [(
+        "        __syncthreads();  // every thread is done with K_j, V_j before the next iteration overwrites them\n",
+        "        // (mutant: the __syncthreads() that protected K_j, V_j from being overwritten is gone)\n",
+    )],
+    # the tail bounds check of the K/V tile load is removed: rows past Tk are read. Caught by the
+    # output check on N not a multiple of the tile (the emulator poisons memory past each buffer).
+    "no_tail_check": [(
+        "            const bool in_bounds = kr < Tk;  // tail: key rows past Tk read nothing\n",
+        "            const bool in_bounds = true;  // (mutant: no tail bounds check)\n            (void)kr;\n",
+    )],
+    # the running sum and output are not rescaled when the running max grows. Caught by the
+    # output check.
+    "no_rescale": [
+        ("            l_i = alpha * l_i + l_tile;\n",
+         "            l_i = l_i + l_tile;  // (mutant)\n            (void)alpha;\n"),
+        ("                Oi[tx * ds + x] = alpha * Oi[tx * ds + x] + pv;\n",
+         "                Oi[tx * ds + x] = Oi[tx * ds + x] + pv;  // (mutant: no rescaling)\n"),
+    ],
+    # the barrier after the normalization moves inside `if (row_valid)`: only some threads reach it
+    # when Tq is not a multiple of Br. Caught by the emulator's divergence check (KernelError).
+    "divergent_sync": [
+        ("        L[bh * Tq + row] = m_i + logf(l_i);\n    }\n"
+         "    __syncthreads();  // rows were normalized by their owners; the store below mixes rows across threads\n",
+         "        L[bh * Tq + row] = m_i + logf(l_i);\n"
+         "        __syncthreads();  // (mutant: a barrier inside a branch that only some threads take)\n    }\n"),
+    ],
+}
+
+
+def mutate_kernel(name: str, source: str) -> str:
+    """The kernel text ``source`` with the edits of KERNEL_MUTANTS[name]; ValueError for an unknown
+    name or an edit whose text does not occur exactly once."""
+    if name not in KERNEL_MUTANTS:
+        raise ValueError(f"unknown kernel mutant {name!r}; known: {', '.join(KERNEL_MUTANTS)}")
+    for old, new in KERNEL_MUTANTS[name]:
+        count = source.count(old)
+        if count != 1:
+            raise ValueError(f"kernel mutant {name!r}: the text to replace occurs {count} times, not once")
+        source = source.replace(old, new)
+    return source
+
+
+def write_kernel_mutant(name: str, kernel_path, out_dir) -> Path:
+    """Write the kernel at ``kernel_path`` with mutant ``name``'s edits to out_dir/flash_<name>.cu -> that path."""
+    text = mutate_kernel(name, Path(kernel_path).read_text())
+    path = Path(out_dir) / f"flash_{name}.cu"
+    path.write_text(text)
+    return path
