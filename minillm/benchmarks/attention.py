@@ -27,6 +27,14 @@ from .common import BenchmarkError, add_output_args, figure_dir, format_table, p
 
 CPU_NS = [1024, 2048, 4096, 8192, 16384]
 GPU_NS = [1024, 2048, 4096, 8192, 16384]
+
+
+def sizes_up_to(ns: list[int], max_n: int) -> list[int]:
+    """The sizes of ``ns`` up to max_n; [max_n] when max_n is below them all (a quick check still runs).
+
+    Example: sizes_up_to([1024, 2048, 4096], 2048) -> [1024, 2048]; (..., 256) -> [256].
+    """
+    return [n for n in ns if n <= max_n] or [max_n]
 HS = 64
 CPU_TILE = 256  # query and key tile of the array code on a CPU: big enough to amortize Python overhead
 MEMORY_RATIO_REQUIRED = 0.10  # tiled peak / naive peak at N = 8192
@@ -282,9 +290,9 @@ def main(argv: list[str]) -> int:
     if plot:
         print("saved", plot_io_model(out_dir))
     if is_gpu():
-        run_gpu([n for n in GPU_NS if n <= max_n], repeat, out_dir, plot=plot)
+        run_gpu(sizes_up_to(GPU_NS, max_n), repeat, out_dir, plot=plot)
         return 0
-    return 0 if run_cpu([n for n in CPU_NS if n <= max_n], repeat, out_dir, plot=plot) else 1
+    return 0 if run_cpu(sizes_up_to(CPU_NS, max_n), repeat, out_dir, plot=plot) else 1
 
 
 if __name__ == "__main__":

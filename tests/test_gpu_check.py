@@ -1,0 +1,45 @@
+"""python -m minillm.gpu_check is honest: it fails when CuPy is installed but unusable, checks an install
+without a GPU, and sizes its benchmark down to any --max-n."""
+
+import sys
+
+import pytest
+
+from minillm import backend, gpu_check
+from minillm.benchmarks.attention import GPU_NS, sizes_up_to
+
+needs_no_cupy = pytest.mark.skipif(backend.is_gpu() or backend.CUPY_PROBLEM is not None, reason="CuPy is here")
+
+
+def test_installed_but_unusable_cupy_fails_the_check(monkeypatch, capsys):
+    """CuPy installed but unusable: exit 1 with the reason and the install table, never 'skipped'."""
+    monkeypatch.setattr(gpu_check, "is_gpu", lambda: False)
+    monkeypatch.setattr(gpu_check, "CUPY_PROBLEM", "CuPy is installed but it needs cuBLAS, which failed (ImportError)")
+    assert gpu_check.main(["--skip-tests"]) == 1
+    out = capsys.readouterr().out
+    assert "FAILED -- CuPy is installed but it needs cuBLAS" in out and "skipped" not in out
+
+
+def test_a_driver_without_cupy_fails_the_check(monkeypatch):
+    """nvidia-smi on the PATH but no CuPy: this machine has a GPU that the check cannot use."""
+    monkeypatch.setattr(gpu_check, "is_gpu", lambda: False)
+    monkeypatch.setattr(gpu_check, "CUPY_PROBLEM", None)
+    monkeypatch.setattr(gpu_check.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
+    assert "an NVIDIA driver is installed" in gpu_check.unusable_gpu()
+    monkeypatch.setattr(gpu_check.shutil, "which", lambda name: None)
+    assert gpu_check.unusable_gpu() is None  # no sign of a GPU: skipping is honest
+
+
+@needs_no_cupy
+def test_install_check_without_cupy_fails(monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` raises ModuleNotFoundError
+    assert gpu_check.main(["--install-only"]) == 1
+    out = capsys.readouterr().out
+    assert "CuPy  MISSING" in out and backend.GPU_INSTALL_HINT in out
+
+
+def test_benchmark_sizes_below_the_grid():
+    """--max-n below the smallest benchmark size runs that one size instead of nothing."""
+    assert sizes_up_to(GPU_NS, 2048) == [1024, 2048]
+    assert sizes_up_to(GPU_NS, 256) == [256]
+    assert sizes_up_to(GPU_NS, 10**6) == GPU_NS
