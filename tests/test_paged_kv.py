@@ -514,6 +514,7 @@ def test_generation_past_the_context_releases_blocks(tiny_model, tiny_config):
     assert cache.allocator.num_free == 8
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["naive", "flash", "cuda"])
 def test_forward_with_every_attention_gives_the_same_logits_paged_or_not(tiny_config, name):
     """GPT(attention=name) on a paged cache (blocks of 4; three sequences of lengths 5, 11, 1 prefilled
