@@ -399,6 +399,9 @@ def test_emulated_kernel_checks_its_limits():
     q, k, v = make_qkv((1, 1, 8, 8, 128, True))
     with pytest.raises(launch.SharedMemoryError, match="bytes of shared memory"):
         launch.flash_attention_emulated(q, k, v, block_k=32)
+    assert launch.launch_emulated(q, k, v, True, 32, 0)[2] == 2  # FLASH_BAD_BLOCK
+    with pytest.raises(ValueError, match="block_k"):
+        launch.flash_attention_emulated(q, k, v, block_k=0)
 
 
 @needs_gxx

@@ -8,7 +8,7 @@ What chapter 4 uses but does not teach, in one place:
 - ``build_emulator``: the .cu compiled by g++ against cuda_emu.h into a shared library, cached by the
   hash of its sources, flags and compiler in ``kernel_cache_dir()`` (a user cache folder, never
   inside the installed package); ``load_emulator``: its launch entry point with ctypes types;
-- ``compile_raw_kernel``: NVRTC through ``cupy.RawKernel`` on a GPU;
+- ``compile_raw_kernel``: NVRTC through ``cupy.RawKernel`` on a GPU (with the shared-memory opt-in);
 - ``nvcc_resource_report``: registers and spills as ptxas reports them.
 """
 
@@ -162,24 +162,38 @@ def load_emulator(lib: Path):
 
 # --- on a GPU: NVRTC through cupy.RawKernel -----------------------------------------------------------
 
-_raw_kernels: dict = {}  # (source, device) -> compiled RawKernel
+_raw_kernels: dict = {}  # (source, device) -> [compiled RawKernel, the dynamic shared memory it may use]
+_smem_limits: dict = {}  # device -> MaxSharedMemoryPerBlockOptin
 
 
-def compile_raw_kernel(source: Path = KERNEL_SOURCE):
-    """The kernel compiled by NVRTC (``cupy.RawKernel``), once per source file and device."""
-    import cupy
+def compile_raw_kernel(source: Path = KERNEL_SOURCE, smem_bytes: int = 0):
+    """The kernel compiled by NVRTC (``RawKernel`` of the backend, CuPy on a GPU), once per source file and
+    device, allowed to use smem_bytes of dynamic shared memory: above 48 KiB a kernel must opt in (a driver
+    call, made only when a launch needs more than the kernel is already allowed)."""
+    from ..backend import xp
 
-    key = (str(source), cupy.cuda.Device().id)
+    key = (str(source), xp.cuda.runtime.getDevice())
     if key not in _raw_kernels:
-        _raw_kernels[key] = cupy.RawKernel(Path(source).read_text(), KERNEL_NAME, options=("--std=c++17",))
-    return _raw_kernels[key]
+        kernel = xp.RawKernel(Path(source).read_text(), KERNEL_NAME, options=("--std=c++17",))
+        _raw_kernels[key] = [kernel, DEFAULT_SMEM_BYTES]
+    entry = _raw_kernels[key]
+    if smem_bytes > entry[1]:
+        entry[0].max_dynamic_shared_size_bytes = smem_bytes
+        entry[1] = smem_bytes
+    return entry[0]
 
 
 def device_smem_limit() -> int:
-    """Most dynamic shared memory a block may use on this GPU after opting in (e.g. 232,448 on H100/H200)."""
-    import cupy
+    """Most dynamic shared memory a block may use on this GPU after opting in (e.g. 232,448 on H100/H200).
 
-    return int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+    Read once per device, as one attribute (``Device().attributes`` would query about a hundred)."""
+    from ..backend import xp
+
+    device = xp.cuda.runtime.getDevice()
+    if device not in _smem_limits:
+        attribute = xp.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin
+        _smem_limits[device] = int(xp.cuda.runtime.deviceGetAttribute(attribute, device))
+    return _smem_limits[device]
 
 
 # --- what the compiler made of it: nvcc's resource report ---------------------------------------------

@@ -59,6 +59,8 @@ def kernel_tiles(hs: int, smem_limit: int = DEFAULT_SMEM_BYTES, block_k: int | N
     """
     if not 1 <= hs <= HS_MAX:
         raise ValueError(f"the flash attention kernel takes head sizes 1..{HS_MAX}, got {hs}")
+    if block_k is not None and block_k < 1:
+        raise ValueError(f"block_k (keys per tile) must be at least 1, got {block_k}")
     Br = KERNEL_BLOCK_Q
     candidates = [block_k] if block_k is not None else [32, 16, 8, 4, 2, 1]
     for Bc in candidates:
@@ -89,35 +91,53 @@ def check_inputs(q, k, v) -> tuple[int, int, int, int, int]:
 # --- on a GPU ---------------------------------------------------------------------------------------
 
 
+_status_words: dict = {}  # device -> the int32 status word its launches share
+
+
+def status_word():
+    """This device's kernel status word: zeroed once, written by the kernel only when it refuses a launch,
+    so every launch can share it and none has to clear it."""
+    device = xp.cuda.runtime.getDevice()
+    if device not in _status_words:
+        _status_words[device] = xp.zeros(1, dtype=xp.int32)
+    return _status_words[device]
+
+
+def check_kernel_status() -> None:
+    """Read the status word (this waits for the GPU) and raise KernelError if a launch was refused."""
+    status = status_word()
+    code = int(status.get()[0])
+    if code != 0:
+        status.fill(0)  # reported once
+        raise_status(code)
+
+
 def flash_attention_cuda(q, k, v, causal=True, block_k: int | None = None, return_lse: bool = False,
-                         source: Path = KERNEL_SOURCE):
+                         source: Path = KERNEL_SOURCE, check_status: bool = True):
     """kernels/flash_attention.cu on the GPU (cupy.RawKernel); same result as ``naive_attention``.
 
     (B, nh, Tq, hs) x 3 -> (B, nh, Tq, hs) float32 (and L (B, nh, Tq) with return_lse).
     Grid (Tr, nh, B), block (Br,), dynamic shared memory kernel_smem_bytes(Br, Bc, hs). Raises
     SharedMemoryError when the tile needs more shared memory than the device has, KernelError when
-    the kernel reports a violated limit.
+    the kernel reports a violated limit. The launch is asynchronous: only ``check_status`` reads the
+    kernel's status back, which waits for the GPU. The launcher refuses beforehand every launch the
+    kernel would refuse, so the model's forward pass (``kernel_attention``) skips that wait.
     """
     if not is_gpu():
         raise RuntimeError("flash_attention_cuda needs a CUDA GPU (CuPy); use flash_attention_emulated")
-    import cupy
-
     B, nh, Tq, Tk, hs = check_inputs(q, k, v)
     Br, Bc = kernel_tiles(hs, DEFAULT_SMEM_BYTES if block_k is None else device_smem_limit(), block_k)
     smem = kernel_smem_bytes(Br, Bc, hs)
-    kernel = compile_raw_kernel(source)
-    if smem > DEFAULT_SMEM_BYTES:  # above 48 KiB a kernel must opt in
-        kernel.max_dynamic_shared_size_bytes = smem
-    q, k, v = (cupy.ascontiguousarray(t, dtype=cupy.float32) for t in (q, k, v))
-    out = cupy.empty((B, nh, Tq, hs), dtype=cupy.float32)
-    lse = cupy.empty((B, nh, Tq), dtype=cupy.float32)
-    status = cupy.zeros(1, dtype=cupy.int32)
+    kernel = compile_raw_kernel(source, smem)
+    q, k, v = (xp.ascontiguousarray(t, dtype=xp.float32) for t in (q, k, v))
+    out = xp.empty((B, nh, Tq, hs), dtype=xp.float32)
+    lse = xp.empty((B, nh, Tq), dtype=xp.float32)
     Tr = (Tq + Br - 1) // Br
-    args = (q, k, v, out, lse, status, np.int32(Tq), np.int32(Tk), np.int32(hs), np.int32(Bc),
+    args = (q, k, v, out, lse, status_word(), np.int32(Tq), np.int32(Tk), np.int32(hs), np.int32(Bc),
             np.int32(bool(causal)), np.float32(1.0 / math.sqrt(hs)))
     kernel((Tr, nh, B), (Br,), args, shared_mem=smem)
-    cupy.cuda.get_current_stream().synchronize()
-    raise_status(int(status.get()[0]))
+    if check_status:
+        check_kernel_status()
     return (out, lse) if return_lse else out
 
 
@@ -184,5 +204,5 @@ def kernel_attention(q, k, v, causal=True):
     (B, nh, Tq, hs), (B, nh, Tk, hs) x 2 -> (B, nh, Tq, hs) on the backend's arrays, like ``naive_attention``.
     """
     if is_gpu():
-        return flash_attention_cuda(q, k, v, causal)
+        return flash_attention_cuda(q, k, v, causal, check_status=False)  # no wait for the GPU mid-forward
     return xp.asarray(flash_attention_emulated(q, k, v, causal))
