@@ -21,6 +21,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 KERNEL_DIR = Path(__file__).parent
@@ -143,21 +144,34 @@ def build_emulator(source: Path = KERNEL_SOURCE, sanitize: str | None = None, co
 
 
 _emulators: dict = {}  # library path -> its loaded entry point
+EMULATOR_LOCK = threading.Lock()  # emulated launches run one at a time (ctypes releases the GIL)
+FLOAT_P, INT_P = ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_int)
+# the kernel's parameters in order: Q, K, V, O, L, status, Tq, Tk, d, Bc, causal, scale
+KERNEL_PARAMS = [FLOAT_P] * 5 + [INT_P] + [ctypes.c_int] * 5 + [ctypes.c_float]
+LAUNCH_PARAMS = [ctypes.c_uint] * 5 + [ctypes.c_char_p, ctypes.c_int]  # grid x y z, block x, shared bytes, error
 
 
 def load_emulator(lib: Path):
     """The ``launch_flash_attention_forward`` entry point of a built library, with its ctypes signature."""
     if lib not in _emulators:
         fn = ctypes.CDLL(str(lib)).launch_flash_attention_forward
-        fp, ip = ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_int)
-        c_int, c_uint = ctypes.c_int, ctypes.c_uint
-        fn.argtypes = [fp, fp, fp, fp, fp, ip,  # Q, K, V, O, L, status
-                       c_int, c_int, c_int, c_int, c_int, ctypes.c_float,  # Tq, Tk, d, Bc, causal, scale
-                       c_uint, c_uint, c_uint, c_uint, c_uint,  # grid x, y, z, block x, shared bytes
-                       ctypes.c_char_p, c_int]  # error message buffer and its length
-        fn.restype = c_int
+        fn.argtypes = KERNEL_PARAMS + LAUNCH_PARAMS
+        fn.restype = ctypes.c_int
         _emulators[lib] = fn
     return _emulators[lib]
+
+
+def run_emulated(lib: Path, args, grid: tuple[int, int, int], block_x: int, smem_bytes: int) -> None:
+    """Launch the built kernel: args in KERNEL_PARAMS order (NumPy arrays for the pointers, numbers for the
+    rest), grid (x, y, z), block (block_x,), dynamic shared memory in bytes. Raises KernelError when the
+    emulator refuses the launch (a diverged barrier, shared memory beyond the emulated device's)."""
+    c_args = [a.ctypes.data_as(param) if param in (FLOAT_P, INT_P) else param(a).value
+              for a, param in zip(args, KERNEL_PARAMS)]
+    err = ctypes.create_string_buffer(1024)
+    with EMULATOR_LOCK:
+        rc = load_emulator(lib)(*c_args, *grid, block_x, smem_bytes, err, len(err))
+    if rc != 0:
+        raise KernelError(f"the emulated launch failed: {err.value.decode()}")
 
 
 # --- on a GPU: NVRTC through cupy.RawKernel -----------------------------------------------------------

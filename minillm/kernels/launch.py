@@ -13,9 +13,7 @@ tile does not fit, and ``KernelError`` when the kernel itself reports a violated
 
 from __future__ import annotations
 
-import ctypes
 import math
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -29,8 +27,8 @@ from .build import (
     build_emulator,
     compile_raw_kernel,
     device_smem_limit,
-    load_emulator,
     raise_status,
+    run_emulated,
 )
 
 KERNEL_BLOCK_Q = 32  # Br: query rows per tile = threads per block (one warp)
@@ -143,9 +141,6 @@ def flash_attention_cuda(q, k, v, causal=True, block_k: int | None = None, retur
 
 # --- on a CPU -----------------------------------------------------------------------------------------
 
-_emu_lock = threading.Lock()  # launches are serialized (ctypes releases the GIL)
-
-
 def with_red_zone(a: np.ndarray) -> np.ndarray:
     """A float32 copy of a, followed in memory by RED_ZONE NaNs (like compute-sanitizer's guard bytes)."""
     buf = np.full(a.size + RED_ZONE, np.nan, dtype=np.float32)
@@ -168,17 +163,11 @@ def launch_emulated(q, k, v, causal=True, Br: int = KERNEL_BLOCK_Q, Bc: int = 32
     status = np.zeros(1, dtype=np.int32)
     smem = kernel_smem_bytes(Br, Bc, hs) if smem_bytes is None else smem_bytes
     Tr = (Tq + Br - 1) // Br
-    fn = load_emulator(build_emulator(source, sanitize))
-    err = ctypes.create_string_buffer(1024)
-    fp = ctypes.POINTER(ctypes.c_float)
-    pointers = [a.ctypes.data_as(fp) for a in (q, k, v, out, lse)]
-    pointers.append(status.ctypes.data_as(ctypes.POINTER(ctypes.c_int)))
-    scalars = [Tq, Tk, hs, Bc, int(bool(causal)), 1.0 / math.sqrt(hs)]  # the kernel's int/float arguments
-    launch = [Tr, nh, B, Br, smem]  # grid (Tr, nh, B), block (Br,), dynamic shared memory in bytes
-    with _emu_lock:
-        rc = fn(*pointers, *scalars, *launch, err, len(err))
-    if rc != 0:
-        raise KernelError(f"emulated launch of {Path(source).name} failed: {err.value.decode()}")
+    args = (q, k, v, out, lse, status, Tq, Tk, hs, Bc, int(bool(causal)), 1.0 / math.sqrt(hs))
+    try:
+        run_emulated(build_emulator(source, sanitize), args, (Tr, nh, B), Br, smem)
+    except KernelError as exc:
+        raise KernelError(f"{Path(source).name}: {exc}") from None  # which kernel failed
     n = B * nh * Tq
     return out[: n * hs].reshape(B, nh, Tq, hs), lse[:n].reshape(B, nh, Tq), int(status[0])
 
