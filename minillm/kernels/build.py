@@ -163,15 +163,15 @@ def load_emulator(lib: Path):
 
 def run_emulated(lib: Path, args, grid: tuple[int, int, int], block_x: int, smem_bytes: int) -> None:
     """Launch the built kernel: args in KERNEL_PARAMS order (NumPy arrays for the pointers, numbers for the
-    rest), grid (x, y, z), block (block_x,), dynamic shared memory in bytes. Raises KernelError when the
-    emulator refuses the launch (a diverged barrier, shared memory beyond the emulated device's)."""
+    rest), grid (x, y, z), block (block_x,), dynamic shared memory in bytes. Raises KernelError with the
+    emulator's message when it refuses the launch (a diverged barrier, shared memory beyond its device's)."""
     c_args = [a.ctypes.data_as(param) if param in (FLOAT_P, INT_P) else param(a).value
               for a, param in zip(args, KERNEL_PARAMS)]
     err = ctypes.create_string_buffer(1024)
     with EMULATOR_LOCK:
         rc = load_emulator(lib)(*c_args, *grid, block_x, smem_bytes, err, len(err))
     if rc != 0:
-        raise KernelError(f"the emulated launch failed: {err.value.decode()}")
+        raise KernelError(err.value.decode())
 
 
 # --- on a GPU: NVRTC through cupy.RawKernel -----------------------------------------------------------

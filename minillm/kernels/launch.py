@@ -167,7 +167,7 @@ def launch_emulated(q, k, v, causal=True, Br: int = KERNEL_BLOCK_Q, Bc: int = 32
     try:
         run_emulated(build_emulator(source, sanitize), args, (Tr, nh, B), Br, smem)
     except KernelError as exc:
-        raise KernelError(f"{Path(source).name}: {exc}") from None  # which kernel failed
+        raise KernelError(f"emulated launch of {Path(source).name} failed: {exc}") from None
     n = B * nh * Tq
     return out[: n * hs].reshape(B, nh, Tq, hs), lse[:n].reshape(B, nh, Tq), int(status[0])
 
