@@ -5,6 +5,8 @@ code runs on a laptop (NumPy) and on a GPU (CuPy). The choice is made once, at i
 
 - ``MINILLM_BACKEND=numpy`` forces NumPy.
 - ``MINILLM_BACKEND=cupy`` forces CuPy and raises ``BackendError`` saying why when no GPU works.
+- ``MINILLM_BACKEND=strict`` picks the strict CuPy stand-in (``minillm.strict``): NumPy computing under
+  CuPy's rules, so code that would break on a GPU breaks on a CPU too.
 - unset: CuPy if it imports *and* runs a tiny kernel *and* a matrix product, else NumPy. When CuPy is
   installed but fails one of these, ``CUPY_PROBLEM`` says which step failed and why (``python -m
   minillm info`` prints it), so a broken GPU install is never mistaken for a machine without a GPU.
@@ -97,10 +99,14 @@ def probe_cupy():
 def _select():
     """(xp, why it was chosen, CUPY_PROBLEM) from MINILLM_BACKEND and the probe."""
     forced = os.environ.get(BACKEND_ENV, "").strip().lower()
-    if forced not in ("", "numpy", "cupy"):
-        raise BackendError(f"{BACKEND_ENV}={forced!r}: expected 'numpy' or 'cupy' (or unset it)")
+    if forced not in ("", "numpy", "cupy", "strict"):
+        raise BackendError(f"{BACKEND_ENV}={forced!r}: expected 'numpy', 'cupy' or 'strict' (or unset it)")
     if forced == "numpy":
         return numpy, f"numpy (forced by {BACKEND_ENV})", None
+    if forced == "strict":
+        from . import strict
+
+        return strict, f"strict (the CuPy stand-in: NumPy under CuPy's rules, {BACKEND_ENV}=strict)", None
     cupy, problem = probe_cupy()
     if cupy is not None:
         return cupy, "cupy (CUDA GPU found)", None
@@ -118,8 +124,13 @@ except BackendError as exc:
 
 
 def is_gpu() -> bool:
-    """True when arrays live on a CUDA GPU (the backend is CuPy)."""
+    """True when arrays live on a device: a CUDA GPU (CuPy), or the strict stand-in that plays one."""
     return xp is not numpy
+
+
+def is_cupy() -> bool:
+    """True when a real CUDA GPU computes (not NumPy, not the strict stand-in)."""
+    return xp.__name__ == "cupy"
 
 
 def to_numpy(a):
@@ -159,7 +170,7 @@ def _blas_controllers():
 def apply_thread_policy() -> None:
     """Limit NumPy's BLAS to ``requested_blas_threads()`` threads (a no-op on CuPy or for 'all')."""
     n = requested_blas_threads()
-    if n is None or is_gpu():
+    if n is None or is_cupy():
         return
     for lib in _blas_controllers():
         lib.set_num_threads(n)
@@ -167,7 +178,7 @@ def apply_thread_policy() -> None:
 
 def blas_threads() -> int:
     """Threads NumPy's BLAS uses now (the largest count over its BLAS libraries; 0 on CuPy)."""
-    return 0 if is_gpu() else max((lib.num_threads for lib in _blas_controllers()), default=1)
+    return 0 if is_cupy() else max((lib.num_threads for lib in _blas_controllers()), default=1)
 
 
 def load_average() -> float | None:
@@ -183,7 +194,7 @@ def runtime_summary() -> str:
     warning line when the load exceeds the cores (timings then measure the contention)."""
     cores, load = os.cpu_count() or 1, load_average()
     setting = os.environ.get(BLAS_THREADS_ENV, "")
-    threads = "GPU" if is_gpu() else f"BLAS threads {blas_threads()} ({BLAS_THREADS_ENV}={setting!r})"
+    threads = "GPU" if is_cupy() else f"BLAS threads {blas_threads()} ({BLAS_THREADS_ENV}={setting!r})"
     line = f"backend {xp.__name__}, {threads}, {cores} cores"
     if load is None:
         return line

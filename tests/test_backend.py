@@ -45,7 +45,7 @@ def test_forced_cupy_without_gpu_says_why():
 
 def test_bad_backend_name():
     r = run_python("import minillm", MINILLM_BACKEND="jax")
-    assert r.returncode != 0 and "expected 'numpy' or 'cupy'" in r.stderr
+    assert r.returncode != 0 and "expected 'numpy', 'cupy' or 'strict'" in r.stderr
 
 
 def test_blas_runs_on_one_thread_by_default():

@@ -579,7 +579,7 @@ def test_kernel_cache_dir_is_a_user_folder(monkeypatch, tmp_path):
     assert fallback.is_dir() and build.KERNEL_DIR not in fallback.parents
 
 
-# ---- on a real GPU (skipped without one): the same grid through cupy.RawKernel ----------------------------
+# ---- on the device (a GPU, or the strict stand-in): the same grid through RawKernel ----------------------------
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
@@ -587,13 +587,9 @@ def test_kernel_cache_dir_is_a_user_folder(monkeypatch, tmp_path):
 @pytest.mark.skipif(not is_gpu(), reason="needs a CUDA GPU (CuPy)")
 def test_gpu_kernel_matches_naive(case):
     """flash_attention_cuda on the GPU matches naive_attention within 1e-5, and L the log-sum-exp."""
-    import cupy
-
     q, k, v = make_qkv(case)
     causal = case[-1]
-    out, lse = launch.flash_attention_cuda(
-        cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), causal, return_lse=True
-    )
+    out, lse = launch.flash_attention_cuda(*on_backend(q, k, v), causal, return_lse=True)
     ref, ref_lse = reference(q, k, v, causal)
     assert np.abs(to_numpy(out) - ref).max() <= KERNEL_ATOL
     assert np.abs(to_numpy(lse) - ref_lse).max() <= 1e-4 * max(1.0, np.abs(ref_lse).max())
@@ -603,9 +599,7 @@ def test_gpu_kernel_matches_naive(case):
 @pytest.mark.skipif(not is_gpu(), reason="needs a CUDA GPU (CuPy)")
 def test_gpu_kernel_refuses_too_much_shared_memory():
     """A tile needing more shared memory than the device has raises SharedMemoryError naming the bytes."""
-    import cupy
-
-    q, k, v = (cupy.asarray(t) for t in make_qkv((1, 1, 64, 64, 128, True)))
+    q, k, v = on_backend(*make_qkv((1, 1, 64, 64, 128, True)))
     with pytest.raises(launch.SharedMemoryError, match="bytes of shared memory"):
         launch.flash_attention_cuda(q, k, v, block_k=4096)
 
@@ -614,8 +608,6 @@ def test_gpu_kernel_refuses_too_much_shared_memory():
 @pytest.mark.skipif(not is_gpu(), reason="needs a CUDA GPU (CuPy)")
 def test_gpu_kernel_with_opt_in_shared_memory():
     """block_k=64 at hs=128 needs more than 48 KiB: the launcher opts in, and the result is still right."""
-    import cupy
-
     q, k, v = make_qkv((1, 2, 100, 257, 128, True))
-    out = launch.flash_attention_cuda(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), True, block_k=64)
+    out = launch.flash_attention_cuda(*on_backend(q, k, v), True, block_k=64)
     assert np.abs(to_numpy(out) - reference(q, k, v, True)[0]).max() <= KERNEL_ATOL

@@ -1,4 +1,4 @@
-"""Build plumbing for the CUDA kernel: its limits, the g++ emulation build, ctypes, NVRTC, nvcc's report.
+"""Build plumbing for the CUDA kernel: its limits, the g++ emulation build, ctypes, nvcc's report.
 
 What chapter 4 uses but does not teach, in one place:
 
@@ -8,7 +8,6 @@ What chapter 4 uses but does not teach, in one place:
 - ``build_emulator``: the .cu compiled by g++ against cuda_emu.h into a shared library, cached by the
   hash of its sources, flags and compiler in ``kernel_cache_dir()`` (a user cache folder, never
   inside the installed package); ``load_emulator``: its launch entry point with ctypes types;
-- ``compile_raw_kernel``: NVRTC through ``cupy.RawKernel`` on a GPU (with the shared-memory opt-in);
 - ``nvcc_resource_report``: registers and spills as ptxas reports them.
 """
 
@@ -113,17 +112,22 @@ EMU_FLAGS = ["-std=c++20", "-O2", "-shared", "-fPIC", "-pthread"]
 SANITIZE_FLAGS = {None: [], "thread": ["-fsanitize=thread", "-g"], "address": ["-fsanitize=address", "-g"]}
 
 
-def build_emulator(source: Path = KERNEL_SOURCE, sanitize: str | None = None, compiler: str = "g++") -> Path:
+def build_emulator(source: Path = KERNEL_SOURCE, sanitize: str | None = None, compiler: str = "g++",
+                   shared_bytes: int = DEFAULT_SMEM_BYTES) -> Path:
     """Compile a .cu + cuda_emu.h into a shared library once; later calls return the cached path.
 
-    The cache key hashes the kernel source, the header, the flags and the compiler, so editing the .cu
-    rebuilds it. Raises KernelError with g++'s message when the compile fails.
+    ``shared_bytes``: the most dynamic shared memory the emulated device gives a block (48 KiB, what every
+    GPU gives without opting in; a GPU's opt-in limit to emulate one). The cache key hashes the kernel
+    source, the header, the flags and the compiler, so editing the .cu rebuilds it. Raises KernelError
+    with g++'s message when the compile fails.
     """
     source = Path(source).resolve()
     cxx = shutil.which(compiler)
     if cxx is None:
         raise KernelError(f"{compiler} not found: emulating the CUDA kernel on a CPU needs a C++20 compiler")
     flags = EMU_FLAGS + SANITIZE_FLAGS[sanitize] + ["-include", str(EMU_HEADER)]
+    if shared_bytes != DEFAULT_SMEM_BYTES:
+        flags.append(f"-DCUDA_EMU_SHARED_BYTES={shared_bytes}")
     h = hashlib.sha256()
     for part in (source.read_bytes(), EMU_HEADER.read_bytes(), " ".join(flags).encode(), cxx.encode()):
         h.update(part)
@@ -172,42 +176,6 @@ def run_emulated(lib: Path, args, grid: tuple[int, int, int], block_x: int, smem
         rc = load_emulator(lib)(*c_args, *grid, block_x, smem_bytes, err, len(err))
     if rc != 0:
         raise KernelError(err.value.decode())
-
-
-# --- on a GPU: NVRTC through cupy.RawKernel -----------------------------------------------------------
-
-_raw_kernels: dict = {}  # (source, device) -> [compiled RawKernel, the dynamic shared memory it may use]
-_smem_limits: dict = {}  # device -> MaxSharedMemoryPerBlockOptin
-
-
-def compile_raw_kernel(source: Path = KERNEL_SOURCE, smem_bytes: int = 0):
-    """The kernel compiled by NVRTC (``RawKernel`` of the backend, CuPy on a GPU), once per source file and
-    device, allowed to use smem_bytes of dynamic shared memory: above 48 KiB a kernel must opt in (a driver
-    call, made only when a launch needs more than the kernel is already allowed)."""
-    from ..backend import xp
-
-    key = (str(source), xp.cuda.runtime.getDevice())
-    if key not in _raw_kernels:
-        kernel = xp.RawKernel(Path(source).read_text(), KERNEL_NAME, options=("--std=c++17",))
-        _raw_kernels[key] = [kernel, DEFAULT_SMEM_BYTES]
-    entry = _raw_kernels[key]
-    if smem_bytes > entry[1]:
-        entry[0].max_dynamic_shared_size_bytes = smem_bytes
-        entry[1] = smem_bytes
-    return entry[0]
-
-
-def device_smem_limit() -> int:
-    """Most dynamic shared memory a block may use on this GPU after opting in (e.g. 232,448 on H100/H200).
-
-    Read once per device, as one attribute (``Device().attributes`` would query about a hundred)."""
-    from ..backend import xp
-
-    device = xp.cuda.runtime.getDevice()
-    if device not in _smem_limits:
-        attribute = xp.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin
-        _smem_limits[device] = int(xp.cuda.runtime.deviceGetAttribute(attribute, device))
-    return _smem_limits[device]
 
 
 # --- what the compiler made of it: nvcc's resource report ---------------------------------------------

@@ -2,7 +2,7 @@
 
     grid (Tr, nh, B), block (Br,), dynamic shared memory kernel_smem_bytes(Br, Bc, hs) bytes
 
-- ``flash_attention_cuda``: on a GPU, compiled by NVRTC (``cupy.RawKernel``);
+- ``flash_attention_cuda``: on a GPU, compiled by NVRTC (``cupy.RawKernel``, ``compile_raw_kernel``);
 - ``flash_attention_emulated``: on any CPU, the same .cu compiled by g++ against cuda_emu.h;
 - ``kernel_attention``: whichever of the two this machine can run, with the signature of
   ``minillm.attention.naive_attention`` (the reference both are checked against).
@@ -22,11 +22,10 @@ from ..backend import is_gpu, to_numpy, xp
 from .build import (
     DEFAULT_SMEM_BYTES,
     HS_MAX,
+    KERNEL_NAME,
     KERNEL_SOURCE,
     KernelError,
     build_emulator,
-    compile_raw_kernel,
-    device_smem_limit,
     raise_status,
     run_emulated,
 )
@@ -87,6 +86,36 @@ def check_inputs(q, k, v) -> tuple[int, int, int, int, int]:
 
 
 # --- on a GPU ---------------------------------------------------------------------------------------
+
+
+_raw_kernels: dict = {}  # (source, device) -> [compiled RawKernel, the dynamic shared memory it may use]
+_smem_limits: dict = {}  # device -> MaxSharedMemoryPerBlockOptin
+
+
+def compile_raw_kernel(source: Path = KERNEL_SOURCE, smem_bytes: int = 0):
+    """The kernel compiled by NVRTC (``RawKernel`` of the backend, CuPy on a GPU), once per source file and
+    device, allowed to use smem_bytes of dynamic shared memory: above 48 KiB a kernel must opt in (a driver
+    call, made only when a launch needs more than the kernel is already allowed)."""
+    key = (str(source), xp.cuda.runtime.getDevice())
+    if key not in _raw_kernels:
+        kernel = xp.RawKernel(Path(source).read_text(), KERNEL_NAME, options=("--std=c++17",))
+        _raw_kernels[key] = [kernel, DEFAULT_SMEM_BYTES]
+    entry = _raw_kernels[key]
+    if smem_bytes > entry[1]:
+        entry[0].max_dynamic_shared_size_bytes = smem_bytes
+        entry[1] = smem_bytes
+    return entry[0]
+
+
+def device_smem_limit() -> int:
+    """Most dynamic shared memory a block may use on this GPU after opting in (e.g. 232,448 on H100/H200).
+
+    Read once per device, as one attribute (``Device().attributes`` would query about a hundred)."""
+    device = xp.cuda.runtime.getDevice()
+    if device not in _smem_limits:
+        attribute = xp.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin
+        _smem_limits[device] = int(xp.cuda.runtime.deviceGetAttribute(attribute, device))
+    return _smem_limits[device]
 
 
 _status_words: dict = {}  # device -> the int32 status word its launches share
