@@ -196,8 +196,8 @@ class ndarray:  # noqa: N801  (cupy.ndarray's name)
         if name.startswith("__"):  # NumPy's __array_interface__, __array_struct__, buffers: no way down
             raise AttributeError(name)
         attr = getattr(self._a, name)
-        if callable(attr):
-            return lambda *args, **kwargs: device_call(attr, *args, **kwargs)
+        if callable(attr):  # NumPy's unbound method, self among the inputs (a view of it launches nothing)
+            return lambda *args, **kwargs: device_call(getattr(numpy.ndarray, name), self, *args, **kwargs)
         return wrap(attr, [self._a])
 
 
