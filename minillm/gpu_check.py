@@ -30,7 +30,7 @@ import shutil
 import time
 from pathlib import Path
 
-from .backend import BACKEND_REASON, CUPY_PROBLEM, GPU_INSTALL_HINT, first_line, is_gpu
+from .backend import BACKEND_REASON, CUPY_PROBLEM, GPU_INSTALL_HINT, first_line, is_cupy
 from .benchmarks.common import BenchmarkError, add_output_args, figure_dir
 from .project import ProjectRootError, project_root, pytest_outcomes
 
@@ -87,7 +87,7 @@ def report_install() -> bool:
 def unusable_gpu() -> str | None:
     """Why this machine should run the GPU checks but cannot: CuPy installed but unusable, or an NVIDIA
     driver (nvidia-smi) without CuPy. None when there is a working GPU, or no sign of one."""
-    if is_gpu():
+    if is_cupy():
         return None
     if CUPY_PROBLEM:
         return CUPY_PROBLEM
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"gpu_check: FAILED -- {problem}")
         report_install()
         return 1
-    if not is_gpu():
+    if not is_cupy():
         print(f"gpu_check: skipped -- no CuPy and no NVIDIA driver here ({BACKEND_REASON}). Nothing to check.")
         return 0
     try:

@@ -8,12 +8,12 @@ import pytest
 from minillm import backend, gpu_check
 from minillm.benchmarks.attention import GPU_NS, sizes_up_to
 
-needs_no_cupy = pytest.mark.skipif(backend.is_gpu() or backend.CUPY_PROBLEM is not None, reason="CuPy is here")
+needs_no_cupy = pytest.mark.skipif(backend.is_cupy() or backend.CUPY_PROBLEM is not None, reason="CuPy is here")
 
 
 def test_installed_but_unusable_cupy_fails_the_check(monkeypatch, capsys):
     """CuPy installed but unusable: exit 1 with the reason and the install table, never 'skipped'."""
-    monkeypatch.setattr(gpu_check, "is_gpu", lambda: False)
+    monkeypatch.setattr(gpu_check, "is_cupy", lambda: False)
     monkeypatch.setattr(gpu_check, "CUPY_PROBLEM", "CuPy is installed but it needs cuBLAS, which failed (ImportError)")
     assert gpu_check.main(["--skip-tests"]) == 1
     out = capsys.readouterr().out
@@ -22,7 +22,7 @@ def test_installed_but_unusable_cupy_fails_the_check(monkeypatch, capsys):
 
 def test_a_driver_without_cupy_fails_the_check(monkeypatch):
     """nvidia-smi on the PATH but no CuPy: this machine has a GPU that the check cannot use."""
-    monkeypatch.setattr(gpu_check, "is_gpu", lambda: False)
+    monkeypatch.setattr(gpu_check, "is_cupy", lambda: False)
     monkeypatch.setattr(gpu_check, "CUPY_PROBLEM", None)
     monkeypatch.setattr(gpu_check.shutil, "which", lambda name: "/usr/bin/nvidia-smi")
     assert "an NVIDIA driver is installed" in gpu_check.unusable_gpu()
