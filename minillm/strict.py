@@ -61,8 +61,8 @@ def unwrap(x):
 def wrap(result, inputs=()):
     """NumPy's result -> device arrays (a NumPy scalar becomes a 0-d array, as CuPy returns); counts one
     kernel when it wrote a new array rather than a view of an input."""
-    if isinstance(result, tuple):
-        return tuple(wrap(r, inputs) for r in result)
+    if isinstance(result, (tuple, list)):  # xp.split, xp.meshgrid, divmod ...
+        return type(result)(wrap(r, inputs) for r in result)
     if isinstance(result, numpy.generic):
         result = numpy.asarray(result)
     if not isinstance(result, numpy.ndarray):

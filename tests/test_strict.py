@@ -97,22 +97,19 @@ def test_launcher_reads_limits_once_and_never_waits_in_the_forward_pass(monkeypa
 
 PER_TOKEN = """
 import json
-from minillm import GPT, GPTConfig, generate, strict
+from minillm import GPT, GPTConfig
+from minillm.benchmarks.device_calls import per_token
 model = GPT.init(GPTConfig(vocab_size=13, block_size=32, n_layer=2, n_head=2, n_embd=16), seed=0, attention="cuda")
-runs = []
-for n in (1, 9):
-    strict.reset_counts()
-    generate(model, [1, 2, 3], n, temperature=0)
-    runs.append(dict(strict.COUNTS))
-print(json.dumps({k: (runs[1].get(k, 0) - runs[0].get(k, 0)) / 8 for k in runs[1]}))
+print(json.dumps(per_token(model, 8)))
 """
 
 
 @needs_gxx
 def test_a_decoded_token_costs_few_synchronizations():
-    """generate on the stand-in (MINILLM_BACKEND=strict, the kernel's attention): per decoded token, the
-    sampled id is one synchronization and the forward pass's token-id range check two more; a loop that
-    copied logits or the cache to the host per token, or a launcher that waited per launch, adds more."""
+    """bench device-calls' count under the stand-in (MINILLM_BACKEND=strict, the kernel's attention): per
+    decoded token, the sampled id is one synchronization and the forward pass's token-id range check two
+    more; a loop that copied logits or the cache to the host per token, or a launcher that waited per
+    launch, adds more."""
     r = subprocess.run([sys.executable, "-c", PER_TOKEN], capture_output=True, text=True, timeout=300,
                        env={**os.environ, "MINILLM_BACKEND": "strict"})
     assert r.returncode == 0, r.stderr

@@ -19,6 +19,7 @@ TOPICS = {
     "serving": "minillm.benchmarks.serving",
     "real-model": "minillm.benchmarks.real_model",
     "training-curves": "minillm.benchmarks.training",
+    "device-calls": "minillm.benchmarks.device_calls",
 }
 
 
