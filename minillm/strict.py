@@ -211,16 +211,21 @@ def unwrap_index(key):
     return key
 
 
+def operator_named(name):
+    """operator.add for "add", operator.and_ for "and" (a keyword)."""
+    return getattr(operator, name, None) or getattr(operator, f"{name}_")
+
+
 def binary(name):
     def op(self, other):
-        return device_call(getattr(operator, name), self, other)
+        return device_call(operator_named(name), self, other)
 
     return op
 
 
 def reflected(name):
     def op(self, other):
-        return device_call(getattr(operator, name), other, self)
+        return device_call(operator_named(name), other, self)
 
     return op
 

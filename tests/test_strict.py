@@ -34,6 +34,7 @@ def test_no_implicit_conversion_either_way():
         with pytest.raises(TypeError):
             wrong()
     np.testing.assert_array_equal((np.exp(a) + 1).get(), np.exp(np.arange(6, dtype=np.float32).reshape(2, 3)) + 1)
+    np.testing.assert_array_equal(((a > 1) & (a < 4) | ~(a != 0)).get(), [[True, False, True], [True, False, False]])
 
 
 def test_the_ways_down_are_counted_synchronizations(counts):
