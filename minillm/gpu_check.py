@@ -26,6 +26,7 @@ import argparse
 import contextlib
 import datetime as dt
 import io
+import re
 import shutil
 import time
 from pathlib import Path
@@ -42,6 +43,19 @@ TEST_TIMEOUT_S = 180
 NEEDED_LIBRARIES = {"nvrtc": "every kernel is compiled by it", "cublas": "every matmul",
                     "cublasLt": "every matmul (cuBLAS's backend)"}
 HEADER = "cuda_runtime.h"  # CuPy 14 compiles every kernel against the CUDA runtime headers
+VERSION_HEADER = "cuda_runtime_api.h"  # defines CUDART_VERSION, e.g. 12090 for CUDA 12.9
+
+
+def headers_check(folder, nvrtc_major: int) -> str:
+    """"ok: folder" when folder holds the CUDA runtime headers of NVRTC's CUDA major version, else what is wrong
+    (a system toolkit of another CUDA version can be found before the wheel's headers)."""
+    if folder is None or not (Path(folder) / HEADER).is_file():
+        return f"MISSING: no {HEADER} (the cudart headers)"
+    found = re.search(r"#define\s+CUDART_VERSION\s+(\d+)", (Path(folder) / VERSION_HEADER).read_text())
+    major = int(found.group(1)) // 1000 if found else None
+    if major != nvrtc_major:
+        return f"WRONG VERSION: CUDA {major} headers in {folder}, but NVRTC is CUDA {nvrtc_major}"
+    return f"ok: {folder}"
 
 
 def install_checks() -> list[tuple[str, str]]:
@@ -59,9 +73,8 @@ def install_checks() -> list[tuple[str, str]]:
     from cuda import pathfinder  # a dependency of CuPy 14
 
     try:
-        folder = pathfinder.find_nvidia_header_directory("cudart")
-        found = folder is not None and (Path(folder) / HEADER).is_file()
-        rows.append(("CUDA headers", f"ok: {folder}" if found else f"MISSING: no {HEADER} (cudart headers)"))
+        rows.append(("CUDA headers", headers_check(pathfinder.find_nvidia_header_directory("cudart"),
+                                                   cupy.cuda.nvrtc.getVersion()[0])))
     except Exception as exc:
         rows.append(("CUDA headers", f"MISSING: {first_line(exc)}"))
     for name, why in NEEDED_LIBRARIES.items():

@@ -43,3 +43,14 @@ def test_benchmark_sizes_below_the_grid():
     assert sizes_up_to(GPU_NS, 2048) == [1024, 2048]
     assert sizes_up_to(GPU_NS, 256) == [256]
     assert sizes_up_to(GPU_NS, 10**6) == GPU_NS
+
+
+def test_headers_must_match_nvrtcs_cuda_version(tmp_path):
+    """The CUDA headers are found, and are those of NVRTC's CUDA major version (a CUDA 13 system toolkit
+    found before the wheel's CUDA 12 headers would break every kernel compile)."""
+    assert gpu_check.headers_check(None, 12).startswith("MISSING")
+    assert gpu_check.headers_check(tmp_path, 12).startswith("MISSING")
+    (tmp_path / "cuda_runtime.h").write_text("")
+    (tmp_path / "cuda_runtime_api.h").write_text("#define CUDART_VERSION  13000\n")
+    assert gpu_check.headers_check(tmp_path, 12).startswith("WRONG VERSION: CUDA 13 headers")
+    assert gpu_check.headers_check(tmp_path, 13) == f"ok: {tmp_path}"
