@@ -25,6 +25,7 @@ on a CPU first:
 from __future__ import annotations
 
 import builtins
+import functools
 import hashlib
 import operator
 from collections import Counter
@@ -45,48 +46,43 @@ def reset_counts() -> None:
 # ---- moving between the host and the device -----------------------------------------------------------
 
 
-def unwrap(x):
-    """A device operation's argument -> what NumPy computes with: the NumPy array inside a device array,
-    containers element by element, numbers and everything else unchanged. A NumPy array raises TypeError."""
-    if isinstance(x, ndarray):
+def unwrap(x, found: list):
+    """A device operation's argument -> what NumPy computes with: the NumPy array inside a device array
+    (appended to found), containers element by element, numbers and everything else unchanged. A NumPy
+    array raises TypeError, as in CuPy."""
+    if type(x) is ndarray:
+        found.append(x._a)
         return x._a
     if isinstance(x, numpy.ndarray):
         raise TypeError(f"Unsupported type {type(x)}: a NumPy array given to a device operation "
                         "(copy it with xp.asarray first)")
     if isinstance(x, (list, tuple)):
-        return type(x)(unwrap(e) for e in x)
+        return type(x)([unwrap(e, found) for e in x])
     return x
 
 
-def wrap(result, inputs=()):
+def wrap(result, inputs: list):
     """NumPy's result -> device arrays (a NumPy scalar becomes a 0-d array, as CuPy returns); counts one
-    kernel when it wrote a new array rather than a view of an input."""
-    if isinstance(result, (tuple, list)):  # xp.split, xp.meshgrid, divmod ...
-        return type(result)(wrap(r, inputs) for r in result)
+    kernel for each new array, none for a view of an input."""
+    if type(result) is numpy.ndarray:
+        if result.base is None or not builtins.any(numpy.may_share_memory(result, x) for x in inputs):
+            COUNTS["kernels"] += 1
+        return ndarray(result)
     if isinstance(result, numpy.generic):
-        result = numpy.asarray(result)
-    if not isinstance(result, numpy.ndarray):
-        return result
-    if not any(isinstance(x, numpy.ndarray) and numpy.may_share_memory(result, x) for x in inputs):
         COUNTS["kernels"] += 1
-    return ndarray(result)
-
-
-def flat_arrays(args) -> list:
-    """Every NumPy array among unwrapped arguments (one level of containers deep)."""
-    found = []
-    for a in args:
-        if isinstance(a, numpy.ndarray):
-            found.append(a)
-        elif isinstance(a, (list, tuple)):
-            found.extend(e for e in a if isinstance(e, numpy.ndarray))
-    return found
+        return ndarray(numpy.asarray(result))
+    if isinstance(result, (tuple, list)):  # xp.split, xp.meshgrid, divmod ...
+        return type(result)([wrap(r, inputs) for r in result])
+    return result
 
 
 def device_call(fn, *args, **kwargs):
     """fn (a NumPy function or method) on device arguments -> device result, under CuPy's rules."""
-    args, kwargs = unwrap(args), {k: unwrap(v) for k, v in kwargs.items()}
-    return wrap(fn(*args, **kwargs), flat_arrays([*args, *kwargs.values()]))
+    found = []
+    args = [unwrap(a, found) for a in args]
+    if kwargs:
+        kwargs = {k: unwrap(v, found) for k, v in kwargs.items()}
+    return wrap(fn(*args, **kwargs), found)
 
 
 def to_host(a: ndarray) -> numpy.ndarray:
@@ -100,7 +96,7 @@ def asarray(a, dtype=None, order=None):
         return a if dtype is None or a.dtype == dtype else a.astype(dtype)
     COUNTS["copies_to_device"] += 1
     COUNTS["kernels"] += 1
-    return ndarray(numpy.array(unwrap(a) if isinstance(a, (list, tuple)) else a, dtype=dtype, order=order or "K"))
+    return ndarray(numpy.array(unwrap(a, []) if isinstance(a, (list, tuple)) else a, dtype=dtype, order=order or "K"))
 
 
 def array(a, dtype=None, copy=True, order="K"):
@@ -175,12 +171,12 @@ class ndarray:  # noqa: N801  (cupy.ndarray's name)
     # indexing: an index may come from the host (CuPy copies it up); a value may not
     def __getitem__(self, key):
         key = key._a if isinstance(key, ndarray) else unwrap_index(key)
-        return wrap(self._a[key], [self._a])
+        return wrap(self._a[key], [self._a])  # a slice is a view: no kernel
 
     def __setitem__(self, key, value):
         key = key._a if isinstance(key, ndarray) else unwrap_index(key)
         COUNTS["kernels"] += 1
-        self._a[key] = unwrap(value)
+        self._a[key] = unwrap(value, [])
 
     # NumPy functions on device arrays run here, as CuPy's do; a NumPy array among them raises TypeError
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
@@ -197,7 +193,7 @@ class ndarray:  # noqa: N801  (cupy.ndarray's name)
             raise AttributeError(name)
         attr = getattr(self._a, name)
         if callable(attr):  # NumPy's unbound method, self among the inputs (a view of it launches nothing)
-            return lambda *args, **kwargs: device_call(getattr(numpy.ndarray, name), self, *args, **kwargs)
+            return functools.partial(device_call, getattr(numpy.ndarray, name), self)
         return wrap(attr, [self._a])
 
 
@@ -217,22 +213,28 @@ def operator_named(name):
 
 
 def binary(name):
+    fn = operator_named(name)
+
     def op(self, other):
-        return device_call(operator_named(name), self, other)
+        return device_call(fn, self, other)
 
     return op
 
 
 def reflected(name):
+    fn = operator_named(name)
+
     def op(self, other):
-        return device_call(operator_named(name), other, self)
+        return device_call(fn, other, self)
 
     return op
 
 
 def in_place(name):
+    fn = getattr(operator, f"i{name}")
+
     def op(self, other):
-        getattr(operator, f"i{name}")(self._a, unwrap(other))
+        fn(self._a, unwrap(other, []))
         COUNTS["kernels"] += 1
         return self
 
@@ -247,8 +249,10 @@ for _name in ("add", "sub", "mul", "truediv", "floordiv", "mod", "pow", "matmul"
 for _name in ("lt", "le", "eq", "ne", "gt", "ge"):
     setattr(ndarray, f"__{_name}__", binary(_name))
 def unary(name):
+    fn = getattr(operator, name)
+
     def op(self):
-        return device_call(getattr(operator, name), self)
+        return device_call(fn, self)
 
     return op
 
@@ -265,7 +269,9 @@ def __getattr__(name):
     attr = getattr(numpy, name)
     if isinstance(attr, type) or not callable(attr):
         return attr  # dtypes (xp.float32), constants (xp.inf), None (xp.newaxis)
-    return lambda *args, **kwargs: device_call(attr, *args, **kwargs)
+    # made once: later lookups find it in the module (which is why this module calls builtins.any, not any)
+    globals()[name] = functools.partial(device_call, attr)
+    return globals()[name]
 
 
 def ascontiguousarray(a, dtype=None):
