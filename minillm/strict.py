@@ -94,8 +94,7 @@ def asarray(a, dtype=None, order=None):
     """Host data (NumPy array, list, number) or a device array -> a device array: the way up."""
     if isinstance(a, ndarray):
         return a if dtype is None or a.dtype == dtype else a.astype(dtype)
-    COUNTS["copies_to_device"] += 1
-    COUNTS["kernels"] += 1
+    COUNTS["copies_to_device"] += 1  # a copy, not a kernel
     return ndarray(numpy.array(unwrap(a, []) if isinstance(a, (list, tuple)) else a, dtype=dtype, order=order or "K"))
 
 

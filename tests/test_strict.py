@@ -116,4 +116,4 @@ def test_a_decoded_token_costs_few_synchronizations():
     assert r.returncode == 0, r.stderr
     per_token = json.loads(r.stdout)
     assert 1 <= per_token["syncs"] <= 3, per_token
-    assert per_token["kernels"] < 200, per_token  # 116 for this 2-layer model when written
+    assert per_token["kernels"] < 200, per_token  # 115 for this 2-layer model when written
