@@ -12,7 +12,6 @@ Exercise tests: 4.1 `-k online_softmax`, 4.2 `-k "tile_update or tiled"`, 4.3 `-
 """
 
 import importlib.util
-import math
 import os
 import shutil
 import subprocess
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from host_reference import host_attention as reference
 
 import minillm.flash_attention as fa
 from minillm.attention import naive_attention
@@ -106,22 +106,9 @@ def host_softmax(x):
     return np.divide(e, total, out=np.zeros_like(e), where=total > 0)
 
 
-def reference(q, k, v, causal):
-    """naive_attention's equation in float64 NumPy on the host (any backend's arrays in), and each
-    row's log-sum-exp: softmax(q k^T / sqrt(hs) + mask) v with query i at position Tk - Tq + i."""
-    q, k, v = (np.asarray(to_numpy(t), dtype=np.float64) for t in (q, k, v))
-    Tq, Tk, hs = q.shape[2], k.shape[2], q.shape[3]
-    s = q @ k.swapaxes(-1, -2) / math.sqrt(hs)
-    if causal:
-        s = np.where(np.tri(Tq, Tk, k=Tk - Tq, dtype=bool), s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
-    e = np.exp(s - m)  # every row sees key 0, so m is finite
-    lse = (m + np.log(e.sum(axis=-1, keepdims=True)))[..., 0]
-    return (e / e.sum(axis=-1, keepdims=True)) @ v, lse
-
-
 def test_reference_is_naive_attention():
-    """The host reference above is chapter 2's naive_attention, on a causal Tq < Tk case."""
+    """The host reference (tests/fixtures/host_reference.py) is chapter 2's naive_attention, on a causal
+    Tq < Tk case."""
     q, k, v = make_qkv((1, 2, 5, 9, 16, True))
     np.testing.assert_allclose(reference(q, k, v, True)[0], to_numpy(naive_attention(*on_backend(q, k, v), True)),
                                atol=1e-5)
