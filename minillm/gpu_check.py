@@ -7,8 +7,9 @@ Run it from a checkout of the project whenever a CUDA GPU is available (see docs
     python -m minillm.gpu_check --root PATH          # the checkout whose tests to run
     python -m minillm.gpu_check --install-only       # is the GPU install complete? (needs no GPU)
 
-0. install: CuPy imports, with its cuBLAS module; the CUDA runtime headers are where CuPy 14 looks for
-           them (cuda.pathfinder), and NVRTC, cuBLAS and cuBLASLt load. ``--install-only`` stops here.
+0. install: CuPy imports, with its cuBLAS module; the CUDA runtime headers of NVRTC's CUDA version are
+           where CuPy 14 looks for them (cuda.pathfinder), and NVRTC, cuBLAS and cuBLASLt load. Printed
+           by ``--install-only`` (which stops there) and whenever CuPy is installed but cannot run.
 1. device: name, compute capability, SMs, memory, shared memory per block, CuPy / CUDA versions
 2. tests:  ``pytest -m gpu tests/`` of the checkout in a subprocess (every test marked ``gpu``: the
            CUDA kernel over the whole shape grid, the model with each attention, generation, speculative
@@ -152,7 +153,7 @@ def run_attention_bench(max_n: int, repeat: int, out_dir: Path) -> tuple[bool, s
     with contextlib.redirect_stdout(buf):
         print(attention.io_table())
         try:
-            attention.run_gpu([n for n in attention.GPU_NS if n <= max_n], repeat, out_dir)
+            attention.run_gpu(attention.sizes_up_to(attention.GPU_NS, max_n), repeat, out_dir)
         except BenchmarkError as exc:
             print(f"validation failed: {exc}")
             ok = False

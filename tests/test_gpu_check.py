@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from minillm import backend, gpu_check
+from minillm.benchmarks import attention
 from minillm.benchmarks.attention import GPU_NS, sizes_up_to
 
 needs_no_cupy = pytest.mark.skipif(backend.is_cupy() or backend.CUPY_PROBLEM is not None, reason="CuPy is here")
@@ -38,11 +39,15 @@ def test_install_check_without_cupy_fails(monkeypatch, capsys):
     assert "CuPy  MISSING" in out and backend.GPU_INSTALL_HINT in out
 
 
-def test_benchmark_sizes_below_the_grid():
+def test_benchmark_sizes_below_the_grid(monkeypatch):
     """--max-n below the smallest benchmark size runs that one size instead of nothing."""
     assert sizes_up_to(GPU_NS, 2048) == [1024, 2048]
     assert sizes_up_to(GPU_NS, 256) == [256]
     assert sizes_up_to(GPU_NS, 10**6) == GPU_NS
+    ran = []
+    monkeypatch.setattr(attention, "run_gpu", lambda ns, repeat, out_dir: ran.append(ns))
+    gpu_check.run_attention_bench(256, 1, None)
+    assert ran == [[256]]
 
 
 def test_headers_must_match_nvrtcs_cuda_version(tmp_path):
