@@ -170,6 +170,7 @@ def flash_attention_cuda(q, k, v, causal=True, block_k: int | None = None, retur
 
 # --- on a CPU -----------------------------------------------------------------------------------------
 
+
 def with_red_zone(a: np.ndarray) -> np.ndarray:
     """A float32 copy of a, followed in memory by RED_ZONE NaNs (like compute-sanitizer's guard bytes)."""
     buf = np.full(a.size + RED_ZONE, np.nan, dtype=np.float32)
