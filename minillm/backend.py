@@ -5,10 +5,16 @@ code runs on a laptop (NumPy) and on a GPU (CuPy). The choice is made once, at i
 
 - ``MINILLM_BACKEND=numpy`` forces NumPy.
 - ``MINILLM_BACKEND=cupy`` forces CuPy and raises ``BackendError`` saying why when no GPU works.
-- unset: CuPy if it imports *and* a tiny kernel launch succeeds, else NumPy, silently.
+- ``MINILLM_BACKEND=strict`` picks the strict CuPy stand-in (``minillm.strict``): NumPy computing under
+  CuPy's rules, so code that would break on a GPU breaks on a CPU too.
+- unset: CuPy if it imports *and* runs a tiny kernel *and* a matrix product, else NumPy. When CuPy is
+  installed but fails one of these, ``CUPY_PROBLEM`` says which step failed and why (``python -m
+  minillm info`` prints it), so a broken GPU install is never mistaken for a machine without a GPU.
 
-A working GPU is proven by a launch, not by ``import cupy``: with cupy-cuda12x installed and no
-driver, the import succeeds and only the first device call fails (``CUDARuntimeError``).
+A working GPU is proven by running code, not by ``import cupy``: each step needs a different part of
+the install (``PROBE_STEPS``). With cupy-cuda12x installed and no driver the import succeeds and the
+first device call fails (``CUDARuntimeError``); without the CUDA headers (CuPy 14) every kernel fails
+to compile; without cuBLAS every matmul fails. ``pip install -r requirements-gpu.txt`` brings them all.
 
 CPU thread policy. NumPy's BLAS (OpenBLAS) starts one thread per core and its threads spin while
 they wait for each other. On a small machine that is also running anything else (a browser, a
@@ -50,45 +56,81 @@ def _fail_at_import(exc: BackendError):
     raise exc
 
 
-def _probe_cupy():
-    """Return (cupy module, None) when a tiny kernel runs on the GPU, else (None, reason)."""
+GPU_INSTALL_HINT = "pip install -r requirements-gpu.txt"  # CuPy with the CUDA libraries it loads
+
+# (what must work, check(cupy) -> True when it gave the right answer), run in this order
+PROBE_STEPS = (
+    ("the CUDA driver to see a GPU", lambda cp: cp.cuda.runtime.getDeviceCount() >= 1),
+    ("a kernel to compile and run (NVRTC, CUDA headers)",
+     lambda cp: int((cp.arange(4, dtype=cp.float32) * 2).sum()) == 12),
+    ("a matrix product to run (cuBLAS)",
+     lambda cp: float((cp.ones((2, 3), dtype=cp.float32) @ cp.ones((3, 2), dtype=cp.float32))[1, 1]) == 3.0),
+)
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """``Type: first line of the message``, at most ``limit`` characters (CuPy's errors span many lines)."""
+    lines = str(exc).strip().splitlines()
+    text = f"{type(exc).__name__}: {lines[0] if lines else ''}"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def probe_cupy():
+    """(cupy, None) when CuPy runs every ``PROBE_STEPS`` check on a GPU; (None, None) when CuPy is not
+    installed; (None, why) when it is installed but cannot be used, why naming the step that failed."""
     try:
         import cupy
-    except Exception as exc:  # ImportError, or a broken CUDA install raising anything at import
-        return None, f"CuPy is not importable ({type(exc).__name__}: {exc})"
-    try:
-        if cupy.cuda.runtime.getDeviceCount() < 1:
-            return None, "CuPy sees no CUDA device"
-        if int((cupy.arange(4, dtype=cupy.float32) * 2).sum()) != 12:  # a real launch
-            return None, "a test kernel on the GPU returned a wrong result"
-    except Exception as exc:  # CUDARuntimeError (a RuntimeError) when there is no driver
-        return None, f"no usable CUDA GPU ({type(exc).__name__}: {exc})"
+    except ModuleNotFoundError as exc:
+        if exc.name == "cupy":
+            return None, None
+        return None, f"its import failed ({first_line(exc)})"
+    except Exception as exc:  # a broken CUDA install can raise anything at import
+        return None, f"its import failed ({first_line(exc)})"
+    for needed, check in PROBE_STEPS:
+        try:
+            ok = check(cupy)
+        except Exception as exc:  # CUDARuntimeError, CompileException, RuntimeError, ImportError ...
+            return None, f"it needs {needed}, which failed ({first_line(exc)})"
+        if not ok:
+            return None, f"it needs {needed}, which failed its check (none found, or a wrong result)"
     return cupy, None
 
 
 def _select():
+    """(xp, why it was chosen, CUPY_PROBLEM) from MINILLM_BACKEND and the probe."""
     forced = os.environ.get(BACKEND_ENV, "").strip().lower()
-    if forced not in ("", "numpy", "cupy"):
-        raise BackendError(f"{BACKEND_ENV}={forced!r}: expected 'numpy' or 'cupy' (or unset it)")
+    if forced not in ("", "numpy", "cupy", "strict"):
+        raise BackendError(f"{BACKEND_ENV}={forced!r}: expected 'numpy', 'cupy' or 'strict' (or unset it)")
     if forced == "numpy":
-        return numpy, f"numpy (forced by {BACKEND_ENV})"
-    cupy, reason = _probe_cupy()
+        return numpy, f"numpy (forced by {BACKEND_ENV})", None
+    if forced == "strict":
+        from . import strict
+
+        return strict, f"strict (the CuPy stand-in: NumPy under CuPy's rules, {BACKEND_ENV}=strict)", None
+    cupy, problem = probe_cupy()
     if cupy is not None:
-        return cupy, "cupy (CUDA GPU found)"
+        return cupy, "cupy (CUDA GPU found)", None
+    why = "CuPy is not installed" if problem is None else f"CuPy is installed but {problem}"
     if forced == "cupy":
-        raise BackendError(f"{BACKEND_ENV}=cupy was requested but {reason}")
-    return numpy, f"numpy ({reason})"
+        raise BackendError(f"{BACKEND_ENV}=cupy was requested; {why}; for a complete install: {GPU_INSTALL_HINT}")
+    return numpy, f"numpy ({why})", None if problem is None else why
 
 
 try:
-    xp, BACKEND_REASON = _select()
+    # CUPY_PROBLEM: why an installed CuPy cannot be used (None when it works or is not installed)
+    xp, BACKEND_REASON, CUPY_PROBLEM = _select()
 except BackendError as exc:
     _fail_at_import(exc)
 
 
 def is_gpu() -> bool:
-    """True when arrays live on a CUDA GPU (the backend is CuPy)."""
+    """True when arrays live on a device: a CUDA GPU (CuPy), or the strict stand-in that plays one."""
     return xp is not numpy
+
+
+def is_cupy() -> bool:
+    """True when a real CUDA GPU computes (not NumPy, not the strict stand-in)."""
+    return xp.__name__ == "cupy"
 
 
 def to_numpy(a):
@@ -128,7 +170,7 @@ def _blas_controllers():
 def apply_thread_policy() -> None:
     """Limit NumPy's BLAS to ``requested_blas_threads()`` threads (a no-op on CuPy or for 'all')."""
     n = requested_blas_threads()
-    if n is None or is_gpu():
+    if n is None or is_cupy():
         return
     for lib in _blas_controllers():
         lib.set_num_threads(n)
@@ -136,7 +178,7 @@ def apply_thread_policy() -> None:
 
 def blas_threads() -> int:
     """Threads NumPy's BLAS uses now (the largest count over its BLAS libraries; 0 on CuPy)."""
-    return 0 if is_gpu() else max((lib.num_threads for lib in _blas_controllers()), default=1)
+    return 0 if is_cupy() else max((lib.num_threads for lib in _blas_controllers()), default=1)
 
 
 def load_average() -> float | None:
@@ -152,7 +194,7 @@ def runtime_summary() -> str:
     warning line when the load exceeds the cores (timings then measure the contention)."""
     cores, load = os.cpu_count() or 1, load_average()
     setting = os.environ.get(BLAS_THREADS_ENV, "")
-    threads = "GPU" if is_gpu() else f"BLAS threads {blas_threads()} ({BLAS_THREADS_ENV}={setting!r})"
+    threads = "GPU" if is_cupy() else f"BLAS threads {blas_threads()} ({BLAS_THREADS_ENV}={setting!r})"
     line = f"backend {xp.__name__}, {threads}, {cores} cores"
     if load is None:
         return line

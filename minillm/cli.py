@@ -70,6 +70,8 @@ def cmd_info(args) -> int:
 
     print(f"minillm {__import__('minillm').__version__}")
     print(f"backend: {backend.BACKEND_REASON}")
+    if backend.CUPY_PROBLEM:
+        print(f"WARNING: running on NumPy because {backend.CUPY_PROBLEM}; for the GPU: {backend.GPU_INSTALL_HINT}")
     print(f"GPU: {'yes' if backend.is_gpu() else 'no'}")
     print(f"runtime: {backend.runtime_summary()}")
     for name in SHIPPED:

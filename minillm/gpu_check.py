@@ -5,13 +5,20 @@ Run it from a checkout of the project whenever a CUDA GPU is available (see docs
     python -m minillm.gpu_check                      # tests marked gpu + the attention benchmark
     python -m minillm.gpu_check --record docs/gpu.md # ... and append the summary to docs/gpu.md
     python -m minillm.gpu_check --root PATH          # the checkout whose tests to run
+    python -m minillm.gpu_check --install-only       # is the GPU install complete? (needs no GPU)
 
+0. install: CuPy imports, with its cuBLAS module; the CUDA runtime headers of NVRTC's CUDA version are
+           where CuPy 14 looks for them (cuda.pathfinder), and NVRTC, cuBLAS and cuBLASLt load. Printed
+           by ``--install-only`` (which stops there) and whenever CuPy is installed but cannot run.
 1. device: name, compute capability, SMs, memory, shared memory per block, CuPy / CUDA versions
 2. tests:  ``pytest -m gpu tests/`` of the checkout in a subprocess (every test marked ``gpu``: the
-           CUDA kernel over the whole shape grid and its shared-memory limits), counted per test file
+           CUDA kernel over the whole shape grid, the model with each attention, generation, speculative
+           decoding, the paged cache and batches on the device), counted per test file, with the first
+           error of each failure
 3. bench:  ``python -m minillm bench attention`` on the GPU (validates the kernel against naive
            attention, then times both; TFLOP/s against the FP32 peak)
-Then a compact table. On a machine without a usable GPU it prints that it skipped and exits 0.
+Then a compact table. Exit status 1 when anything fails, including a CuPy that is installed but cannot
+be used; 0 with "skipped" only on a machine without CuPy and without an NVIDIA driver.
 """
 
 from __future__ import annotations
@@ -20,15 +27,87 @@ import argparse
 import contextlib
 import datetime as dt
 import io
+import re
+import shutil
 import time
 from pathlib import Path
 
-from .backend import BACKEND_REASON, is_gpu
+from .backend import BACKEND_REASON, CUPY_PROBLEM, GPU_INSTALL_HINT, first_line, is_cupy
 from .benchmarks.common import BenchmarkError, add_output_args, figure_dir
 from .project import ProjectRootError, project_root, pytest_outcomes
 
 TIME_BUDGET_S = 300
 TEST_TIMEOUT_S = 180
+
+
+# the shared libraries minillm needs CuPy to load, by cuda.pathfinder's names -> what needs them
+NEEDED_LIBRARIES = {"nvrtc": "every kernel is compiled by it", "cublas": "every matmul",
+                    "cublasLt": "every matmul (cuBLAS's backend)"}
+HEADER = "cuda_runtime.h"  # CuPy 14 compiles every kernel against the CUDA runtime headers
+VERSION_HEADER = "cuda_runtime_api.h"  # defines CUDART_VERSION, e.g. 12090 for CUDA 12.9
+
+
+def headers_check(folder, nvrtc_major: int) -> str:
+    """"ok: folder" when folder holds the CUDA runtime headers of NVRTC's CUDA major version, else what is wrong
+    (a system toolkit of another CUDA version can be found before the wheel's headers)."""
+    if folder is None or not (Path(folder) / HEADER).is_file():
+        return f"MISSING: no {HEADER} (the cudart headers)"
+    found = re.search(r"#define\s+CUDART_VERSION\s+(\d+)", (Path(folder) / VERSION_HEADER).read_text())
+    major = int(found.group(1)) // 1000 if found else None
+    if major != nvrtc_major:
+        return f"WRONG VERSION: CUDA {major} headers in {folder}, but NVRTC is CUDA {nvrtc_major}"
+    return f"ok: {folder}"
+
+
+def install_checks() -> list[tuple[str, str]]:
+    """(part of a GPU install, "ok: ..." | "MISSING: ...") for each part, found the way CuPy 14 finds it
+    (cuda.pathfinder), without a GPU: CuPy, its cuBLAS module, the CUDA headers, NVRTC, cuBLAS, cuBLASLt."""
+    try:
+        import cupy
+    except Exception as exc:
+        return [("CuPy", f"MISSING: {first_line(exc)}")]
+    rows = [("CuPy", f"ok: {cupy.__version__}")]
+    try:
+        rows.append(("CuPy's cuBLAS module", f"ok: {cupy.cuda.cublas.__name__}"))  # CuPy's own loader
+    except Exception as exc:
+        rows.append(("CuPy's cuBLAS module", f"MISSING: {first_line(exc)}"))
+    from cuda import pathfinder  # a dependency of CuPy 14
+
+    try:
+        rows.append(("CUDA headers", headers_check(pathfinder.find_nvidia_header_directory("cudart"),
+                                                   cupy.cuda.nvrtc.getVersion()[0])))
+    except Exception as exc:
+        rows.append(("CUDA headers", f"MISSING: {first_line(exc)}"))
+    for name, why in NEEDED_LIBRARIES.items():
+        try:
+            rows.append((f"lib {name}", f"ok: {pathfinder.load_nvidia_dynamic_lib(name).abs_path}"))
+        except Exception as exc:
+            rows.append((f"lib {name}", f"MISSING ({why}): {first_line(exc)}"))
+    return rows
+
+
+def report_install() -> bool:
+    """Print install_checks() as a table -> True when every part is there."""
+    rows = install_checks()
+    width = max(len(part) for part, _ in rows)
+    for part, result in rows:
+        print(f"  {part:<{width}}  {result}")
+    ok = all(result.startswith("ok") for _, result in rows)
+    if not ok:
+        print(f"the GPU install is incomplete: {GPU_INSTALL_HINT}")
+    return ok
+
+
+def unusable_gpu() -> str | None:
+    """Why this machine should run the GPU checks but cannot: CuPy installed but unusable, or an NVIDIA
+    driver (nvidia-smi) without CuPy. None when there is a working GPU, or no sign of one."""
+    if is_cupy():
+        return None
+    if CUPY_PROBLEM:
+        return CUPY_PROBLEM
+    if shutil.which("nvidia-smi"):
+        return f"an NVIDIA driver is installed (nvidia-smi) but {BACKEND_REASON}"
+    return None
 
 
 def device_summary() -> list[tuple[str, str]]:
@@ -74,7 +153,7 @@ def run_attention_bench(max_n: int, repeat: int, out_dir: Path) -> tuple[bool, s
     with contextlib.redirect_stdout(buf):
         print(attention.io_table())
         try:
-            attention.run_gpu([n for n in attention.GPU_NS if n <= max_n], repeat, out_dir)
+            attention.run_gpu(attention.sizes_up_to(attention.GPU_NS, max_n), repeat, out_dir)
         except BenchmarkError as exc:
             print(f"validation failed: {exc}")
             ok = False
@@ -89,11 +168,20 @@ def main(argv: list[str] | None = None) -> int:
     add_output_args(p)
     p.add_argument("--record", default=None, help="append the summary to this markdown file (docs/gpu.md)")
     p.add_argument("--skip-tests", action="store_true")
+    p.add_argument("--install-only", action="store_true", help="only check the GPU install (works without a GPU)")
     p.add_argument("pytest_args", nargs="*", help="extra arguments for pytest (after --)")
     args = p.parse_args(argv)
 
-    if not is_gpu():
-        print(f"gpu_check: skipped -- no usable CUDA GPU here ({BACKEND_REASON}). Nothing to check.")
+    if args.install_only:
+        print("gpu_check: the GPU install (no GPU needed)")
+        return 0 if report_install() else 1
+    problem = unusable_gpu()
+    if problem:
+        print(f"gpu_check: FAILED -- {problem}")
+        report_install()
+        return 1
+    if not is_cupy():
+        print(f"gpu_check: skipped -- no CuPy and no NVIDIA driver here ({BACKEND_REASON}). Nothing to check.")
         return 0
     try:
         root = None if args.skip_tests else project_root(args.root)
@@ -127,7 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     lines.append(bench_out.rstrip())
     failed = any(r.startswith("FAIL") for _, r, _ in summary)
     if failed and test_tail:
-        lines += ["", "pytest output (tail):", test_tail]
+        lines += ["", "pytest output:", test_tail]
     report = "\n".join(lines)
     print(report)
     if args.record:

@@ -46,9 +46,23 @@ def project_root(root=None) -> Path:
     )
 
 
+def first_errors(junit: Path) -> list[str]:
+    """One line per failing test of a JUnit XML report: ``file::test: first line of its error``."""
+    lines = []
+    for case in ET.parse(junit).getroot().iter("testcase"):
+        problem = case.find("failure")
+        problem = case.find("error") if problem is None else problem
+        if problem is not None:
+            message = (problem.get("message") or problem.text or "").strip().splitlines()
+            name = (case.get("classname") or "?").replace(".", "/") + ".py::" + (case.get("name") or "?")
+            lines.append(f"{name}: {message[0] if message else '(no message)'}")
+    return lines
+
+
 def pytest_outcomes(root, args: list[str], timeout: float) -> tuple[list[tuple[str, str]], float, str]:
     """Run ``pytest args`` in the checkout ``root``, importing that checkout's minillm ->
-    ([(test file name, "passed" | "failed" | "skipped"), ...] one per test, seconds, the output's tail).
+    ([(test file name, "passed" | "failed" | "skipped"), ...] one per test, seconds, output), where output
+    is the first error of each failing test (``first_errors``) and then the tail of pytest's output.
     Errors count as failures; a run past ``timeout`` seconds reports what it finished."""
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
@@ -61,7 +75,7 @@ def pytest_outcomes(root, args: list[str], timeout: float) -> tuple[list[tuple[s
         except subprocess.TimeoutExpired as exc:
             output = f"pytest timed out after {timeout} s\n{exc.stdout or ''}"
         seconds = time.perf_counter() - t0
-        outcomes = []
+        outcomes, errors = [], []
         if junit.exists():
             for case in ET.parse(junit).getroot().iter("testcase"):
                 name = (case.get("classname") or "?").split(".")[-1] + ".py"
@@ -69,4 +83,6 @@ def pytest_outcomes(root, args: list[str], timeout: float) -> tuple[list[tuple[s
                     outcomes.append((name, "failed"))
                 else:
                     outcomes.append((name, "skipped" if case.find("skipped") is not None else "passed"))
-    return outcomes, seconds, output[-4000:]
+            errors = first_errors(junit)
+    head = ["first error of each failing test:", *errors, ""] if errors else []
+    return outcomes, seconds, "\n".join([*head, output[-4000:]])

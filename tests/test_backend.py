@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 
 import minillm
 from minillm import backend
@@ -26,7 +27,7 @@ def test_import_is_silent_without_cuda():
     """Importing minillm prints nothing (no tracebacks) whether or not CuPy/CUDA exist."""
     r = run_python("import minillm; print(minillm.xp.__name__)")
     assert r.returncode == 0 and r.stderr == ""
-    assert r.stdout.strip() in ("numpy", "cupy")
+    assert r.stdout.strip() in ("numpy", "cupy", "minillm.strict")  # the last under MINILLM_BACKEND=strict
 
 
 def test_forced_numpy():
@@ -39,12 +40,12 @@ def test_forced_cupy_without_gpu_says_why():
         return  # on a GPU machine forcing cupy is legitimate
     r = run_python("import minillm", MINILLM_BACKEND="cupy")
     assert r.returncode != 0
-    assert "MINILLM_BACKEND=cupy was requested but" in r.stderr
+    assert "MINILLM_BACKEND=cupy was requested; CuPy is not installed" in r.stderr
 
 
 def test_bad_backend_name():
     r = run_python("import minillm", MINILLM_BACKEND="jax")
-    assert r.returncode != 0 and "expected 'numpy' or 'cupy'" in r.stderr
+    assert r.returncode != 0 and "expected 'numpy', 'cupy' or 'strict'" in r.stderr
 
 
 def test_blas_runs_on_one_thread_by_default():
@@ -85,3 +86,92 @@ def test_cli_reports_a_bad_environment_in_one_line():
         assert r.returncode != 0
         assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
         assert next(iter(env)) in r.stderr
+
+
+# ---- the CuPy probe: each part of a GPU install, failing on its own (a stand-in `cupy` made of NumPy) ----
+
+
+class FakeCuda:
+    """cupy.cuda with a runtime whose device count is given, or raises."""
+
+    def __init__(self, devices):
+        self.runtime = self
+        self.devices = devices
+
+    def getDeviceCount(self):
+        if isinstance(self.devices, Exception):
+            raise self.devices
+        return self.devices
+
+
+def fake_cupy(devices=1, kernel_error=None, matmul_error=None, wrong_kernel=False):
+    """A module shaped like the part of cupy the probe uses, made of NumPy; each argument breaks one step."""
+    import types
+
+    def arange(n, dtype):
+        if kernel_error:
+            raise kernel_error
+        return np.arange(n, dtype=dtype) + (1 if wrong_kernel else 0)
+
+    class Matrix(np.ndarray):
+        def __matmul__(self, other):
+            if matmul_error:
+                raise matmul_error
+            return np.asarray(self) @ np.asarray(other)
+
+    ones = lambda shape, dtype: np.ones(shape, dtype).view(Matrix)  # noqa: E731
+    return types.SimpleNamespace(cuda=FakeCuda(devices), arange=arange, ones=ones, float32=np.float32)
+
+
+HEADERS_ERROR = RuntimeError("Failed to find CUDA headers (cuda_runtime.h).\nTry: pip install cupy-cuda12x[ctk]")
+CUBLAS_ERROR = ImportError('Failure finding "libcublasLt.so.13 or libcublasLt.so.12"')
+
+
+@pytest.mark.parametrize("fake, step, message", [
+    (dict(devices=RuntimeError("cudaErrorNoDevice: no CUDA-capable device")), "CUDA driver", "cudaErrorNoDevice"),
+    (dict(devices=0), "CUDA driver", "failed its check"),
+    (dict(kernel_error=HEADERS_ERROR), "kernel to compile", "RuntimeError: Failed to find CUDA headers"),
+    (dict(wrong_kernel=True), "kernel to compile", "failed its check"),
+    (dict(matmul_error=CUBLAS_ERROR), "matrix product", "ImportError: Failure finding"),
+], ids=["no-driver", "no-device", "no-headers", "wrong-kernel", "no-cublas"])
+def test_probe_names_the_failing_step(monkeypatch, fake, step, message):
+    """A GPU install missing the driver, the CUDA headers or cuBLAS fails the probe at that step, and the
+    reason names the step and quotes the first line of CuPy's error (one line)."""
+    monkeypatch.setitem(sys.modules, "cupy", fake_cupy(**fake))
+    cupy, why = backend.probe_cupy()
+    assert cupy is None and step in why and message in why
+    assert "\n" not in why and "pip install" not in why  # only the first line of a multi-line error
+
+
+def test_probe_passes_only_when_every_step_works(monkeypatch):
+    fake = fake_cupy()
+    monkeypatch.setitem(sys.modules, "cupy", fake)
+    assert backend.probe_cupy() == (fake, None)
+    monkeypatch.setitem(sys.modules, "cupy", None)  # `import cupy` raises ModuleNotFoundError
+    assert backend.probe_cupy() == (None, None)  # not installed: not a problem, just no GPU
+
+
+BROKEN_CUPY = '''
+class runtime:
+    @staticmethod
+    def getDeviceCount():
+        raise RuntimeError("cudaErrorInsufficientDriver: CUDA driver version is insufficient")
+class cuda:
+    runtime = runtime
+'''
+
+
+def test_installed_but_unusable_cupy_is_reported(tmp_path):
+    """With a CuPy that imports but cannot run: `minillm info` warns and says why (the run goes on with
+    NumPy), and MINILLM_BACKEND=cupy stops with one line on stderr, no traceback."""
+    (tmp_path / "cupy").mkdir()
+    (tmp_path / "cupy" / "__init__.py").write_text(BROKEN_CUPY)
+    path = os.pathsep.join([str(tmp_path), os.getcwd()])
+    r = subprocess.run([sys.executable, "-c", "from minillm import cli; cli.cmd_info(None)"], capture_output=True,
+                       text=True, env={**os.environ, "PYTHONPATH": path, "MINILLM_BACKEND": ""}, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "WARNING: running on NumPy because CuPy is installed but it needs the CUDA driver" in r.stdout
+    assert "cudaErrorInsufficientDriver" in r.stdout and backend.GPU_INSTALL_HINT in r.stdout
+    r = run_python("import minillm", PYTHONPATH=path, MINILLM_BACKEND="cupy")
+    assert r.returncode != 0 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+    assert "MINILLM_BACKEND=cupy was requested; CuPy is installed but" in r.stderr

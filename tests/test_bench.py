@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from minillm import model as model_module
-from minillm import project
+from minillm import project, to_numpy
 from minillm.benchmarks import common
 from minillm.benchmarks.common import format_table, time_fn, time_paired, time_pairs
 from minillm.benchmarks.kv_cache import STAND_INS, decode_step_parts
@@ -55,7 +55,7 @@ def test_decode_step_parts_swaps_each_part_and_then_restores_the_model(tiny_mode
     """Each part is swapped on the model instance only (never in minillm.model), and put back: the
     instance holds no stand-in afterwards and computes what it computed before."""
     idx = np.array([[1, 2, 3, 4, 5]])
-    before = tiny_model.forward(idx)
+    before = to_numpy(tiny_model.forward(idx))
     module_functions = {name: getattr(model_module, name) for name in ("linear", "layer_norm", "gelu")}
     own = dict(vars(tiny_model))
     rows = decode_step_parts(tiny_model, context=6, steps=2, rounds=2)
@@ -63,7 +63,7 @@ def test_decode_step_parts_swaps_each_part_and_then_restores_the_model(tiny_mode
     assert rows[0]["share"] == 1.0 and all(r["step us"] > 0 for r in rows)
     assert {name: getattr(model_module, name) for name in module_functions} == module_functions
     assert vars(tiny_model).keys() == own.keys() and tiny_model.attention is own["attention"]
-    np.testing.assert_array_equal(tiny_model.forward(idx), before)  # the real ops and attention are back
+    np.testing.assert_array_equal(to_numpy(tiny_model.forward(idx)), before)  # the real ops and attention are back
 
 
 def test_each_stand_in_really_replaces_its_part(tiny_model):
@@ -71,10 +71,10 @@ def test_each_stand_in_really_replaces_its_part(tiny_model):
     from minillm.benchmarks.kv_cache import swapped
 
     idx = np.array([[1, 2, 3]])
-    before = tiny_model.forward(idx)
+    before = to_numpy(tiny_model.forward(idx))
     for name, fn in STAND_INS.values():
         with swapped(tiny_model, name, fn):
-            assert not np.array_equal(tiny_model.forward(idx), before), name
+            assert not np.array_equal(to_numpy(tiny_model.forward(idx)), before), name
 
 
 def test_figures_go_where_the_options_say(tmp_path, monkeypatch):

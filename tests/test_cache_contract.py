@@ -13,7 +13,7 @@ import pytest
 from test_kv_cache import chunks_logits
 
 from minillm import GPT, GPTConfig, GrowingKVCache, KVCache, PagedKVCache, PrefixCache
-from minillm.backend import to_numpy
+from minillm.backend import to_numpy, xp
 from minillm.cache_contract import CacheFullError, DecodeCache, ForwardCache, PromptCache
 from minillm.prefix_blocks import PrefixBlockCache
 
@@ -131,12 +131,12 @@ def test_attend_hands_the_stored_kv_unchanged_to_the_attention_it_is_given(make)
 
     ks, vs = [], []
     for T in (3, 1, 2):
-        q = rng.normal(size=(1, 4, T, 8)).astype(np.float32)
+        q = xp.asarray(rng.normal(size=(1, 4, T, 8)).astype(np.float32))
         k, v = (rng.normal(size=(1, 2, T, 8)).astype(np.float32) for _ in range(2))
         ks.append(k)
         vs.append(v)
         cache.positions(T)
-        assert cache.attend(0, q, k, v, spy) == "output"
+        assert cache.attend(0, q, xp.asarray(k), xp.asarray(v), spy) == "output"
         cache.advance(T)
         got_q, got_k, got_v, causal = calls[-1]
         assert got_q is q and causal

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from minillm import CacheFullError, load_model
+from minillm import CacheFullError, load_model, to_numpy
 from minillm import chat as chat_module
 from minillm.chat import Chat, answer, main
 from minillm.data import corpus_tokenizer
@@ -56,7 +56,7 @@ class Recorder:
         self.model, self.config, self.calls = model, model.config, []
 
     def forward(self, idx, cache=None):
-        self.calls.append([int(t) for t in np.asarray(idx)[0]])
+        self.calls.append([int(t) for t in to_numpy(idx)[0]])
         self.logits = self.model.forward(idx, cache)
         return self.logits
 
@@ -82,8 +82,8 @@ def test_turns_feed_only_new_tokens_and_match_recompute(model, tok):
     assert chat.cache.length == len(everything)
     assert tok.decode(everything + chat.pending) == chat.cached_text
     assert chat.cached_text + "}\n" == tok.apply_chat_template(chat.messages, add_generation_prompt=False)
-    recomputed = model.forward(np.asarray([everything]))[0, -1]
-    np.testing.assert_allclose(np.asarray(rec.logits)[0, -1], recomputed, atol=1e-4)
+    recomputed = to_numpy(model.forward(np.asarray([everything]))[0, -1])
+    np.testing.assert_allclose(to_numpy(rec.logits)[0, -1], recomputed, atol=1e-4)
 
 
 def test_reply_stops_at_end_of_turn_which_is_not_fed(model, tok, monkeypatch):

@@ -212,6 +212,9 @@ def test_pytest_outcomes_counts_each_test_of_a_project(tmp_path):
     assert sorted(outcomes) == [("test_x.py", "failed"), ("test_x.py", "failed"), ("test_x.py", "passed"),
                                 ("test_x.py", "skipped")]
     assert seconds > 0 and "1 passed" in output
+    errors = output.split("\n\n")[0].splitlines()  # the first error of each failure comes first
+    assert errors == ["first error of each failing test:", "tests/test_x.py::test_b: assert False",
+                      "tests/test_x.py::test_d: failed on setup with \"RuntimeError\""], output
 
 
 def test_project_root_is_found_or_named(tmp_path):

@@ -13,7 +13,6 @@ Exercise tests: 4.1 `-k online_softmax`, 4.2 `-k "tile_update or tiled"`, 4.3 `-
 """
 
 import importlib.util
-import math
 import os
 import shutil
 import subprocess
@@ -24,10 +23,11 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from host_reference import host_attention as reference
 
 import minillm.flash_attention as fa
-from minillm.attention import naive_attention, softmax
-from minillm.backend import is_gpu, to_numpy
+from minillm.attention import naive_attention
+from minillm.backend import is_cupy, is_gpu, to_numpy, xp
 from minillm.kernels import build, launch
 from minillm.kernels.mutants import KERNEL_MUTANTS, mutate_kernel, write_kernel_mutant
 
@@ -96,24 +96,26 @@ def make_qkv(case, seed=0):
     return q, k, v
 
 
-def reference(q, k, v, causal):
-    """naive_attention's equation in float64 NumPy on the host (any backend's arrays in), and each
-    row's log-sum-exp: softmax(q k^T / sqrt(hs) + mask) v with query i at position Tk - Tq + i."""
-    q, k, v = (np.asarray(to_numpy(t), dtype=np.float64) for t in (q, k, v))
-    Tq, Tk, hs = q.shape[2], k.shape[2], q.shape[3]
-    s = q @ k.swapaxes(-1, -2) / math.sqrt(hs)
-    if causal:
-        s = np.where(np.tri(Tq, Tk, k=Tk - Tq, dtype=bool), s, -np.inf)
-    m = s.max(axis=-1, keepdims=True)
-    e = np.exp(s - m)  # every row sees key 0, so m is finite
-    lse = (m + np.log(e.sum(axis=-1, keepdims=True)))[..., 0]
-    return (e / e.sum(axis=-1, keepdims=True)) @ v, lse
+def on_backend(*arrays):
+    """Host arrays -> the backend's arrays (CuPy on a GPU): what the library functions are given."""
+    return tuple(xp.asarray(a) for a in arrays)
+
+
+def host_softmax(x):
+    """softmax along the last axis in float64 NumPy on the host: the reference for every softmax test."""
+    x = np.asarray(x, dtype=np.float64)
+    m = x.max(axis=-1, keepdims=True)
+    e = np.exp(x - np.where(np.isfinite(m), m, 0.0))  # a fully masked row (-inf) gives zeros
+    total = e.sum(axis=-1, keepdims=True)
+    return np.divide(e, total, out=np.zeros_like(e), where=total > 0)
 
 
 def test_reference_is_naive_attention():
-    """The host reference above is chapter 2's naive_attention, on a causal Tq < Tk case."""
+    """The host reference (tests/fixtures/host_reference.py) is chapter 2's naive_attention, on a causal
+    Tq < Tk case."""
     q, k, v = make_qkv((1, 2, 5, 9, 16, True))
-    np.testing.assert_allclose(reference(q, k, v, True)[0], to_numpy(naive_attention(q, k, v, True)), atol=1e-5)
+    np.testing.assert_allclose(reference(q, k, v, True)[0], to_numpy(naive_attention(*on_backend(q, k, v), True)),
+                               atol=1e-5)
 
 
 def check_attention(fn, cases, atol):
@@ -121,7 +123,7 @@ def check_attention(fn, cases, atol):
     for case in cases:
         q, k, v = make_qkv(case)
         causal = case[-1]
-        out = to_numpy(fn(q, k, v, causal))
+        out = to_numpy(fn(*on_backend(q, k, v), causal))
         ref, _ = reference(q, k, v, causal)
         assert out.shape == ref.shape, case_id(case)
         err = float(np.abs(out - ref).max())  # NaN compares False below
@@ -145,8 +147,8 @@ def softmax_inputs(N, seed=0):
 
 def check_softmax(fn, N, block):
     x = softmax_inputs(N)
-    y = np.asarray(fn(x, block))
-    ref = softmax(x)
+    y = to_numpy(fn(xp.asarray(x), block))
+    ref = host_softmax(x)
     assert np.all(np.isfinite(y)), f"N={N}, block={block}: NaN/inf in the output"
     np.testing.assert_allclose(y, ref, atol=1e-12, err_msg=f"N={N}, block={block}")
 
@@ -160,9 +162,9 @@ def test_online_softmax_matches_softmax(N, block):
 
 def test_online_softmax_docstring_example_and_shapes():
     """The worked example of the docstring; leading axes are kept; block must be >= 1."""
-    y = fa.online_softmax(np.array([1.0, 3.0, 2.0]), 2)
-    np.testing.assert_allclose(y, [0.0900, 0.6652, 0.2447], atol=1e-4)
-    x = np.random.default_rng(1).standard_normal((2, 3, 4, 50)).astype(np.float32)
+    y = fa.online_softmax(xp.asarray([1.0, 3.0, 2.0]), 2)
+    np.testing.assert_allclose(to_numpy(y), [0.0900, 0.6652, 0.2447], atol=1e-4)
+    x = xp.asarray(np.random.default_rng(1).standard_normal((2, 3, 4, 50)).astype(np.float32))
     y = fa.online_softmax(x, 16)
     assert y.shape == x.shape and y.dtype == np.float32
     with pytest.raises(ValueError, match="block"):
@@ -183,9 +185,9 @@ def test_tile_update_one_tile_is_softmax():
     """From the empty state (m=-inf, l=0, O=0) one tile gives l = sum exp(s - max s), O/l = softmax(s) v."""
     rng = np.random.default_rng(0)
     s, v = rng.standard_normal((3, 5)), rng.standard_normal((5, 4))
-    m, l, o = fa.flash_tile_update(np.full(3, -np.inf), np.zeros(3), np.zeros((3, 4)), s, v)
+    m, l, o = map(to_numpy, fa.flash_tile_update(*on_backend(np.full(3, -np.inf), np.zeros(3), np.zeros((3, 4)), s, v)))
     np.testing.assert_allclose(m, s.max(-1))
-    np.testing.assert_allclose(o / l[:, None], softmax(s) @ v, atol=1e-12)
+    np.testing.assert_allclose(o / l[:, None], host_softmax(s) @ v, atol=1e-12)
 
 
 def test_tile_update_two_tiles_rescale():
@@ -193,11 +195,11 @@ def test_tile_update_two_tiles_rescale():
     rng = np.random.default_rng(1)
     s, v = rng.standard_normal((3, 8)), rng.standard_normal((8, 4))
     s[:, 6] += 10  # the row max sits in the second tile
-    state = (np.full(3, -np.inf), np.zeros(3), np.zeros((3, 4)))
-    state = fa.flash_tile_update(*state, s[:, :4], v[:4])
-    m, l, o = fa.flash_tile_update(*state, s[:, 4:], v[4:])
+    state = on_backend(np.full(3, -np.inf), np.zeros(3), np.zeros((3, 4)))
+    state = fa.flash_tile_update(*state, *on_backend(s[:, :4], v[:4]))
+    m, l, o = map(to_numpy, fa.flash_tile_update(*state, *on_backend(s[:, 4:], v[4:])))
     np.testing.assert_allclose(l, np.exp(s - s.max(-1, keepdims=True)).sum(-1), atol=1e-12)
-    np.testing.assert_allclose(o / l[:, None], softmax(s) @ v, atol=1e-12)
+    np.testing.assert_allclose(o / l[:, None], host_softmax(s) @ v, atol=1e-12)
 
 
 def test_tile_update_fully_masked_tile_keeps_state():
@@ -205,7 +207,8 @@ def test_tile_update_fully_masked_tile_keeps_state():
     rng = np.random.default_rng(2)
     m, l, o = np.array([0.5, -np.inf]), np.array([2.0, 0.0]), rng.standard_normal((2, 4))
     o[1] = 0
-    m2, l2, o2 = fa.flash_tile_update(m, l, o, np.full((2, 3), -np.inf), rng.standard_normal((3, 4)))
+    new = fa.flash_tile_update(*on_backend(m, l, o, np.full((2, 3), -np.inf), rng.standard_normal((3, 4))))
+    m2, l2, o2 = map(to_numpy, new)
     np.testing.assert_array_equal(m2, m)
     np.testing.assert_array_equal(l2, l)
     np.testing.assert_array_equal(o2, o)
@@ -220,7 +223,7 @@ def test_tiled_matches_naive(case):
     """flash_attention (tiles of 32) == naive_attention over the grid; L is each row's log-sum-exp."""
     q, k, v = make_qkv(case)
     causal = case[-1]
-    out, lse = fa.flash_attention(q, k, v, causal, 32, 32)
+    out, lse = map(to_numpy, fa.flash_attention(*on_backend(q, k, v), causal, 32, 32))
     ref, ref_lse = reference(q, k, v, causal)
     assert out.dtype == np.float32 and lse.dtype == np.float32
     assert np.abs(out - ref).max() <= ARRAY_ATOL
@@ -245,7 +248,7 @@ def test_tiled_skips_future_tiles(monkeypatch):
         return real(*args)
 
     monkeypatch.setattr(fa, "flash_tile_update", counting)
-    q, k, v = make_qkv((1, 1, 256, 256, 16, True))
+    q, k, v = on_backend(*make_qkv((1, 1, 256, 256, 16, True)))
     fa.flash_attention(q, k, v, True, 64, 64)
     assert len(calls) == 10
     calls.clear()
@@ -264,9 +267,10 @@ def test_tiled_check_catches_missing_rescale(monkeypatch):
         check_attention(tiled_output, [(1, 1, 100, 100, 16, True)], ARRAY_ATOL)
 
 
+@pytest.mark.skipif(is_cupy(), reason="tracemalloc measures host memory; on a GPU the arrays live on the device")
 def test_tiled_memory_stays_small():
     """Peak memory of the tiled version is a small fraction of the (N, N) score matrix naive builds."""
-    q, k, v = make_qkv((1, 1, 1024, 1024, 16, True))
+    q, k, v = on_backend(*make_qkv((1, 1, 1024, 1024, 16, True)))
     score_bytes = 1024 * 1024 * 4
     tracemalloc.start()
     fa.flash_attention(q, k, v, True, 64, 64)
@@ -397,6 +401,9 @@ def test_emulated_kernel_checks_its_limits():
     q, k, v = make_qkv((1, 1, 8, 8, 128, True))
     with pytest.raises(launch.SharedMemoryError, match="bytes of shared memory"):
         launch.flash_attention_emulated(q, k, v, block_k=32)
+    assert launch.launch_emulated(q, k, v, True, 32, 0)[2] == 2  # FLASH_BAD_BLOCK
+    with pytest.raises(ValueError, match="block_k"):
+        launch.flash_attention_emulated(q, k, v, block_k=0)
 
 
 @needs_gxx
@@ -532,6 +539,7 @@ def test_model_logits_tiled_equal_naive(tiny_model):
     check_model_logits(tiny_model, "flash")
 
 
+@pytest.mark.gpu
 def test_model_logits_kernel_equal_naive(tiny_model):
     """attention='cuda' gives the naive logits: the kernel on a GPU, the same kernel emulated on a CPU."""
     if not is_gpu() and shutil.which("g++") is None:
@@ -572,7 +580,7 @@ def test_kernel_cache_dir_is_a_user_folder(monkeypatch, tmp_path):
     assert fallback.is_dir() and build.KERNEL_DIR not in fallback.parents
 
 
-# ---- on a real GPU (skipped without one): the same grid through cupy.RawKernel ----------------------------
+# ---- on the device (a GPU, or the strict stand-in): the same grid through RawKernel ----------------------------
 
 
 @pytest.mark.parametrize("case", CASES, ids=case_id)
@@ -580,13 +588,9 @@ def test_kernel_cache_dir_is_a_user_folder(monkeypatch, tmp_path):
 @pytest.mark.skipif(not is_gpu(), reason="needs a CUDA GPU (CuPy)")
 def test_gpu_kernel_matches_naive(case):
     """flash_attention_cuda on the GPU matches naive_attention within 1e-5, and L the log-sum-exp."""
-    import cupy
-
     q, k, v = make_qkv(case)
     causal = case[-1]
-    out, lse = launch.flash_attention_cuda(
-        cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), causal, return_lse=True
-    )
+    out, lse = launch.flash_attention_cuda(*on_backend(q, k, v), causal, return_lse=True)
     ref, ref_lse = reference(q, k, v, causal)
     assert np.abs(to_numpy(out) - ref).max() <= KERNEL_ATOL
     assert np.abs(to_numpy(lse) - ref_lse).max() <= 1e-4 * max(1.0, np.abs(ref_lse).max())
@@ -596,9 +600,7 @@ def test_gpu_kernel_matches_naive(case):
 @pytest.mark.skipif(not is_gpu(), reason="needs a CUDA GPU (CuPy)")
 def test_gpu_kernel_refuses_too_much_shared_memory():
     """A tile needing more shared memory than the device has raises SharedMemoryError naming the bytes."""
-    import cupy
-
-    q, k, v = (cupy.asarray(t) for t in make_qkv((1, 1, 64, 64, 128, True)))
+    q, k, v = on_backend(*make_qkv((1, 1, 64, 64, 128, True)))
     with pytest.raises(launch.SharedMemoryError, match="bytes of shared memory"):
         launch.flash_attention_cuda(q, k, v, block_k=4096)
 
@@ -607,8 +609,6 @@ def test_gpu_kernel_refuses_too_much_shared_memory():
 @pytest.mark.skipif(not is_gpu(), reason="needs a CUDA GPU (CuPy)")
 def test_gpu_kernel_with_opt_in_shared_memory():
     """block_k=64 at hs=128 needs more than 48 KiB: the launcher opts in, and the result is still right."""
-    import cupy
-
     q, k, v = make_qkv((1, 2, 100, 257, 128, True))
-    out = launch.flash_attention_cuda(cupy.asarray(q), cupy.asarray(k), cupy.asarray(v), True, block_k=64)
+    out = launch.flash_attention_cuda(*on_backend(q, k, v), True, block_k=64)
     assert np.abs(to_numpy(out) - reference(q, k, v, True)[0]).max() <= KERNEL_ATOL

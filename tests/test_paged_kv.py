@@ -11,12 +11,13 @@ import shutil
 
 import numpy as np
 import pytest
+from host_reference import host_attention
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minillm import GPT, GPTConfig, KVCache, generate, generate_naive
 from minillm.attention import naive_attention
-from minillm.backend import is_gpu, to_numpy
+from minillm.backend import is_gpu, to_numpy, xp
 from minillm.kv_cache import CacheFullError
 from minillm.paged_kv import (
     BlockAllocator,
@@ -263,7 +264,7 @@ def test_fork_batch_writes_copy_a_shared_block_once():
     view = cache.view([a, b])
     view.positions(1)  # what forward does: reserve, write every layer, advance
     for layer in range(BOOK.n_layer):
-        cache.write(layer, view.slots, k + layer * 2**21, -k - layer * 2**21)
+        cache.write(layer, view.slots, *(xp.asarray(t) for t in (k + layer * 2**21, -k - layer * 2**21)))
     view.advance(1)
     assert cache.copies == 1 and cache.allocator.num_free == 0
     assert_refcounts(cache)
@@ -431,8 +432,8 @@ def test_paged_attention_matches_naive_attention(tiny_config, rng, page_size, le
     q = rng.standard_normal((1, tiny_config.n_head, Tq, tiny_config.head_size), dtype=np.float32)
     for layer in range(tiny_config.n_layer):
         k, v = contiguous[seqs[0]][0][layer][None], contiguous[seqs[0]][1][layer][None]
-        expected = naive_attention(q.astype(np.float64), k.astype(np.float64), v.astype(np.float64))
-        out = to_numpy(paged_attention(q, cache, seqs, layer))
+        expected, _ = host_attention(q, k, v)
+        out = to_numpy(paged_attention(xp.asarray(q), cache, seqs, layer))
         np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)
 
 
@@ -442,10 +443,10 @@ def test_paged_attention_batch_of_different_lengths(tiny_config, rng, Tq):
     up to its own position (what batched speculative decoding needs)."""
     cache, seqs, contiguous = random_cache(tiny_config, 4, [2, 13, 5], rng)
     q = rng.standard_normal((3, tiny_config.n_head, Tq, tiny_config.head_size), dtype=np.float32)
-    out = to_numpy(paged_attention(q, cache, seqs, 1))
+    out = to_numpy(paged_attention(xp.asarray(q), cache, seqs, 1))
     for b, s in enumerate(seqs):
         k, v = contiguous[s][0][1][None], contiguous[s][1][1][None]
-        np.testing.assert_allclose(out[b : b + 1], naive_attention(q[b : b + 1], k, v), atol=1e-5)
+        np.testing.assert_allclose(out[b : b + 1], host_attention(q[b : b + 1], k, v)[0], atol=1e-5)
 
 
 # --- the model on a paged cache -------------------------------------------------------------------
@@ -516,6 +517,7 @@ def test_generation_past_the_context_releases_blocks(tiny_model, tiny_config):
     assert cache.allocator.num_free == 8
 
 
+@pytest.mark.gpu
 @pytest.mark.parametrize("name", ["naive", "flash", "cuda"])
 def test_forward_with_every_attention_gives_the_same_logits_paged_or_not(tiny_config, name):
     """GPT(attention=name) on a paged cache (blocks of 4; three sequences of lengths 5, 11, 1 prefilled

@@ -22,7 +22,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from minillm import GPT, GPTConfig, generate, serving
+from minillm import GPT, GPTConfig, generate, serving, to_numpy
 from minillm.benchmarks import serving as bench
 from minillm.serving import (
     Engine,
@@ -318,12 +318,12 @@ def test_serve_chunked_and_one_shot_prefill_give_the_same_cache_and_logits(monke
     seen = {}
 
     def recording(request, rng, logits):
-        seen.setdefault(request.seed, []).append(np.asarray(logits))
+        seen.setdefault(request.seed, []).append(to_numpy(logits))
         return request.settings.next_token(logits, rng)
 
     monkeypatch.setattr(serving, "sample_next", recording)
     prompt = tuple(int(t) for t in np.random.default_rng(3).integers(0, CFG.vocab_size, 21))
-    reference = np.asarray(MODEL.forward(np.array([prompt]))[0, -1])
+    reference = to_numpy(MODEL.forward(np.array([prompt]))[0, -1])
     caches = {}
     for chunk in (None, 1, 4, 8):
         engine = Engine(
@@ -334,7 +334,8 @@ def test_serve_chunked_and_one_shot_prefill_give_the_same_cache_and_logits(monke
         h = engine.add_request(Request(prompt, 2, temperature=0, seed=chunk or 0))
         while not h.output:
             engine.step()
-        caches[chunk] = [np.stack(engine.pool.read(h.seq_id, layer)) for layer in range(CFG.n_layer)]
+        caches[chunk] = [np.stack([to_numpy(a) for a in engine.pool.read(h.seq_id, layer)])
+                         for layer in range(CFG.n_layer)]
         if chunk is not None:
             assert max(r.scheduled.get(h.id, 0) for r in engine.history) == chunk
         np.testing.assert_allclose(seen[chunk or 0][0], reference, rtol=1e-5, atol=1e-5)

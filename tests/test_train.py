@@ -7,7 +7,7 @@ import pytest
 
 from minillm import GPT, GPTConfig, checkpoint, load_model
 from minillm import train as tr
-from minillm.backend import to_numpy
+from minillm.backend import to_numpy, xp
 
 CFG = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=8)
 
@@ -19,9 +19,10 @@ NEEDS = {("A1.1", "A1.2", "A1.3"): "gradient_check or loss_equals or float32_tra
 
 
 def float64_params(seed=0):
+    """The tiny model's parameters in float64, perturbed, as the backend's arrays."""
     rng = np.random.default_rng(seed)
     base = GPT.init(CFG, seed=seed).numpy_params()
-    return {k: v.astype(np.float64) + rng.normal(0, 0.1, v.shape) for k, v in base.items()}
+    return {k: xp.asarray(v.astype(np.float64) + rng.normal(0, 0.1, v.shape)) for k, v in base.items()}
 
 
 def max_gradcheck_error(params, idx, targets, entries_per_tensor=12, eps=1e-6):
@@ -31,16 +32,16 @@ def max_gradcheck_error(params, idx, targets, entries_per_tensor=12, eps=1e-6):
     rng = np.random.default_rng(1)
     worst = {}
     for name, p in params.items():
-        flat, g = p.reshape(-1), grads[name].reshape(-1)
+        flat, g = p.reshape(-1), to_numpy(grads[name]).reshape(-1)  # flat: a view, perturbed in place
         errs = []
         for j in rng.choice(flat.size, size=min(entries_per_tensor, flat.size), replace=False):
-            old = flat[j]
+            old = flat[j].copy()  # on a device, flat[j] is a view
             flat[j] = old + eps
             lp, _ = tr.forward_backward(params, CFG, idx, targets)
             flat[j] = old - eps
             lm, _ = tr.forward_backward(params, CFG, idx, targets)
             flat[j] = old
-            num = (lp - lm) / (2 * eps)
+            num = float(lp - lm) / (2 * eps)
             errs.append(abs(num - g[j]) / max(abs(num) + abs(g[j]), 1e-8))
         worst[name] = max(errs)
     return worst
@@ -53,14 +54,15 @@ def batch():
 
 
 def numerical_grad(f, x, dout, eps=1e-6):
-    """Central differences of sum(f(x) * dout) with respect to every entry of x."""
-    g = np.zeros_like(x)
+    """Central differences of sum(f(x) * dout) with respect to every entry of x (the backend's arrays
+    in, a host NumPy array out)."""
+    g = np.zeros(x.shape)
     for i in np.ndindex(x.shape):
-        old = x[i]
+        old = x[i].copy()  # on a device, x[i] is a view
         x[i] = old + eps
-        up = (f(x) * dout).sum()
+        up = float((f(x) * dout).sum())
         x[i] = old - eps
-        down = (f(x) * dout).sum()
+        down = float((f(x) * dout).sum())
         x[i] = old
         g[i] = (up - down) / (2 * eps)
     return g
@@ -69,17 +71,17 @@ def numerical_grad(f, x, dout, eps=1e-6):
 def test_gelu_backward_matches_finite_differences():
     """gelu_backward(dout, x) == d/dx sum(gelu(x) * dout), float64, at negative, zero and large x."""
     rng = np.random.default_rng(0)
-    x = np.r_[rng.normal(size=20) * 3, 0.0, -8.0, 8.0]
-    dout = rng.normal(size=x.shape)
-    np.testing.assert_allclose(tr.gelu_backward(dout, x), numerical_grad(tr.gelu, x, dout), atol=1e-8)
+    x = xp.asarray(np.r_[rng.normal(size=20) * 3, 0.0, -8.0, 8.0])
+    dout = xp.asarray(rng.normal(size=x.shape))
+    np.testing.assert_allclose(to_numpy(tr.gelu_backward(dout, x)), numerical_grad(tr.gelu, x, dout), atol=1e-8)
 
 
 def test_layernorm_backward_matches_finite_differences():
     """layernorm_backward gives dx, dw, db of sum(layer_norm(x, w, b) * dout) (float64, (B, T, C))."""
     rng = np.random.default_rng(1)
-    x, w, b = rng.normal(size=(2, 3, 5)), rng.normal(size=5), rng.normal(size=5)
-    dout = rng.normal(size=x.shape)
-    dx, dw, db = tr.layernorm_backward(dout, x, w)
+    x, w, b = (xp.asarray(rng.normal(size=shape)) for shape in ((2, 3, 5), 5, 5))
+    dout = xp.asarray(rng.normal(size=x.shape))
+    dx, dw, db = map(to_numpy, tr.layernorm_backward(dout, x, w))
     np.testing.assert_allclose(dx, numerical_grad(lambda t: tr.layer_norm(t, w, b), x, dout), atol=1e-7)
     np.testing.assert_allclose(dw, numerical_grad(lambda t: tr.layer_norm(x, t, b), w.copy(), dout), atol=1e-7)
     np.testing.assert_allclose(db, numerical_grad(lambda t: tr.layer_norm(x, w, t), b.copy(), dout), atol=1e-7)
@@ -111,8 +113,8 @@ def test_loss_equals_model_forward(batch):
     """The training forward and GPT.forward compute the same loss."""
     params = {k: v.astype(np.float32) for k, v in float64_params().items()}
     loss, _ = tr.forward_backward(params, CFG, *batch)
-    model_loss, _ = tr.cross_entropy_forward(GPT(CFG, params).forward(batch[0]), batch[1])
-    assert abs(loss - model_loss) < 1e-5
+    model_loss, _ = tr.cross_entropy_forward(GPT(CFG, params).forward(batch[0]), xp.asarray(batch[1]))
+    assert abs(float(loss) - float(model_loss)) < 1e-5
 
 
 def test_float32_training_stays_float32(batch):
@@ -136,26 +138,26 @@ def test_tiny_model_overfits_one_batch(batch):
 def test_adamw_bias_corrected_steps():
     """Step 1 moves each parameter by lr * g / (|g| + eps) (the bias corrections undo the moments'
     zero start); step 2 by lr * m_hat / (sqrt(v_hat) + eps), computed here by hand. In place."""
-    params = {"b": np.array([1.0, 1.0, 1.0])}
+    params = {"b": xp.asarray([1.0, 1.0, 1.0])}
     original = params["b"]
     opt = tr.AdamW(params, betas=(0.9, 0.99), eps=1e-8, weight_decay=0.0)
     g1, g2 = np.array([0.5, -2.0, 1e-3]), np.array([-1.0, 1.0, 1.0])
-    opt.step(params, {"b": g1}, lr=0.1)
-    np.testing.assert_allclose(params["b"], 1.0 - 0.1 * g1 / (np.abs(g1) + 1e-8))
+    opt.step(params, {"b": xp.asarray(g1)}, lr=0.1)
+    np.testing.assert_allclose(to_numpy(params["b"]), 1.0 - 0.1 * g1 / (np.abs(g1) + 1e-8))
     m = (0.9 * 0.1 * g1 + 0.1 * g2) / (1 - 0.9**2)
     v = (0.99 * 0.01 * g1**2 + 0.01 * g2**2) / (1 - 0.99**2)
     expected = 1.0 - 0.1 * g1 / (np.abs(g1) + 1e-8) - 0.1 * m / (np.sqrt(v) + 1e-8)
-    opt.step(params, {"b": g2}, lr=0.1)
-    np.testing.assert_allclose(params["b"], expected)
+    opt.step(params, {"b": xp.asarray(g2)}, lr=0.1)
+    np.testing.assert_allclose(to_numpy(params["b"]), expected)
     assert params["b"] is original
 
 
 def test_adamw_decays_matrices_only():
-    params = {"w": np.ones((2, 2), np.float32), "b": np.ones(2, np.float32)}
+    params = {"w": xp.ones((2, 2), np.float32), "b": xp.ones(2, np.float32)}
     opt = tr.AdamW(params, weight_decay=0.5)
-    opt.step(params, {"w": np.zeros((2, 2), np.float32), "b": np.zeros(2, np.float32)}, lr=0.1)
-    np.testing.assert_allclose(params["w"], 0.95)
-    np.testing.assert_allclose(params["b"], 1.0)
+    opt.step(params, {"w": xp.zeros((2, 2), np.float32), "b": xp.zeros(2, np.float32)}, lr=0.1)
+    np.testing.assert_allclose(to_numpy(params["w"]), 0.95)
+    np.testing.assert_allclose(to_numpy(params["b"]), 1.0)
 
 
 def test_clip_grad_norm():

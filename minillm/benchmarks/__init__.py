@@ -22,6 +22,7 @@ TOPICS = {
     "training-curves": "minillm.benchmarks.training",
     "lookahead": "minillm.benchmarks.lookahead",
     "verify-cost": "minillm.benchmarks.verify_cost",
+    "device-calls": "minillm.benchmarks.device_calls",
 }
 
 

@@ -1,4 +1,4 @@
-"""Build plumbing for the CUDA kernel: its limits, the g++ emulation build, ctypes, NVRTC, nvcc's report.
+"""Build plumbing for the CUDA kernel: its limits, the g++ emulation build, ctypes, nvcc's report.
 
 What chapter 4 uses but does not teach, in one place:
 
@@ -8,7 +8,6 @@ What chapter 4 uses but does not teach, in one place:
 - ``build_emulator``: the .cu compiled by g++ against cuda_emu.h into a shared library, cached by the
   hash of its sources, flags and compiler in ``kernel_cache_dir()`` (a user cache folder, never
   inside the installed package); ``load_emulator``: its launch entry point with ctypes types;
-- ``compile_raw_kernel``: NVRTC through ``cupy.RawKernel`` on a GPU;
 - ``nvcc_resource_report``: registers and spills as ptxas reports them.
 """
 
@@ -21,6 +20,7 @@ import re
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 KERNEL_DIR = Path(__file__).parent
@@ -112,17 +112,22 @@ EMU_FLAGS = ["-std=c++20", "-O2", "-shared", "-fPIC", "-pthread"]
 SANITIZE_FLAGS = {None: [], "thread": ["-fsanitize=thread", "-g"], "address": ["-fsanitize=address", "-g"]}
 
 
-def build_emulator(source: Path = KERNEL_SOURCE, sanitize: str | None = None, compiler: str = "g++") -> Path:
+def build_emulator(source: Path = KERNEL_SOURCE, sanitize: str | None = None, compiler: str = "g++",
+                   shared_bytes: int = DEFAULT_SMEM_BYTES) -> Path:
     """Compile a .cu + cuda_emu.h into a shared library once; later calls return the cached path.
 
-    The cache key hashes the kernel source, the header, the flags and the compiler, so editing the .cu
-    rebuilds it. Raises KernelError with g++'s message when the compile fails.
+    ``shared_bytes``: the most dynamic shared memory the emulated device gives a block (48 KiB, what every
+    GPU gives without opting in; a GPU's opt-in limit to emulate one). The cache key hashes the kernel
+    source, the header, the flags and the compiler, so editing the .cu rebuilds it. Raises KernelError
+    with g++'s message when the compile fails.
     """
     source = Path(source).resolve()
     cxx = shutil.which(compiler)
     if cxx is None:
         raise KernelError(f"{compiler} not found: emulating the CUDA kernel on a CPU needs a C++20 compiler")
     flags = EMU_FLAGS + SANITIZE_FLAGS[sanitize] + ["-include", str(EMU_HEADER)]
+    if shared_bytes != DEFAULT_SMEM_BYTES:
+        flags.append(f"-DCUDA_EMU_SHARED_BYTES={shared_bytes}")
     h = hashlib.sha256()
     for part in (source.read_bytes(), EMU_HEADER.read_bytes(), " ".join(flags).encode(), cxx.encode()):
         h.update(part)
@@ -143,43 +148,34 @@ def build_emulator(source: Path = KERNEL_SOURCE, sanitize: str | None = None, co
 
 
 _emulators: dict = {}  # library path -> its loaded entry point
+EMULATOR_LOCK = threading.Lock()  # emulated launches run one at a time (ctypes releases the GIL)
+FLOAT_P, INT_P = ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_int)
+# the kernel's parameters in order: Q, K, V, O, L, status, Tq, Tk, d, Bc, causal, scale
+KERNEL_PARAMS = [FLOAT_P] * 5 + [INT_P] + [ctypes.c_int] * 5 + [ctypes.c_float]
+LAUNCH_PARAMS = [ctypes.c_uint] * 5 + [ctypes.c_char_p, ctypes.c_int]  # grid x y z, block x, shared bytes, error
 
 
 def load_emulator(lib: Path):
     """The ``launch_flash_attention_forward`` entry point of a built library, with its ctypes signature."""
     if lib not in _emulators:
         fn = ctypes.CDLL(str(lib)).launch_flash_attention_forward
-        fp, ip = ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_int)
-        c_int, c_uint = ctypes.c_int, ctypes.c_uint
-        fn.argtypes = [fp, fp, fp, fp, fp, ip,  # Q, K, V, O, L, status
-                       c_int, c_int, c_int, c_int, c_int, ctypes.c_float,  # Tq, Tk, d, Bc, causal, scale
-                       c_uint, c_uint, c_uint, c_uint, c_uint,  # grid x, y, z, block x, shared bytes
-                       ctypes.c_char_p, c_int]  # error message buffer and its length
-        fn.restype = c_int
+        fn.argtypes = KERNEL_PARAMS + LAUNCH_PARAMS
+        fn.restype = ctypes.c_int
         _emulators[lib] = fn
     return _emulators[lib]
 
 
-# --- on a GPU: NVRTC through cupy.RawKernel -----------------------------------------------------------
-
-_raw_kernels: dict = {}  # (source, device) -> compiled RawKernel
-
-
-def compile_raw_kernel(source: Path = KERNEL_SOURCE):
-    """The kernel compiled by NVRTC (``cupy.RawKernel``), once per source file and device."""
-    import cupy
-
-    key = (str(source), cupy.cuda.Device().id)
-    if key not in _raw_kernels:
-        _raw_kernels[key] = cupy.RawKernel(Path(source).read_text(), KERNEL_NAME, options=("--std=c++17",))
-    return _raw_kernels[key]
-
-
-def device_smem_limit() -> int:
-    """Most dynamic shared memory a block may use on this GPU after opting in (e.g. 232,448 on H100/H200)."""
-    import cupy
-
-    return int(cupy.cuda.Device().attributes["MaxSharedMemoryPerBlockOptin"])
+def run_emulated(lib: Path, args, grid: tuple[int, int, int], block_x: int, smem_bytes: int) -> None:
+    """Launch the built kernel: args in KERNEL_PARAMS order (NumPy arrays for the pointers, numbers for the
+    rest), grid (x, y, z), block (block_x,), dynamic shared memory in bytes. Raises KernelError with the
+    emulator's message when it refuses the launch (a diverged barrier, shared memory beyond its device's)."""
+    c_args = [a.ctypes.data_as(param) if param in (FLOAT_P, INT_P) else param(a).value
+              for a, param in zip(args, KERNEL_PARAMS)]
+    err = ctypes.create_string_buffer(1024)
+    with EMULATOR_LOCK:
+        rc = load_emulator(lib)(*c_args, *grid, block_x, smem_bytes, err, len(err))
+    if rc != 0:
+        raise KernelError(err.value.decode())
 
 
 # --- what the compiler made of it: nvcc's resource report ---------------------------------------------

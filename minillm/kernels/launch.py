@@ -2,7 +2,7 @@
 
     grid (Tr, nh, B), block (Br,), dynamic shared memory kernel_smem_bytes(Br, Bc, hs) bytes
 
-- ``flash_attention_cuda``: on a GPU, compiled by NVRTC (``cupy.RawKernel``);
+- ``flash_attention_cuda``: on a GPU, compiled by NVRTC (``cupy.RawKernel``, ``compile_raw_kernel``);
 - ``flash_attention_emulated``: on any CPU, the same .cu compiled by g++ against cuda_emu.h;
 - ``kernel_attention``: whichever of the two this machine can run, with the signature of
   ``minillm.attention.naive_attention`` (the reference both are checked against).
@@ -13,9 +13,7 @@ tile does not fit, and ``KernelError`` when the kernel itself reports a violated
 
 from __future__ import annotations
 
-import ctypes
 import math
-import threading
 from pathlib import Path
 
 import numpy as np
@@ -24,13 +22,12 @@ from ..backend import is_gpu, to_numpy, xp
 from .build import (
     DEFAULT_SMEM_BYTES,
     HS_MAX,
+    KERNEL_NAME,
     KERNEL_SOURCE,
     KernelError,
     build_emulator,
-    compile_raw_kernel,
-    device_smem_limit,
-    load_emulator,
     raise_status,
+    run_emulated,
 )
 
 KERNEL_BLOCK_Q = 32  # Br: query rows per tile = threads per block (one warp)
@@ -59,6 +56,8 @@ def kernel_tiles(hs: int, smem_limit: int = DEFAULT_SMEM_BYTES, block_k: int | N
     """
     if not 1 <= hs <= HS_MAX:
         raise ValueError(f"the flash attention kernel takes head sizes 1..{HS_MAX}, got {hs}")
+    if block_k is not None and block_k < 1:
+        raise ValueError(f"block_k (keys per tile) must be at least 1, got {block_k}")
     Br = KERNEL_BLOCK_Q
     candidates = [block_k] if block_k is not None else [32, 16, 8, 4, 2, 1]
     for Bc in candidates:
@@ -89,41 +88,87 @@ def check_inputs(q, k, v) -> tuple[int, int, int, int, int]:
 # --- on a GPU ---------------------------------------------------------------------------------------
 
 
+_raw_kernels: dict = {}  # (source, device) -> [compiled RawKernel, the dynamic shared memory it may use]
+_smem_limits: dict = {}  # device -> MaxSharedMemoryPerBlockOptin
+
+
+def compile_raw_kernel(source: Path = KERNEL_SOURCE, smem_bytes: int = 0):
+    """The kernel compiled by NVRTC (``RawKernel`` of the backend, CuPy on a GPU), once per source file and
+    device, allowed to use smem_bytes of dynamic shared memory: above 48 KiB a kernel must opt in (a driver
+    call, made only when a launch needs more than the kernel is already allowed)."""
+    key = (str(source), xp.cuda.runtime.getDevice())
+    if key not in _raw_kernels:
+        kernel = xp.RawKernel(Path(source).read_text(), KERNEL_NAME, options=("--std=c++17",))
+        _raw_kernels[key] = [kernel, DEFAULT_SMEM_BYTES]
+    entry = _raw_kernels[key]
+    if smem_bytes > entry[1]:
+        entry[0].max_dynamic_shared_size_bytes = smem_bytes
+        entry[1] = smem_bytes
+    return entry[0]
+
+
+def device_smem_limit() -> int:
+    """Most dynamic shared memory a block may use on this GPU after opting in (e.g. 232,448 on H100/H200).
+
+    Read once per device, as one attribute (``Device().attributes`` would query about a hundred)."""
+    device = xp.cuda.runtime.getDevice()
+    if device not in _smem_limits:
+        attribute = xp.cuda.runtime.cudaDevAttrMaxSharedMemoryPerBlockOptin
+        _smem_limits[device] = int(xp.cuda.runtime.deviceGetAttribute(attribute, device))
+    return _smem_limits[device]
+
+
+_status_words: dict = {}  # device -> the int32 status word its launches share
+
+
+def status_word():
+    """This device's kernel status word: zeroed once, written by the kernel only when it refuses a launch,
+    so every launch can share it and none has to clear it."""
+    device = xp.cuda.runtime.getDevice()
+    if device not in _status_words:
+        _status_words[device] = xp.zeros(1, dtype=xp.int32)
+    return _status_words[device]
+
+
+def check_kernel_status() -> None:
+    """Read the status word (this waits for the GPU) and raise KernelError if a launch was refused."""
+    status = status_word()
+    code = int(status.get()[0])
+    if code != 0:
+        status.fill(0)  # reported once
+        raise_status(code)
+
+
 def flash_attention_cuda(q, k, v, causal=True, block_k: int | None = None, return_lse: bool = False,
-                         source: Path = KERNEL_SOURCE):
+                         source: Path = KERNEL_SOURCE, check_status: bool = True):
     """kernels/flash_attention.cu on the GPU (cupy.RawKernel); same result as ``naive_attention``.
 
     (B, nh, Tq, hs) x 3 -> (B, nh, Tq, hs) float32 (and L (B, nh, Tq) with return_lse).
     Grid (Tr, nh, B), block (Br,), dynamic shared memory kernel_smem_bytes(Br, Bc, hs). Raises
     SharedMemoryError when the tile needs more shared memory than the device has, KernelError when
-    the kernel reports a violated limit.
+    the kernel reports a violated limit. The launch is asynchronous: only ``check_status`` reads the
+    kernel's status back, which waits for the GPU. The launcher refuses beforehand every launch the
+    kernel would refuse, so the model's forward pass (``kernel_attention``) skips that wait.
     """
     if not is_gpu():
         raise RuntimeError("flash_attention_cuda needs a CUDA GPU (CuPy); use flash_attention_emulated")
-    import cupy
-
     B, nh, Tq, Tk, hs = check_inputs(q, k, v)
     Br, Bc = kernel_tiles(hs, DEFAULT_SMEM_BYTES if block_k is None else device_smem_limit(), block_k)
     smem = kernel_smem_bytes(Br, Bc, hs)
-    kernel = compile_raw_kernel(source)
-    if smem > DEFAULT_SMEM_BYTES:  # above 48 KiB a kernel must opt in
-        kernel.max_dynamic_shared_size_bytes = smem
-    q, k, v = (cupy.ascontiguousarray(t, dtype=cupy.float32) for t in (q, k, v))
-    out = cupy.empty((B, nh, Tq, hs), dtype=cupy.float32)
-    lse = cupy.empty((B, nh, Tq), dtype=cupy.float32)
-    status = cupy.zeros(1, dtype=cupy.int32)
+    kernel = compile_raw_kernel(source, smem)
+    q, k, v = (xp.ascontiguousarray(t, dtype=xp.float32) for t in (q, k, v))
+    out = xp.empty((B, nh, Tq, hs), dtype=xp.float32)
+    lse = xp.empty((B, nh, Tq), dtype=xp.float32)
     Tr = (Tq + Br - 1) // Br
-    args = (q, k, v, out, lse, status, np.int32(Tq), np.int32(Tk), np.int32(hs), np.int32(Bc),
+    args = (q, k, v, out, lse, status_word(), np.int32(Tq), np.int32(Tk), np.int32(hs), np.int32(Bc),
             np.int32(bool(causal)), np.float32(1.0 / math.sqrt(hs)))
     kernel((Tr, nh, B), (Br,), args, shared_mem=smem)
-    cupy.cuda.get_current_stream().synchronize()
-    raise_status(int(status.get()[0]))
+    if check_status:
+        check_kernel_status()
     return (out, lse) if return_lse else out
 
 
 # --- on a CPU -----------------------------------------------------------------------------------------
-
-_emu_lock = threading.Lock()  # launches are serialized (ctypes releases the GIL)
 
 
 def with_red_zone(a: np.ndarray) -> np.ndarray:
@@ -148,17 +193,11 @@ def launch_emulated(q, k, v, causal=True, Br: int = KERNEL_BLOCK_Q, Bc: int = 32
     status = np.zeros(1, dtype=np.int32)
     smem = kernel_smem_bytes(Br, Bc, hs) if smem_bytes is None else smem_bytes
     Tr = (Tq + Br - 1) // Br
-    fn = load_emulator(build_emulator(source, sanitize))
-    err = ctypes.create_string_buffer(1024)
-    fp = ctypes.POINTER(ctypes.c_float)
-    pointers = [a.ctypes.data_as(fp) for a in (q, k, v, out, lse)]
-    pointers.append(status.ctypes.data_as(ctypes.POINTER(ctypes.c_int)))
-    scalars = [Tq, Tk, hs, Bc, int(bool(causal)), 1.0 / math.sqrt(hs)]  # the kernel's int/float arguments
-    launch = [Tr, nh, B, Br, smem]  # grid (Tr, nh, B), block (Br,), dynamic shared memory in bytes
-    with _emu_lock:
-        rc = fn(*pointers, *scalars, *launch, err, len(err))
-    if rc != 0:
-        raise KernelError(f"emulated launch of {Path(source).name} failed: {err.value.decode()}")
+    args = (q, k, v, out, lse, status, Tq, Tk, hs, Bc, int(bool(causal)), 1.0 / math.sqrt(hs))
+    try:
+        run_emulated(build_emulator(source, sanitize), args, (Tr, nh, B), Br, smem)
+    except KernelError as exc:
+        raise KernelError(f"emulated launch of {Path(source).name} failed: {exc}") from None
     n = B * nh * Tq
     return out[: n * hs].reshape(B, nh, Tq, hs), lse[:n].reshape(B, nh, Tq), int(status[0])
 
@@ -188,5 +227,5 @@ def kernel_attention(q, k, v, causal=True, mask=None):
         raise ValueError("the CUDA kernel applies the causal mask only; verify token trees with "
                          "attention='naive' or 'flash'")
     if is_gpu():
-        return flash_attention_cuda(q, k, v, causal)
+        return flash_attention_cuda(q, k, v, causal, check_status=False)  # no wait for the GPU mid-forward
     return xp.asarray(flash_attention_emulated(q, k, v, causal))

@@ -1,0 +1,46 @@
+"""On the device, minillm gives the host's answers: the model's logits with each attention, plain and
+paged, generation, speculative decoding and batches (tests/fixtures/device_cases.py). The host's answers
+come from a NumPy run in a subprocess; every comparison is made on the host, in NumPy."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from device_cases import ATTENTIONS, logits, tokens
+
+from minillm.backend import is_gpu
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not is_gpu(), reason="needs a CUDA GPU (CuPy)")]
+ROOT = Path(__file__).resolve().parents[1]
+LOGITS_ATOL = 1e-4  # float32 on two machines, different summation orders
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory):
+    """device_cases computed by NumPy in a subprocess -> {"logits/full": array, ..., "tokens/greedy": ...}."""
+    out = tmp_path_factory.mktemp("host") / "cases.npz"
+    env = {**os.environ, "MINILLM_BACKEND": "numpy",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "fixtures")])}
+    r = subprocess.run([sys.executable, "-m", "device_cases", str(out)], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    with np.load(out) as cases:
+        return dict(cases)
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_device_logits_equal_the_hosts(host, attention):
+    """Full prompt, KVCache prefill + decode, paged prefill + ragged step: float32, within 1e-4 of NumPy."""
+    for name, got in logits(attention).items():
+        assert isinstance(got, np.ndarray) and got.dtype == np.float32, name
+        np.testing.assert_allclose(got, host[f"logits/{name}"], atol=LOGITS_ATOL, err_msg=name)
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_device_decoding_gives_the_hosts_tokens(host, attention):
+    """generate (greedy and sampled), speculative decoding and a batch pick the host's tokens."""
+    for name, got in tokens(attention).items():
+        np.testing.assert_array_equal(got, host[f"tokens/{name}"], err_msg=name)
