@@ -8,7 +8,7 @@ import functools
 import numpy as np
 import pytest
 
-from minillm import GPT, GPTConfig
+from minillm import GPT, GPTConfig, to_numpy
 from minillm.benchmarks import TOPICS
 from minillm.benchmarks.common import BenchmarkError
 from minillm.benchmarks.speculation_zoo import (
@@ -92,12 +92,13 @@ def test_tree_verify_is_a_forward_through_the_tree_path(tiny_model):
     caches = [KVCache(tiny_model.config), KVCache(tiny_model.config)]
     for model, cache in zip((tiny_model, TreeVerify(tiny_model)), caches):
         model.forward(np.array([prefix]), cache)
-    plain = tiny_model.forward(np.array([new]), caches[0])
-    tree = TreeVerify(tiny_model).forward(np.array([new]), caches[1])
+    plain = to_numpy(tiny_model.forward(np.array([new]), caches[0]))
+    tree = to_numpy(TreeVerify(tiny_model).forward(np.array([new]), caches[1]))
     np.testing.assert_allclose(tree, plain, atol=1e-5)
     assert caches[0].length == caches[1].length == 7
     for layer in range(tiny_model.config.n_layer):
-        np.testing.assert_allclose(caches[1].k[layer][:, :, :7], caches[0].k[layer][:, :, :7], atol=1e-5)
+        np.testing.assert_allclose(to_numpy(caches[1].k[layer][:, :, :7]), to_numpy(caches[0].k[layer][:, :, :7]),
+                                   atol=1e-5)
 
 
 @pytest.fixture
