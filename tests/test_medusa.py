@@ -298,3 +298,20 @@ def test_shipped_heads_accuracy_and_greedy_identity():
     out = tree_generate(model, prompt, 60, MedusaProposer(heads), temperature=0)
     assert out.tokens == generate(model, prompt, 60, temperature=0).tokens
     assert out.stats.tokens_per_call > 1.4
+
+
+@pytest.mark.parametrize("argv,match", [(["--heads", "0"], "number of Medusa heads"),
+                                        (["--steps", "0"], "must be >= 1"),
+                                        (["--out", str(SHIPPED_DIR / "target.npz")], "shipped with minillm")])
+def test_command_refuses_bad_options_before_any_work(argv, match, tmp_path):
+    """medusa-train checks its options before it loads a model or writes anything."""
+    import argparse
+
+    from minillm.medusa import add_arguments, run
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--out", str(tmp_path / "h.npz"), "--model", "no-such-model", *argv])
+    with pytest.raises(ValueError, match=match):
+        run(args)
+    assert list(tmp_path.iterdir()) == []
