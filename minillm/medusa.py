@@ -40,7 +40,7 @@ from pathlib import Path
 import numpy as np
 
 from .backend import to_numpy, xp
-from .chat import Chat
+from .batch_speculative import generate_batch
 from .checkpoint import HEADER_KEY, SHIPPED_DIR, CheckpointError, atomic_save_npz, encode_header, read_npz
 from .data import corpus_tokenizer, train_val_split
 from .llama import silu
@@ -312,32 +312,71 @@ CHAT_PROMPTS = (
     "What should I pack for a weekend hiking trip?",
     "Explain what a black hole is.",
     "Write an email asking my manager for a day off.",
+    "How do vaccines work?",
+    "What causes the seasons on Earth?",
+    "Give me a recipe for pancakes.",
+    "What is the water cycle?",
+    "Explain recursion with an example.",
+    "Write a short story about a robot who learns to paint.",
+    "What are the main causes of climate change?",
+    "How can I improve my sleep?",
+    "Describe the city of Tokyo.",
+    "What is the difference between weather and climate?",
+    "Explain how a bicycle works.",
+    "List five fruits that are high in vitamin C.",
+    "What is democracy?",
+    "How do I write a good resume?",
+    "Why do leaves change color in the fall?",
+    "Explain the rules of chess briefly.",
+    "What is the Pythagorean theorem?",
+    "Write a thank-you note to a teacher.",
+    "How do airplanes stay in the air?",
+    "What are some good habits for studying?",
+    "Describe the life cycle of a butterfly.",
+    "What is an API in programming?",
+    "How does the internet work?",
+    "Give me ideas for a birthday party.",
+    "What is the role of the heart in the body?",
+    "Explain supply and demand.",
+    "Write a limerick about a dog.",
+    "What are renewable energy sources?",
+    "How do I start running as a beginner?",
+    "What is the difference between a virus and a bacterium?",
+    "Describe the planet Mars.",
+    "How do I save money on groceries?",
 )
 HELD_OUT_PROMPTS = (
     "What is machine learning?",
     "Tell me a fun fact about elephants.",
     "How do plants drink water?",
     "Write a haiku about autumn leaves.",
+    "Explain how a rainbow forms.",
+    "What makes a good friend?",
 )
+DISTILL_BATCH = 16  # answers generated together (one batched forward per token)
 
 
-def self_distillation(model, tokenizer, prompts, max_new_tokens: int = 192, temperature: float = 0.7,
+def self_distillation(model, tokenizer, prompts, max_new_tokens: int = 160, temperature: float = 0.0,
                       seed: int = 0, progress: bool = True):
-    """Text the model itself writes: one chat answer per prompt -> (sequences, starts).
+    """Text the model itself writes: its chat answer to each prompt -> (sequences, starts).
 
-    Each sequence is the templated prompt's tokens, the answer and its end-of-turn token (when it
-    ended); starts[i] is the last prompt position, whose hidden state predicts the answer's first tokens.
+    Answers are decoded DISTILL_BATCH at a time (``generate_batch``; greedy by default, the text
+    greedy decoding will meet) and cut after their end-of-turn token. Each sequence is the templated
+    prompt's tokens plus the answer; starts[i] is the last prompt position, whose hidden state
+    predicts the answer's first tokens.
     """
     from tqdm import tqdm
 
+    prompt_ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}])) for p in prompts]
     sequences, starts = [], []
-    for i, prompt in enumerate(tqdm(prompts, desc="self-distillation", disable=not progress)):
-        chat = Chat(model, tokenizer, max_len=1024, seed=seed + i)
-        prompt_ids = tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": prompt}]))
-        reply = chat.turn(prompt, max_new_tokens, temperature)
-        end = [tokenizer.eos_token_id] if reply.finish == "end of turn" else []
-        sequences.append([*prompt_ids, *reply.tokens, *end])
-        starts.append(len(prompt_ids) - 1)
+    for i in tqdm(range(0, len(prompts), DISTILL_BATCH), desc="self-distillation", disable=not progress):
+        batch = prompt_ids[i : i + DISTILL_BATCH]
+        answers = generate_batch(model, batch, max_new_tokens, temperature=temperature, seed=seed + i).tokens
+        for ids, answer in zip(batch, answers):
+            eos = tokenizer.eos_token_id
+            answer = answer[: answer.index(eos) + 1] if eos in answer else answer
+            sequences.append([*ids, *answer])
+            starts.append(len(ids) - 1)
     return sequences, starts
 
 
@@ -362,7 +401,7 @@ def train_heads(model, sequences, n_heads: int = 4, starts=None, tc: TrainConfig
     heads = heads or MedusaHeads.init(model, n_heads)
     opt = AdamW(heads.params, (tc.beta1, tc.beta2), weight_decay=tc.weight_decay)
     rng, start, history, elapsed0 = np.random.default_rng(tc.seed), 0, [], 0.0
-    if resume:
+    if resume and Path(state_path).exists():  # (a run stopped before its first checkpoint starts over)
         start, history, elapsed0 = load_state(state_path, model, heads, opt, rng)
     if start >= tc.max_steps:
         raise ValueError(f"{state_path} is already at step {start} of {tc.max_steps}: nothing to train")
@@ -453,8 +492,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="heads file to write (.npz)")
     p.add_argument("--heads", type=int, default=4, help=f"number of heads, 1..{MAX_HEADS} (default 4)")
     p.add_argument("--steps", type=int, default=HEADS_TRAIN.max_steps, help="optimizer steps")
+    p.add_argument("--lr", type=float, default=HEADS_TRAIN.lr, help="peak learning rate (cosine decay to lr / 10)")
     p.add_argument("--batch-size", type=int, default=HEADS_TRAIN.batch_size, help="hidden states per step")
-    p.add_argument("--resume", action="store_true", help="continue from <out>.medusa-train.npz")
+    p.add_argument("--resume", action="store_true",
+                   help="reuse the training text of <out>.medusa-text.npz, continue from <out>.medusa-train.npz")
     p.add_argument("--overwrite-shipped", action="store_true", help="allow --out to replace a shipped heads file")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -464,11 +505,13 @@ def run(args) -> int:
     n_heads = check_n_heads(args.heads)
     if args.steps < 1 or args.batch_size < 1:
         raise ValueError(f"--steps and --batch-size must be >= 1, got {args.steps} and {args.batch_size}")
+    if not 0 < args.lr < 1:
+        raise ValueError(f"--lr must be in (0, 1), got {args.lr}")
     check_writable(args.out, args.overwrite_shipped)
     t_start = time.perf_counter()
     model, tokenizer = load_model(args.model)
     state_path, progress = run_file(args.out, ".medusa-train.npz"), not args.quiet
-    tc = replace(HEADS_TRAIN, max_steps=args.steps, batch_size=args.batch_size)
+    tc = replace(HEADS_TRAIN, max_steps=args.steps, batch_size=args.batch_size, lr=args.lr, min_lr=args.lr / 10)
     text_path = run_file(args.out, ".medusa-text.npz")
     if args.resume:
         parts = load_text(text_path)

@@ -17,7 +17,7 @@ LAYERS = [  # lowest first; a module may import from its own layer and the ones 
     {"token_tree"},
     {"draft_free", "lookahead"},
     {"batch_speculative"},
-    {"serving", "chat", "train", "medusa"},  # medusa trains with train.py, self-distills with chat.py
+    {"serving", "chat", "train", "medusa"},  # medusa trains its heads with train.py
     {"benchmarks", "course", "demo", "cli", "gpu_check", "__main__", ""},
 ]
 MODEL = {"model", "llama"}

@@ -301,7 +301,7 @@ def test_shipped_heads_accuracy_and_greedy_identity():
 
 
 @pytest.mark.parametrize("argv,match", [(["--heads", "0"], "number of Medusa heads"),
-                                        (["--steps", "0"], "must be >= 1"),
+                                        (["--steps", "0"], "must be >= 1"), (["--lr", "0"], "--lr"),
                                         (["--out", str(SHIPPED_DIR / "target.npz")], "shipped with minillm")])
 def test_command_refuses_bad_options_before_any_work(argv, match, tmp_path):
     """medusa-train checks its options before it loads a model or writes anything."""
