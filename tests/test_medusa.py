@@ -215,10 +215,10 @@ def sampled_triples(model, heads, rule, n_runs):
 
 def test_exact_rule_keeps_the_target_distribution(four_tokens):
     """T = 1, exact rule (recursive rejection over the Medusa tree): the first three tokens follow the
-    target's joint distribution over 4^3 cells (chi-square, N = 500 runs, of which a third or more
-    accept a tree token). The same N rejects typical acceptance's output at p < 1e-9 (next test)."""
-    triples, joint, accepted = sampled_triples(*four_tokens, "exact", 500)
-    assert accepted > 150
+    target's joint distribution over 4^3 cells (chi-square, N = 300 runs, of which a third or more
+    accept a tree token). Fewer runs reject typical acceptance's output at p < 1e-9 (next test)."""
+    triples, joint, accepted = sampled_triples(*four_tokens, "exact", 300)
+    assert accepted > 90
     assert chi2_pvalue(triples, joint) >= P_MIN
 
 
@@ -295,8 +295,8 @@ def test_shipped_heads_accuracy_and_greedy_identity():
     h, targets = head_data(model, [val[:256], val[1024:1280]], heads.n_heads)
     assert heads.accuracy(h, targets[:, 1:])["head 0 (+2)"]["top1"] > 0.24
     prompt = tok.encode("ROMEO:\nWhat light through yonder window")
-    out = tree_generate(model, prompt, 60, MedusaProposer(heads), temperature=0)
-    assert out.tokens == generate(model, prompt, 60, temperature=0).tokens
+    out = tree_generate(model, prompt, 40, MedusaProposer(heads), temperature=0)
+    assert out.tokens == generate(model, prompt, 40, temperature=0).tokens
     assert out.stats.tokens_per_call > 1.4
 
 
