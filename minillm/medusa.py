@@ -193,6 +193,11 @@ class MedusaHeads:
         return cls(model, arrays)
 
 
+def shipped_heads_path(model_name: str) -> Path:
+    """The heads shipped for a model name: "target" -> minillm/models/medusa_target.npz."""
+    return SHIPPED_DIR / f"medusa_{model_name}.npz"
+
+
 def check_same_model(saved: dict, actual: dict, path) -> None:
     for key in ("architecture", "config", "lm_head_sha256"):
         if saved.get(key) != actual[key]:

@@ -19,6 +19,7 @@ from minillm.medusa import (
     MedusaProposer,
     head_data,
     heads_forward_backward,
+    shipped_heads_path,
     sparse_tree_paths,
     train_heads,
 )
@@ -278,7 +279,7 @@ def test_heads_file_for_another_model_is_refused(trained, tmp_path):
 # ----------------------------------------------------------------------------------------------
 # the shipped heads of the character model
 
-shipped = pytest.mark.skipif(not (SHIPPED_DIR / "medusa_target.npz").is_file(), reason="no shipped Medusa heads")
+shipped = pytest.mark.skipif(not shipped_heads_path("target").is_file(), reason="no shipped Medusa heads")
 
 
 @shipped
@@ -290,7 +291,7 @@ def test_shipped_heads_accuracy_and_greedy_identity():
     from minillm.data import train_val_split
 
     model, tok = load_model("target")
-    heads = MedusaHeads.load(model, SHIPPED_DIR / "medusa_target.npz")
+    heads = MedusaHeads.load(model, shipped_heads_path("target"))
     _, val = train_val_split(tok)
     h, targets = head_data(model, [val[:256], val[1024:1280]], heads.n_heads)
     assert heads.accuracy(h, targets[:, 1:])["head 0 (+2)"]["top1"] > 0.24
