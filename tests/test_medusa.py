@@ -316,3 +316,33 @@ def test_command_refuses_bad_options_before_any_work(argv, match, tmp_path):
     with pytest.raises(ValueError, match=match):
         run(args)
     assert list(tmp_path.iterdir()) == []
+
+
+def test_shipped_smollm2_heads_name_their_gguf_and_refuse_another_model():
+    """The SmolLM2 heads (float16 residual blocks, < 3 MB) name the GGUF file they were trained on
+    and refuse to load onto the character model."""
+    from minillm.checkpoint import load_model, model_notes
+    from minillm.registry import SMOLLM2, SMOLLM2_SHA256
+
+    path = shipped_heads_path(SMOLLM2)
+    assert path.stat().st_size < 3e6 and model_notes(path)["gguf_sha256"] == SMOLLM2_SHA256
+    with pytest.raises(ValueError, match="another model"):
+        MedusaHeads.load(load_model("target")[0], path)
+
+
+@pytest.mark.slow
+def test_shipped_smollm2_heads_keep_greedy_output():
+    """With SmolLM2 (about 10 s: loading the model dominates), greedy Medusa decoding of a short chat
+    answer with the shipped heads (4, sharing the LM head) is the model's own greedy answer."""
+    from test_bpe import smollm2_gguf
+
+    from minillm.registry import SMOLLM2, load_model
+
+    smollm2_gguf()  # skips when the model package is not installed
+    model, tok = load_model(SMOLLM2)
+    heads = MedusaHeads.load(model, shipped_heads_path(SMOLLM2))
+    assert heads.n_heads == 4 and heads.shared_lm_head
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}]))
+    cache = KVCache(model.config, max_len=len(prompt) + 32)
+    ref = generate(model, prompt, 12, temperature=0, cache=cache).tokens
+    assert tree_generate(model, prompt, 12, MedusaProposer(heads), temperature=0, cache=cache).tokens == ref
