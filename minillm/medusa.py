@@ -359,6 +359,7 @@ HELD_OUT_PROMPTS = (
     "What makes a good friend?",
 )
 DISTILL_BATCH = 16  # answers generated together (one batched forward per token)
+CHAR_WINDOWS = (256, 16)  # Shakespeare windows of block_size characters: training split, validation split
 
 
 def self_distillation(model, tokenizer, prompts, max_new_tokens: int = 160, temperature: float = 0.0,
@@ -488,7 +489,8 @@ def training_text(model, tokenizer, seed: int, progress: bool):
         return train_seqs, train_starts, held, held_starts
     train, val = train_val_split(corpus_tokenizer())
     T = model.config.block_size
-    return shakespeare_windows(train, 256, T, seed), None, shakespeare_windows(val, 16, T, seed), None
+    n_train, n_val = CHAR_WINDOWS
+    return shakespeare_windows(train, n_train, T, seed), None, shakespeare_windows(val, n_val, T, seed), None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
