@@ -133,11 +133,14 @@ def is_cupy() -> bool:
     return xp.__name__ == "cupy"
 
 
+def on_device(a) -> bool:
+    """True for a device array (CuPy's, or the strict stand-in's): one whose way down is ``.get()``."""
+    return hasattr(a, "get") and not isinstance(a, numpy.ndarray)
+
+
 def to_numpy(a):
     """Any array (NumPy or CuPy) or scalar -> a NumPy array on the host."""
-    if hasattr(a, "get") and not isinstance(a, numpy.ndarray):  # cupy.ndarray
-        return a.get()
-    return numpy.asarray(a)
+    return a.get() if on_device(a) else numpy.asarray(a)
 
 
 def synchronize() -> None:

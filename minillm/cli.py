@@ -41,12 +41,15 @@ def cmd_generate(args) -> int:
     SamplingSettings(args.temperature, args.top_k, args.top_p)  # refuses bad values before anything is printed
     model, tok = load_model(args.model)
     prompt = tok.encode(args.prompt)  # ValueError naming unknown characters
-    print(args.prompt, end="", flush=True)
+    # a cache just big enough: SmolLM2's full 8192-token context would be 377 MB of float32 K/V
+    size = min(model.config.block_size, len(prompt) + args.max_new_tokens)
     if args.no_cache:
         gen = generate_naive
-    else:  # a cache just big enough: SmolLM2's full 8192-token context would be 377 MB of float32 K/V
-        size = min(model.config.block_size, len(prompt) + args.max_new_tokens)
+    elif args.speculate:
+        gen = partial(draft_free_generate, proposer=proposer(args, model), cache=KVCache(model.config, max_len=size))
+    else:
         gen = partial(generate, cache=KVCache(model.config, max_len=size))
+    print(args.prompt, end="", flush=True)
     text = TextStream(tok)
 
     def show(token):
@@ -55,12 +58,43 @@ def cmd_generate(args) -> int:
     result = gen(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                  top_p=args.top_p, seed=args.seed, on_token=show)
     s = result.stats
+    kv = f"{args.speculate}: {s.tokens_per_call:.2f} tokens per target call" if args.speculate else (
+        f"KV cache {s.kv_bytes / 1e6:.2f} MB")
     print(
         f"\n\n[{s.new_tokens} tokens | TTFT {s.ttft_s * 1e3:.1f} ms | {s.tpot_s * 1e3:.2f} ms/token | "
-        f"{s.tokens_per_s:.0f} tokens/s | KV cache {s.kv_bytes / 1e6:.2f} MB]",
+        f"{s.tokens_per_s:.0f} tokens/s | {kv}]",
         file=sys.stderr,
     )
     return 0
+
+
+def proposer(args, model):
+    """The draft-free proposer ``--speculate`` names (chapter 9), for ``model``."""
+    from .draft_free import LayerSkip, PromptLookup
+    from .lookahead import Lookahead
+    from .medusa import MedusaHeads, MedusaProposer, shipped_heads_path
+
+    if args.speculate == "lookup":
+        return PromptLookup()
+    if args.speculate == "layer-skip":
+        return LayerSkip(model, args.draft_layers or max(1, model.config.n_layer // 2))
+    if args.speculate == "lookahead":
+        return Lookahead()
+    path = shipped_heads_path(args.model)
+    if not path.is_file():
+        raise ValueError(f"no Medusa heads ship for model {args.model!r}; train them with "
+                         f"python -m minillm medusa-train --model {args.model} --out HEADS.npz")
+    return MedusaProposer(MedusaHeads.load(model, path))
+
+
+def draft_free_generate(model, prompt, max_new_tokens, proposer, cache, on_token=None, **sampling):
+    """``tree_generate`` with ``generate``'s call shape (the tokens are shown once the run is done)."""
+    from .token_tree import tree_generate
+
+    result = tree_generate(model, prompt, max_new_tokens, proposer, cache=cache, **sampling)
+    for token in result.tokens:
+        on_token(token)
+    return result
 
 
 def cmd_info(args) -> int:
@@ -115,6 +149,12 @@ def cmd_serve_demo(args) -> int:
     return run_demo(args)
 
 
+def cmd_medusa_train(args) -> int:
+    from .medusa import run
+
+    return run(args)
+
+
 def cmd_bench(args) -> int:
     from .benchmarks import run
 
@@ -145,6 +185,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .benchmarks.serving import add_demo_arguments as add_serve_demo_arguments
     from .chat import add_arguments as add_chat_arguments
     from .demo import add_arguments as add_demo_arguments
+    from .medusa import add_arguments as add_medusa_arguments
 
     parser = argparse.ArgumentParser(prog="python -m minillm", description=__doc__.splitlines()[0],
                                      epilog="With no command (or only demo options) it runs the demo.")
@@ -163,7 +204,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=nonnegative_int, default=0)
     p.add_argument("--model", default="target",
                    help="'target', 'draft', 'smollm2-135m', a checkpoint file (.npz) or a Llama .gguf")
-    p.add_argument("--no-cache", action="store_true", help="recompute the whole context each step")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--no-cache", action="store_true", help="recompute the whole context each step")
+    mode.add_argument("--speculate", choices=["lookup", "layer-skip", "medusa", "lookahead"],
+                      help="speculate without a draft model (chapter 9); the output is the model's own")
+    p.add_argument("--draft-layers", type=positive_int, default=None,
+                   help="--speculate layer-skip: the blocks the draft runs (default: half)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="chat with the real model (SmolLM2-135M-Instruct), streamed, KV cache kept")
@@ -186,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="allow --out to be a model shipped in the package (replaces it)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.set_defaults(func=cmd_train)
+
+    p = sub.add_parser("medusa-train", help="train Medusa heads on a frozen model (the char target or SmolLM2)")
+    add_medusa_arguments(p)
+    p.set_defaults(func=cmd_medusa_train)
 
     p = sub.add_parser("bench", help="run a benchmark and print its table (and save plots)")
     p.add_argument("topic", choices=list(TOPICS))

@@ -21,7 +21,7 @@ import math
 import numpy as np
 
 from .attention import naive_attention
-from .backend import to_numpy, xp
+from .backend import on_device, to_numpy, xp
 from .config import GPTConfig
 from .flash_attention import tiled_attention
 from .kernels.launch import kernel_attention
@@ -206,15 +206,20 @@ def token_positions(idx, cache, config):
     """Check token ids (B, T) -> (ids, absolute positions): 0..T-1 without a cache, cache.positions(T) with one.
 
     Positions are (T,), or (B, T) for a ragged batch. Without a cache T may not pass block_size.
+    The id range check costs one wait for the device when the ids are already there (one bool of
+    the whole check, not a min and a max), none when they come from the host.
     """
-    idx = xp.asarray(idx)
+    on_host = not on_device(idx)  # a list or a NumPy array: check it before the copy to the device
+    idx = np.asarray(idx) if on_host else idx
     if idx.ndim != 2:
         raise ValueError(f"forward expects token ids of shape (B, T), got {idx.shape}")
     T = idx.shape[1]
     if T == 0:
         raise ValueError("forward needs at least one token")
-    if int(idx.min()) < 0 or int(idx.max()) >= config.vocab_size:
+    out_of_range = (idx < 0) | (idx >= config.vocab_size)
+    if (out_of_range.any() if on_host else bool(out_of_range.any())):
         raise ValueError(f"token ids must lie in 0..{config.vocab_size - 1}")
+    idx = xp.asarray(idx)
     if cache is not None:
         return idx, xp.asarray(cache.positions(T))
     if T > config.block_size:

@@ -199,7 +199,8 @@ def verify_tree(tree: TokenTree, target_probs, rng: np.random.Generator, draft_p
         p = target_probs[node]
         for child in tree.children(node):
             x = tree.tokens[child]
-            q = np.asarray(draft_probs[child], dtype=np.float64) if child in draft_probs else np.eye(V)[x]
+            q = np.asarray(draft_probs[child], dtype=np.float64) if child in draft_probs \
+                else (np.arange(V) == x).astype(np.float64)  # one-hot (np.eye(V)[x] would build V x V)
             if not q[x] > 0:
                 raise ValueError(f"tree node {child} has token {x} with draft probability {q[x]}")
             if rng.random() < min(1.0, p[x] / q[x]):

@@ -16,6 +16,7 @@ NEEDS = {
     ("3.1", "3.2", "3.3", "5.1", "5.2", "5.3"): "demo_options",  # the demo runs generate and speculative decoding
     ("8.1", "8.2", "8.3", "8.4"): "with_real_model",  # and opens with SmolLM2 unless told not to
     ("3.1", "3.3", "6.1", "7.1", "10.1", "10.2", "10.3"): "serve_demo",  # a continuous-batching engine
+    ("3.1", "3.2", "3.3", "9.1", "9.2", "9.3", "9.4"): "speculate",  # the tree loop of chapter 9
 }
 
 
@@ -149,3 +150,20 @@ def test_serve_demo_takes_its_options_through_the_cli(capsys):
     out = capsys.readouterr().out
     rows = [line for line in out.splitlines() if line.strip()[:1].isdigit() and "'" in line]
     assert len(rows) == 3 and "TTFT ms" in out
+
+
+def test_generate_speculate_prints_the_models_own_text(capsys):
+    """Every draft-free method of chapter 9, greedy, prints exactly what plain decoding prints."""
+    outs = {}
+    for mode in (None, "lookup", "layer-skip", "medusa", "lookahead"):
+        argv = ["generate", "--temperature", "0", "--max-new-tokens", "40", *(["--speculate", mode] if mode else [])]
+        assert cli.main(argv) == 0
+        captured = capsys.readouterr()
+        outs[mode] = captured.out
+        assert (mode or "KV cache") in captured.err
+    assert all(out == outs[None] for out in outs.values()), outs
+
+
+def test_generate_medusa_without_shipped_heads_is_one_line(capsys):
+    assert cli.main(["generate", "--model", "draft", "--speculate", "medusa", "--max-new-tokens", "3"]) == 1
+    assert "no Medusa heads ship for model 'draft'" in capsys.readouterr().err

@@ -16,9 +16,9 @@ LAYERS = [  # lowest first; a module may import from its own layer and the ones 
     {"llama", "checkpoint", "gguf", "registry", "drafts"},
     {"generate", "speculative"},
     {"token_tree"},
-    {"draft_free", "medusa", "lookahead"},
+    {"draft_free", "lookahead"},
     {"batch_speculative"},
-    {"serving", "chat", "train"},
+    {"serving", "chat", "train", "medusa"},  # medusa trains its heads with train.py
     {"benchmarks", "course", "demo", "cli", "gpu_check", "__main__", ""},
 ]
 MODEL = {"model", "llama"}

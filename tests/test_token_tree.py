@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 from stats import P_MIN, chi2_pvalue
 
 from minillm import GPT, GPTConfig, generate
+from minillm.backend import to_numpy
 from minillm.config import LlamaConfig
 from minillm.draft_free import LayerSkip, PromptLookup, ngram_lookup
 from minillm.kv_cache import KVCache, MaskedView
@@ -133,10 +134,10 @@ def test_one_forward_scores_each_path_as_if_alone(kind, attention):
     cache = KVCache(model.config)
     prefill(model, prompt, cache)
     view = MaskedView(cache, tree.depths, tree.mask())
-    logits = model.forward(np.array([tree.tokens]), view)[0]  # (n, V)
+    logits = to_numpy(model.forward(np.array([tree.tokens]), view)[0])  # (n, V)
     for i in range(tree.size):
         alone = model.forward(np.array([prompt + [tree.tokens[n] for n in tree.path(i)]]))[0, -1]
-        np.testing.assert_allclose(logits[i], alone, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(logits[i], to_numpy(alone), rtol=1e-4, atol=1e-5)
 
 
 def test_positions_are_depths_not_node_indices(gpt):
@@ -145,7 +146,7 @@ def test_positions_are_depths_not_node_indices(gpt):
     cache = KVCache(CFG)
     prefill(gpt, [3, 1], cache)
     view = MaskedView(cache, tree.depths, tree.mask())
-    assert view.positions(4).tolist() == [2, 3, 3, 3]
+    assert to_numpy(view.positions(4)).tolist() == [2, 3, 3, 3]
 
 
 def test_cuda_attention_refuses_a_tree_mask(gpt):
@@ -194,15 +195,16 @@ def test_compaction_equals_a_recompute(kind, cache_kind):
     view.keep(path)
     assert cache.length == len(prompt) + len(path)
     kept = [tree.tokens[n] for n in path]
-    after = model.forward(np.array([[0, 7]]), cache)[0]
+    after = to_numpy(model.forward(np.array([[0, 7]]), cache)[0])
     reference = KVCache(model.config)
     prefill(model, prompt + kept, reference)
-    np.testing.assert_allclose(after, model.forward(np.array([[0, 7]]), reference)[0], rtol=1e-4, atol=1e-5)
+    expected = to_numpy(model.forward(np.array([[0, 7]]), reference)[0])
+    np.testing.assert_allclose(after, expected, rtol=1e-4, atol=1e-5)
     if cache_kind == "contiguous":
         n = reference.length - 2
         for layer in range(model.config.n_layer):
-            np.testing.assert_allclose(cache.k[layer][:, :, :n], reference.k[layer][:, :, :n], rtol=1e-5, atol=1e-6)
-            np.testing.assert_allclose(cache.v[layer][:, :, :n], reference.v[layer][:, :, :n], rtol=1e-5, atol=1e-6)
+            for mine, ref in ((cache.k[layer], reference.k[layer]), (cache.v[layer], reference.v[layer])):
+                np.testing.assert_allclose(to_numpy(mine[:, :, :n]), to_numpy(ref[:, :, :n]), rtol=1e-5, atol=1e-6)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -369,7 +371,7 @@ def test_loop_prompt_lookup_on_a_copy_task_needs_few_calls():
 def test_loop_sampling_uses_the_target_distribution_first_token(gpt):
     """At T = 1 the first emitted token of many seeded runs follows the target's distribution."""
     prompt = [1, 5, 2, 1, 5]
-    p = logits_to_probs(gpt.forward(np.array([prompt]))[0, -1])
+    p = logits_to_probs(to_numpy(gpt.forward(np.array([prompt]))[0, -1]))
     first = [tree_generate(gpt, prompt, 1, PromptLookup(), temperature=1.0, seed=s).tokens[0] for s in range(2000)]
     assert chi2_pvalue(first, p) >= P_MIN
 
