@@ -32,6 +32,7 @@ from minillm.benchmarks.speculation_zoo import (
 from minillm.draft_free import LayerSkip, PromptLookup
 from minillm.generate import GenerationResult, GenerationStats
 from minillm.lookahead import Lookahead
+from minillm.medusa import MedusaHeads, MedusaProposer
 from minillm.speculative import SpecStats
 from minillm.tokenizer import CharTokenizer
 
@@ -48,13 +49,16 @@ COSTS = {"step_s": 1e-3, "chain": {1: 1.0, 4: 1.6, 16: 2.2}, "tree": {1: 1.1, 4:
 def test_the_zoo_is_a_table_with_plain_first_and_is_wired_into_bench():
     methods = zoo(n_layer=6)
     assert list(methods)[0] == "plain" and len(methods["plain"]) == 1
-    assert {"draft", "int8 target", "prompt lookup", "layer skip", "Lookahead"} <= set(methods)
+    names = {"draft", "int8 target", "prompt lookup", "layer skip", "Lookahead", "Medusa exact", "Medusa typical"}
+    assert names <= set(methods)
     assert [v.knob for v in methods["layer skip"]] == ["L'=1", "L'=2", "L'=3", "L'=4", "L'=5"]
     for name, variants in methods.items():
         assert variants and len({v.knob for v in variants}) == len(variants), name
     assert all(len(vs) == 1 for vs in zoo(n_layer=6, quick=True).values())
+    assert [v.sampled_only for v in methods["Medusa typical"]] == [True]  # at T = 0 it is the greedy walk
     assert {v.verify for name in ("plain", "draft", "int8 target") for v in methods[name]} == {"chain"}
-    assert {v.verify for name in ("prompt lookup", "layer skip", "Lookahead") for v in methods[name]} == {"tree"}
+    trees = ("prompt lookup", "layer skip", "Medusa exact", "Medusa typical", "Lookahead")
+    assert {v.verify for name in trees for v in methods[name]} == {"tree"}
     assert TOPICS["speculation-zoo"] == "minillm.benchmarks.speculation_zoo"
 
 
@@ -105,7 +109,7 @@ def test_tree_verify_is_a_forward_through_the_tree_path(tiny_model):
 def tiny_models():
     config = GPTConfig(vocab_size=13, block_size=64, n_layer=2, n_head=2, n_embd=16)
     target = GPT.init(config, seed=0)
-    return Models(target, CharTokenizer.from_text("abcdefghijkl\n"), None, None)
+    return Models(target, CharTokenizer.from_text("abcdefghijkl\n"), None, None, MedusaHeads.init(target, 2))
 
 
 def test_survey_validates_every_greedy_method_and_refuses_one_that_differs(tiny_models):
@@ -116,8 +120,8 @@ def test_survey_validates_every_greedy_method_and_refuses_one_that_differs(tiny_
         "prompt lookup": [Variant("", functools.partial(run_tree, proposer=lambda m: PromptLookup()))],
         "layer skip": [Variant("L'=1", functools.partial(run_tree, proposer=lambda m: LayerSkip(m.target, 1)))],
         "Lookahead": [Variant("", functools.partial(run_tree, proposer=lambda m: Lookahead(N=3, W=2, G=2)))],
-        "typical": [Variant("", functools.partial(run_tree, proposer=lambda m: PromptLookup(), rule="typical"),
-                            sampled_only=True)],
+        "typical": [Variant("", functools.partial(run_tree, proposer=lambda m: MedusaProposer(m.heads, (2, 2)),
+                                                  rule="typical"), sampled_only=True)],
     }
     found = survey(methods, tiny_models, works)
     assert ("greedy", "typical", "") not in found and ("sampled", "typical", "") in found

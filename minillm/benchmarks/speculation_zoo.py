@@ -7,6 +7,8 @@ The methods are one table (``zoo``), one entry each; a family lists the knob val
     int8 target     the target's own weights rounded to int8 as the draft (``drafts.quantize_weights``)
     prompt lookup   draft tokens copied from earlier in the text (``draft_free.PromptLookup``)
     layer skip      the target's first L' layers draft k = 4 tokens (``draft_free.LayerSkip``)
+    Medusa exact    the shipped Medusa heads' top-k as a sparse tree (``medusa.MedusaProposer``), exact rule
+    Medusa typical  the same trees under Medusa's typical acceptance (not lossless: T = 1 workload only)
     Lookahead       n-grams from a Jacobi window verified as a tree; the window rides in the same forward
                     (``lookahead.Lookahead``, N 5, W 7, G 7)
 
@@ -43,6 +45,7 @@ from ..drafts import quantize_weights
 from ..generate import GenerationResult, generate
 from ..kv_cache import KVCache, MaskedView
 from ..lookahead import Lookahead
+from ..medusa import MedusaHeads, MedusaProposer, shipped_heads_path
 from ..options import positive_int
 from ..speculative import speculative_generate
 from ..token_tree import Proposal, TokenTree, round_inputs, tree_generate
@@ -74,17 +77,20 @@ COPY_SCAN = 4  # cues tried per copy prompt wanted
 
 @dataclass(frozen=True)
 class Models:
-    """What the methods run on: the shipped target, its tokenizer, chapter 5's draft, the int8 target."""
+    """What the methods run on: the shipped target, its tokenizer, chapter 5's draft, the int8 target,
+    the shipped Medusa heads."""
 
     target: object
     tok: object
     draft: object
     int8: object
+    heads: object
 
 
 def load_models() -> Models:
     target, tok = load_model("target")
-    return Models(target, tok, load_model("draft")[0], quantize_weights(target, bits=8))
+    return Models(target, tok, load_model("draft")[0], quantize_weights(target, bits=8),
+                  MedusaHeads.load(target, shipped_heads_path("target")))
 
 
 @dataclass
@@ -140,6 +146,9 @@ def zoo(n_layer: int, quick: bool = False) -> dict[str, list[Variant]]:
         "prompt lookup": [Variant("", functools.partial(run_tree, proposer=lambda m: PromptLookup()))],
         "layer skip": [Variant(f"L'={n}", functools.partial(
             run_tree, proposer=lambda m, n=n: LayerSkip(m.target, n, k=LAYER_SKIP_K))) for n in skip_layers],
+        "Medusa exact": [Variant("", functools.partial(run_tree, proposer=lambda m: MedusaProposer(m.heads)))],
+        "Medusa typical": [Variant("", functools.partial(run_tree, proposer=lambda m: MedusaProposer(m.heads),
+                                                         rule="typical"), sampled_only=True)],
         "Lookahead": [Variant("N=5 W=7 G=7", functools.partial(run_tree, proposer=lambda m: Lookahead()))],
     }
 
