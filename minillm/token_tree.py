@@ -165,8 +165,8 @@ def verify_tree_greedy(tree: TokenTree, logits) -> tuple[list[int], list[int]]:
     Example: chain t -> 3 -> 5 with argmaxes [3, 7, 1] -> ([3, 7], [0, 1]).
     """
     best = check_tree_rows(tree, logits, "logits").argmax(axis=-1)  # (n,)
-    # EXERCISE 9.2 BEGIN: walk down while a child carries the target's argmax; then emit the argmax
     node, path, emitted = 0, [0], []
+    # EXERCISE 9.2 BEGIN: walk down while a child carries the target's argmax; then emit the argmax
     while True:
         nxt = [c for c in tree.children(node) if tree.tokens[c] == best[node]]
         emitted.append(int(best[node]))
