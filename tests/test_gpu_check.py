@@ -9,6 +9,9 @@ from minillm import backend, gpu_check
 from minillm.benchmarks import attention
 from minillm.benchmarks.attention import GPU_NS, sizes_up_to
 
+# Tests that also run other exercises' code (minillm.course): the attention benchmark runs chapter 4's
+NEEDS = {("4.1", "4.2", "4.3"): "below_the_grid"}
+
 needs_no_cupy = pytest.mark.skipif(backend.is_cupy() or backend.CUPY_PROBLEM is not None, reason="CuPy is here")
 
 
