@@ -30,11 +30,11 @@ from minillm.token_tree import tree_generate
 # heads train with AdamW (A1.3) on text decoded with the KV cache (chapter 3); the tree loop verifies
 # with 9.1 and 9.2, lossless sampling uses chapter 5's residual, SmolLM2 runs chapter 8's Llama
 NEEDS = {
-    ("3.1", "3.2", "3.3", "A1.3"): "exact_rule or greedy_identical or another_model or proposer or resume "
-                                   "or training_lowers or typical_rule or shipped",
-    ("9.1", "9.2"): "exact_rule or greedy_identical or shipped or typical_rule",
+    ("3.1", "3.2", "3.3", "A1.3"): "exact_rule or greedy_identical or heads_file_for_another_model or proposer "
+                                   "or resume or training_lowers or typical_rule or heads_accuracy or keep_greedy",
+    ("9.1", "9.2"): "exact_rule or greedy_identical or heads_accuracy or keep_greedy or typical_rule",
     "5.1": "exact_rule",
-    ("8.1", "8.2", "8.3"): "smollm2",
+    ("8.1", "8.2", "8.3"): "keep_greedy",
 }
 
 TINY_TRAIN = HEADS_TRAIN.__class__(**{**HEADS_TRAIN.__dict__, "max_steps": 150, "batch_size": 64, "lr": 1e-2,

@@ -15,6 +15,13 @@ import pytest
 from minillm import strict
 from minillm.kernels import launch
 
+# Tests that also run other exercises' code (minillm.course): a decoded token runs the KV cache; the
+# device tests run every device path (KV cache, kernel, speculative, paged and batched decoding)
+NEEDS = {
+    ("3.1", "3.2", "3.3"): "decoded_token or device_tests",
+    ("4.1", "4.2", "4.3", "5.1", "5.2", "5.3", "6.1", "6.2", "6.3", "6.4", "7.1", "7.2", "7.3"): "device_tests",
+}
+
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the stand-in's RawKernel runs the g++ emulation")
 
 
@@ -102,12 +109,6 @@ import json
 from minillm import GPT, GPTConfig
 from minillm.benchmarks.device_calls import per_token
 
-# Tests that also run other exercises' code (minillm.course): a decoded token runs the KV cache; the
-# device tests run every device path (KV cache, kernel, speculative, paged and batched decoding)
-NEEDS = {
-    ("3.1", "3.2", "3.3"): "decoded_token or device_tests",
-    ("4.1", "4.2", "4.3", "5.1", "5.2", "5.3", "6.1", "6.2", "6.3", "6.4", "7.1", "7.2", "7.3"): "device_tests",
-}
 model = GPT.init(GPTConfig(vocab_size=13, block_size=32, n_layer=2, n_head=2, n_embd=16), seed=0, attention="cuda")
 print(json.dumps(per_token(model, 8)))
 """
