@@ -180,13 +180,7 @@ def block_matmul_seconds(model, ns: list[int], rounds: int, steps: int) -> tuple
             for x, w in zip(xs[n], weights):
                 x @ w
 
-    for n in ns:
-        run(n)  # warm-up
-    times = {n: [] for n in ns}
-    for r in progress(range(rounds), "block matmuls"):
-        for n in ns[:: 1 if r % 2 else -1]:
-            times[n].append(timed(lambda n=n: run(n))[0] / steps)
-    return times, sum(int(w.size) for w in weights)
+    return alternating_rounds(run, ns, rounds, steps, "block matmuls"), sum(int(w.size) for w in weights)
 
 
 def prefix_ids(tokenizer, n: int) -> list[int]:
@@ -226,10 +220,16 @@ def forward_seconds(model, prefix: list[int], ns: list[int], rounds: int, steps:
             cache.truncate(context)
             model.forward(new[n], cache)
 
+    return alternating_rounds(run, ns, rounds, steps, "rounds (every n once)")
+
+
+def alternating_rounds(run, ns: list[int], rounds: int, steps: int, label: str) -> dict:
+    """{n: [seconds per step, one per round]}: ``run(n)`` (``steps`` steps) once per n as a warm-up,
+    then every round times every n, in reverse order every other round (so a load spell hits all n)."""
     for n in ns:
         run(n)  # warm-up
     times = {n: [] for n in ns}
-    for r in progress(range(rounds), "rounds (every n once)"):
+    for r in progress(range(rounds), label):
         for n in ns[:: 1 if r % 2 else -1]:
             times[n].append(timed(lambda n=n: run(n))[0] / steps)
     return times
