@@ -91,9 +91,12 @@ def shipped_path(name: str) -> Path:
     return SHIPPED_DIR / f"{name}.npz"
 
 
-def is_shipped(path) -> bool:
-    """Whether ``path`` is one of the models shipped in the package."""
-    return any(Path(path).resolve() == shipped_path(name).resolve() for name in SHIPPED)
+def check_not_shipped(path, overwrite_shipped: bool = False) -> None:
+    """Files shipped in the package's models/ folder (models, Medusa heads) are replaced only when asked."""
+    path = Path(path)
+    if path.resolve().parent == SHIPPED_DIR.resolve() and path.exists() and not overwrite_shipped:
+        raise ValueError(f"{path} is shipped with minillm: write elsewhere (--out PATH), "
+                         "or pass --overwrite-shipped to replace it")
 
 
 def load_model(name_or_path, attention: str = "naive"):

@@ -41,7 +41,15 @@ import numpy as np
 
 from .backend import to_numpy, xp
 from .batch_speculative import generate_batch
-from .checkpoint import HEADER_KEY, SHIPPED_DIR, CheckpointError, atomic_save_npz, encode_header, read_npz
+from .checkpoint import (
+    HEADER_KEY,
+    SHIPPED_DIR,
+    CheckpointError,
+    atomic_save_npz,
+    check_not_shipped,
+    encode_header,
+    read_npz,
+)
 from .data import corpus_tokenizer, train_val_split
 from .llama import silu
 from .model import linear
@@ -177,7 +185,7 @@ class MedusaHeads:
 
     def save(self, path, notes: dict | None = None, overwrite_shipped: bool = False) -> None:
         """Write the heads (float16) and the identity of their model to ``path``, atomically."""
-        check_writable(path, overwrite_shipped)
+        check_not_shipped(path, overwrite_shipped)
         header = {"format": HEADS_FORMAT, "model": model_identity(self.model), "n_heads": self.n_heads,
                   "shared_lm_head": self.shared_lm_head, "notes": notes or {}}
         arrays = {name: to_numpy(p).astype(np.float16) for name, p in self.params.items()}
@@ -204,13 +212,6 @@ def check_same_model(saved: dict, actual: dict, path) -> None:
             raise ValueError(f"{path}: these Medusa heads were trained for another model ({key} differs: "
                              f"{saved.get(key)!r} vs {actual[key]!r}); train heads for this model with "
                              f"python -m minillm medusa-train")
-
-
-def check_writable(path, overwrite_shipped: bool) -> None:
-    """Files in the package's models/ folder are replaced only when asked."""
-    if Path(path).resolve().parent == SHIPPED_DIR.resolve() and Path(path).exists() and not overwrite_shipped:
-        raise ValueError(f"{path} is shipped with minillm: write elsewhere (--out PATH), "
-                         "or pass --overwrite-shipped to replace it")
 
 
 # ----------------------------------------------------------------------------------------------
@@ -514,7 +515,7 @@ def run(args) -> int:
         raise ValueError(f"--steps and --batch-size must be >= 1, got {args.steps} and {args.batch_size}")
     if not 0 < args.lr < 1:
         raise ValueError(f"--lr must be in (0, 1), got {args.lr}")
-    check_writable(args.out, args.overwrite_shipped)
+    check_not_shipped(args.out, args.overwrite_shipped)
     t_start = time.perf_counter()
     model, tokenizer = load_model(args.model)
     state_path, progress = run_file(args.out, ".medusa-train.npz"), not args.quiet

@@ -26,7 +26,15 @@ import numpy as np
 
 from .attention import attention_weights, softmax
 from .backend import to_numpy, xp
-from .checkpoint import HEADER_KEY, SHIPPED_DIR, atomic_save_npz, encode_header, is_shipped, read_npz, save_model
+from .checkpoint import (
+    HEADER_KEY,
+    SHIPPED_DIR,
+    atomic_save_npz,
+    check_not_shipped,
+    encode_header,
+    read_npz,
+    save_model,
+)
 from .config import GPTConfig
 from .data import corpus_tokenizer, train_val_split
 from .model import GELU_A, GELU_C, GPT, LN_EPS, gelu, layer_norm, linear, merge_heads, split_heads
@@ -349,9 +357,7 @@ def train(
     ``overwrite_shipped``)."""
     from tqdm import tqdm
 
-    if is_shipped(out) and not overwrite_shipped:
-        raise ValueError(f"{out} is a model shipped with minillm: write elsewhere (--out PATH), "
-                         "or pass --overwrite-shipped to replace it")
+    check_not_shipped(out, overwrite_shipped)
     if steps is not None and steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
     tokenizer = corpus_tokenizer()
