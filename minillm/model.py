@@ -217,7 +217,7 @@ def token_positions(idx, cache, config):
     if T == 0:
         raise ValueError("forward needs at least one token")
     out_of_range = (idx < 0) | (idx >= config.vocab_size)
-    if (out_of_range.any() if on_host else bool(out_of_range.any())):
+    if bool(out_of_range.any()):  # on the device: the one wait
         raise ValueError(f"token ids must lie in 0..{config.vocab_size - 1}")
     idx = xp.asarray(idx)
     if cache is not None:
