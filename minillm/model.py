@@ -24,7 +24,7 @@ from .attention import naive_attention
 from .backend import on_device, to_numpy, xp
 from .config import GPTConfig
 from .flash_attention import tiled_attention
-from .kernels.launch import kernel_attention
+from .kernels.launch import kernel_attention, kernel_attention_v2
 
 LN_EPS = 1e-5  # GPT-2's LayerNorm epsilon
 GELU_C = math.sqrt(2.0 / math.pi)  # a Python float: a NumPy float64 scalar would upcast float32
@@ -36,6 +36,7 @@ ATTENTION = {
     "naive": naive_attention,  # chapter 2: the (Tq, Tk) score matrix, the reference
     "flash": tiled_attention,  # chapter 4: tiles and the online softmax in array code
     "cuda": kernel_attention,  # chapter 4: kernels/flash_attention.cu (on a CPU: the same kernel, emulated)
+    "cuda_v2": kernel_attention_v2,  # chapter 4: kernels/flash_attention_v2.cu, the fast one (emulated likewise)
 }
 
 

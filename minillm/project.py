@@ -78,7 +78,8 @@ def pytest_outcomes(root, args: list[str], timeout: float) -> tuple[list[tuple[s
         outcomes, errors = [], []
         if junit.exists():
             for case in ET.parse(junit).getroot().iter("testcase"):
-                name = (case.get("classname") or "?").split(".")[-1] + ".py"
+                # a module skipped at collection has no classname, and its dotted path as its name
+                name = (case.get("classname") or case.get("name") or "?").split(".")[-1] + ".py"
                 if case.find("failure") is not None or case.find("error") is not None:
                     outcomes.append((name, "failed"))
                 else:

@@ -32,9 +32,10 @@ from collections import Counter
 
 import numpy
 
+from .kernels.build import DEFAULT_SMEM_BYTES, EMULATED_SMEM_OPTIN
+
 __version__ = "strict stand-in (NumPy " + numpy.__version__ + ")"
 COUNTS: Counter = Counter()  # kernels, syncs, attribute_queries, copies_to_device
-EMULATED_SMEM_OPTIN = 232_448  # shared memory a block may opt in to, as on an H100/H200 (227 KiB)
 IMPLICIT = ("Implicit conversion to a NumPy array is not allowed. "
             "Please use `.get()` to construct a NumPy array explicitly.")  # CuPy's own message
 
@@ -296,7 +297,7 @@ class Runtime:
     cudaDevAttrMaxSharedMemoryPerBlock = 8
     cudaDevAttrMaxSharedMemoryPerBlockOptin = 97
     cudaDevAttrMultiProcessorCount = 16
-    ATTRIBUTES = {8: 48 * 1024, 97: EMULATED_SMEM_OPTIN, 16: 1}
+    ATTRIBUTES = {8: DEFAULT_SMEM_BYTES, 97: EMULATED_SMEM_OPTIN, 16: 1}
 
     @staticmethod
     def getDeviceCount():  # noqa: N802  (CuPy's names)
@@ -356,29 +357,30 @@ cuda = Cuda
 
 
 class RawKernel:
-    """cupy.RawKernel(code, name) for kernels/flash_attention.cu's kernel, run by the g++ emulation."""
+    """cupy.RawKernel(code, name) for the kernels of kernels/flash_attention.cu and flash_attention_v2.cu,
+    run by the g++ emulation."""
 
     def __init__(self, code: str, name: str, options=(), **kwargs):
-        from .kernels.build import KERNEL_NAME
+        from .kernels.build import KERNELS
 
-        if name != KERNEL_NAME:
-            raise NotImplementedError(f"the strict stand-in runs only {KERNEL_NAME}, not {name}")
-        self.code, self.name = code, name
+        if name not in KERNELS:
+            raise NotImplementedError(f"the strict stand-in runs only {', '.join(KERNELS)}, not {name}")
+        self.code, self.name, self.kernel = code, name, KERNELS[name]
         self.max_dynamic_shared_size_bytes = 0  # CuPy's opt-in attribute: 0 until set
 
     def source_file(self):
         """The code as a .cu file in the kernel cache (one per distinct code), for build_emulator."""
-        from .kernels.build import KERNEL_SOURCE, kernel_cache_dir
+        from .kernels.build import kernel_cache_dir
 
         folder = kernel_cache_dir() / f"rawkernel-{hashlib.sha256(self.code.encode()).hexdigest()[:16]}"
         folder.mkdir(exist_ok=True)
-        path = folder / KERNEL_SOURCE.name
+        path = folder / self.kernel.source.name
         if not path.exists():
             path.write_text(self.code)
         return path
 
     def __call__(self, grid, block, args, *, shared_mem: int = 0, stream=None):
-        from .kernels.build import DEFAULT_SMEM_BYTES, build_emulator, run_emulated
+        from .kernels.build import build_emulator, run_emulated
 
         grid, block = tuple(grid), tuple(block)
         if not (1 <= len(grid) <= 3 and 1 <= len(block) <= 3) or not builtins.all(
@@ -390,25 +392,23 @@ class RawKernel:
                                f"opt-in (max_dynamic_shared_size_bytes = {self.max_dynamic_shared_size_bytes})")
         if block[1:] not in ((), (1,), (1, 1)):
             raise NotImplementedError("the emulated launcher takes one-dimensional blocks")
-        host_args = check_kernel_args(args)
+        host_args = check_kernel_args(args, self.kernel.params)
         COUNTS["kernels"] += 1
-        lib = build_emulator(self.source_file(), shared_bytes=EMULATED_SMEM_OPTIN)
-        run_emulated(lib, host_args, (grid + (1, 1))[:3], block[0], shared_mem)
+        lib = build_emulator(self.source_file(), shared_bytes=EMULATED_SMEM_OPTIN, kernel=self.kernel)
+        run_emulated(lib, host_args, (grid + (1, 1))[:3], block[0], shared_mem, self.name)
 
 
-def check_kernel_args(args) -> list:
-    """The launch arguments by CuPy's rules against the kernel's parameters -> what the emulator takes
-    (the device arrays' NumPy buffers, written in place; the scalars)."""
+def check_kernel_args(args, params) -> list:
+    """The launch arguments by CuPy's rules against the kernel's parameters (ctypes types) -> what the
+    emulator takes (the device arrays' NumPy buffers, written in place; the scalars)."""
     import ctypes
 
-    from .kernels.build import KERNEL_PARAMS
-
-    if not isinstance(args, (tuple, list)) or len(args) != len(KERNEL_PARAMS):
-        raise TypeError(f"the kernel takes a tuple of {len(KERNEL_PARAMS)} arguments")
+    if not isinstance(args, (tuple, list)) or len(args) != len(params):
+        raise TypeError(f"the kernel takes a tuple of {len(params)} arguments")
     pointer = {ctypes.POINTER(ctypes.c_float): numpy.float32, ctypes.POINTER(ctypes.c_int): numpy.int32}
     scalar = {ctypes.c_int: numpy.int32, ctypes.c_float: numpy.float32}
     out = []
-    for i, (arg, param) in enumerate(zip(args, KERNEL_PARAMS)):
+    for i, (arg, param) in enumerate(zip(args, params)):
         if param in pointer:
             if not isinstance(arg, ndarray):
                 raise TypeError(f"kernel argument {i}: a {type(arg).__name__} where a device array is needed")

@@ -448,8 +448,10 @@ assert status == 0 and np.isfinite(out).all()
 """
 
 
-def run_under_tsan(source):
-    """Run one emulated launch (Tq 40, Tk 70: two query tiles, tails, causal) under ThreadSanitizer."""
+def run_under_tsan(source, script=TSAN_SCRIPT, kernel=build.V1, shared_bytes=build.DEFAULT_SMEM_BYTES):
+    """Run ``script`` (by default one emulated launch of v1: Tq 40, Tk 70, two query tiles, tails, causal)
+    with the kernel file ``source`` (of ``kernel``, built for an emulated device with ``shared_bytes``) under
+    ThreadSanitizer -> (exit code, output)."""
     if shutil.which("g++") is None:
         pytest.skip("g++ is needed for the ThreadSanitizer build")
     libtsan = subprocess.run(
@@ -457,10 +459,10 @@ def run_under_tsan(source):
     ).stdout.strip()
     if not Path(libtsan).is_file():
         pytest.skip("libtsan is not installed")
-    build.build_emulator(source, sanitize="thread")  # build outside TSan
+    build.build_emulator(source, sanitize="thread", shared_bytes=shared_bytes, kernel=kernel)  # outside TSan
     root = str(Path(fa.__file__).parents[1])
     env = dict(os.environ, LD_PRELOAD=libtsan, TSAN_OPTIONS="exitcode=66", PYTHONPATH=root)
-    proc = subprocess.run([sys.executable, "-c", TSAN_SCRIPT, str(source)], capture_output=True, text=True,
+    proc = subprocess.run([sys.executable, "-c", script, str(source)], capture_output=True, text=True,
                           env=env, timeout=300)
     out = proc.stdout + proc.stderr
     if proc.returncode not in (0, 66) and "ThreadSanitizer" in out and "data race" not in out:

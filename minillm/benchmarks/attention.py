@@ -3,8 +3,9 @@
 On a CPU (NumPy): peak memory (tracemalloc) and wall time of ``naive_attention`` vs the tiled
 ``flash_attention`` for one head, hs 64, causal, N = 1K .. 16K. The claim to check: the tiled version
 never holds the N x N score matrix, so its peak memory at N = 8192 must be at most 10% of naive's.
-On a GPU (CuPy): naive CuPy attention vs the CUDA kernel (``kernels.launch.flash_attention_cuda``), time and achieved
-TFLOP/s against the device's FP32 peak. Both: the IO-model plot (HBM bytes vs N and vs SRAM size).
+On a GPU (CuPy): naive CuPy attention vs the CUDA kernels v1 and v2 (``kernels.launch.flash_attention_cuda``,
+``flash_attention_v2_cuda``), GPU time (CUDA events) and achieved TFLOP/s against the device's FP32 peak.
+Both: the IO-model plot (HBM bytes vs N and vs SRAM size).
 
 Discipline (see minillm.benchmarks.common): validate every output against the reference first, warm up, then time
 (synchronizing the GPU), print aligned tables, save PNGs. Nothing here asserts a timing.
@@ -21,7 +22,7 @@ import numpy as np
 from .. import flash_attention as fa
 from ..attention import naive_attention
 from ..backend import is_cupy, synchronize, to_numpy, xp
-from ..kernels.launch import flash_attention_cuda
+from ..kernels.launch import flash_attention_cuda, flash_attention_v2_cuda
 from ..options import positive_int
 from .common import BenchmarkError, add_output_args, figure_dir, format_table, parse_args, save_figure, time_fn
 
@@ -204,7 +205,31 @@ def gpu_pool_bytes(fn) -> int:
     return pool.total_bytes() - base
 
 
-def run_gpu(ns, repeat, out_dir, B=1, nh=8, plot=True):
+GPU_KERNELS = {"v1": flash_attention_cuda, "v2": flash_attention_v2_cuda}  # kernels/flash_attention{,_v2}.cu
+GPU_B, GPU_NH = 2, 16  # 32 heads: N = 1024 gives v2 512 blocks, about four per SM of an H100/H200
+
+
+def event_time(fn, warmup: int = 2, repeat: int = 5) -> float:
+    """Median GPU time of fn() in seconds, measured with CUDA events recorded before and after each call
+    (after ``warmup`` calls): the device's time, not the host's."""
+    import cupy
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(repeat):
+        start, end = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(cupy.cuda.get_elapsed_time(start, end) / 1e3)
+    return float(np.median(times))
+
+
+def run_gpu(ns, repeat, out_dir, B=GPU_B, nh=GPU_NH, plot=True):
+    """Naive CuPy attention vs kernels v1 and v2: each output validated against naive (or, where naive runs
+    out of memory, the tiled array code), then timed with CUDA events -> rows."""
     import cupy
 
     peak, how = fp32_peak_tflops()
@@ -212,40 +237,42 @@ def run_gpu(ns, repeat, out_dir, B=1, nh=8, plot=True):
     for N in ns:
         q, k, v = make_qkv(B, nh, N, HS)
         naive = partial(naive_attention, q, k, v, True)
-        kernel = partial(flash_attention_cuda, q, k, v, True, check_status=False)  # timed: no wait per call
-        out = flash_attention_cuda(q, k, v, True)  # validated: the kernel's status is read back
-        try:  # 1. validate against naive attention (which may not fit: the N x N matrices)
+        try:  # 1. the reference (naive may not fit: its N x N matrices)
             ref, reference = naive(), "naive"
         except cupy.cuda.memory.OutOfMemoryError:
             cupy.get_default_memory_pool().free_all_blocks()
             ref, reference = fa.flash_attention(q, k, v, True, 256, 256)[0], "tiled array code"
-        err = float(to_numpy(xp.abs(out - ref).max()))
-        if err > VALIDATE_ATOL:
-            raise BenchmarkError(f"N={N}: the kernel differs from {reference} attention by {err:.2g} > {VALIDATE_ATOL}")
-        del ref, out
-        row = {"N": N, "checked vs": reference, "max |err|": err}
+        row = {"N": N, "checked vs": reference}
         flops = attention_flops(N, HS, True, B, nh)
-        t_cuda = time_fn(kernel, warmup=2, repeat=repeat)  # 2. warm up, time (time_fn synchronizes)
+        for name, kernel in GPU_KERNELS.items():  # 2. validate each kernel (its status read back), then time it
+            err = float(to_numpy(xp.abs(kernel(q, k, v, True) - ref).max()))
+            if err > VALIDATE_ATOL:
+                raise BenchmarkError(f"N={N}: kernel {name} differs from {reference} attention by {err:.2g}")
+            timed_call = partial(kernel, q, k, v, True, check_status=False)  # timed: no wait per call
+            seconds = event_time(timed_call, repeat=repeat)
+            row |= {f"{name} ms": 1e3 * seconds, f"{name} TFLOP/s": flops / seconds / 1e12,
+                    f"{name} % peak": 100 * flops / seconds / 1e12 / peak, f"{name} max |err|": err,
+                    f"{name} pool MiB": gpu_pool_bytes(timed_call) / MIB}
+        del ref
         if reference == "naive":
-            t_naive = time_fn(naive, warmup=2, repeat=repeat)
-            row |= {"naive ms": 1e3 * t_naive, "naive TFLOP/s": flops / t_naive / 1e12,
-                    "naive pool MiB": gpu_pool_bytes(naive) / MIB}
+            seconds = event_time(naive, repeat=repeat)
+            row |= {"naive ms": 1e3 * seconds, "naive TFLOP/s": flops / seconds / 1e12,
+                    "naive pool MiB": gpu_pool_bytes(naive) / MIB, "v2 / naive": seconds / (row["v2 ms"] / 1e3)}
         else:
-            row |= {"naive ms": "OOM", "naive TFLOP/s": "-", "naive pool MiB": "OOM"}
-        row |= {"kernel ms": 1e3 * t_cuda, "kernel TFLOP/s": flops / t_cuda / 1e12,
-                "kernel % FP32 peak": 100 * flops / t_cuda / 1e12 / peak,
-                "kernel pool MiB": gpu_pool_bytes(kernel) / MIB}
-        if reference == "naive":
-            row["speedup"] = t_naive / t_cuda
+            row |= {"naive ms": "OOM", "naive TFLOP/s": "-", "naive pool MiB": "OOM", "v2 / naive": "-"}
+        row["v2 / v1"] = row["v1 ms"] / row["v2 ms"]
         rows.append(row)
-        del q, k, v, naive, kernel
+        del q, k, v, naive
         cupy.get_default_memory_pool().free_all_blocks()
-    columns = ["N", "naive ms", "kernel ms", "speedup", "naive TFLOP/s", "kernel TFLOP/s", "kernel % FP32 peak",
-               "naive pool MiB", "kernel pool MiB", "max |err|", "checked vs"]
-    print(f"\nGPU: naive CuPy vs kernels/flash_attention.cu, B {B}, nh {nh}, hs {HS}, causal, float32")
-    print(f"FP32 peak {peak:.1f} TFLOP/s ({how}); FLOPs = 4 N^2 hs / 2 per head (causal);")
-    print("pool MiB: what CuPy's memory pool holds after one call from empty (outputs + temporaries)")
-    print(format_table(rows, columns))
+    print(f"\nGPU: naive CuPy vs kernels/flash_attention.cu (v1) and flash_attention_v2.cu (v2), B {B}, nh {nh}, "
+          f"hs {HS}, causal, float32")
+    print(f"FP32 peak {peak:.1f} TFLOP/s ({how}); FLOPs = 4 N^2 hs / 2 per head (causal); times: CUDA events, "
+          f"median of {repeat} after 2 warm-ups; speed-ups: how many times faster v2 is")
+    print(format_table(rows, ["N", "naive ms", "v1 ms", "v2 ms", "naive TFLOP/s", "v1 TFLOP/s", "v2 TFLOP/s",
+                              "v1 % peak", "v2 % peak", "v2 / naive", "v2 / v1"]))
+    print("\npool MiB: what CuPy's memory pool holds after one call from empty (outputs + temporaries)")
+    print(format_table(rows, ["N", "naive pool MiB", "v1 pool MiB", "v2 pool MiB", "v1 max |err|", "v2 max |err|",
+                              "checked vs"]))
     if plot:
         print("saved", plot_gpu(rows, out_dir, peak))
     return rows
@@ -258,10 +285,11 @@ def plot_gpu(rows, out_dir, peak):
     timed = [r for r in rows if isinstance(r["naive ms"], float)]  # naive may have run out of memory
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.8))
     a.loglog([r["N"] for r in timed], [r["naive ms"] for r in timed], "o-", label="naive (CuPy)")
-    a.loglog(ns, [r["kernel ms"] for r in rows], "s-", label="flash_attention.cu")
-    a.set(xlabel="N", ylabel="time (ms)", title="GPU time")
     b.semilogx([r["N"] for r in timed], [r["naive TFLOP/s"] for r in timed], "o-", label="naive (CuPy)")
-    b.semilogx(ns, [r["kernel TFLOP/s"] for r in rows], "s-", label="flash_attention.cu")
+    for name, marker in (("v1", "s-"), ("v2", "^-")):
+        a.loglog(ns, [r[f"{name} ms"] for r in rows], marker, label=f"kernel {name}")
+        b.semilogx(ns, [r[f"{name} TFLOP/s"] for r in rows], marker, label=f"kernel {name}")
+    a.set(xlabel="N", ylabel="time (ms)", title="GPU time")
     b.axhline(peak, color="gray", ls="--", label=f"FP32 peak {peak:.0f}")
     b.set(xlabel="N", ylabel="TFLOP/s", title="Achieved FP32 throughput")
     for ax in (a, b):

@@ -1,14 +1,17 @@
-"""Build plumbing for the CUDA kernel: its limits, the g++ emulation build, ctypes, nvcc's report.
+"""Build plumbing for the CUDA kernels: their limits, the g++ emulation build, ctypes, nvcc's report.
 
 What chapter 4 uses but does not teach, in one place:
 
-- the kernel's limits (``HS_MAX``, its ``FLASH_*`` status codes) and the shared memory a block gets
-  without opting in (48 KiB, ``CUDA_EMU_SHARED_BYTES``), read from the ``#define`` lines of
-  flash_attention.cu and cuda_emu.h, so each number is written once, in the C source that uses it;
-- ``build_emulator``: the .cu compiled by g++ against cuda_emu.h into a shared library, cached by the
+- the two kernel files (``V1``: flash_attention.cu, the readable one; ``V2``: flash_attention_v2.cu,
+  the fast one), each with its entry points, their parameters and status codes (``KernelFile``);
+- the kernels' limits (``HS_MAX``, the ``FLASH_*`` / ``FLASH2_*`` status codes, v2's tile sizes and
+  head sizes) and the shared memory a block gets without opting in (48 KiB, ``CUDA_EMU_SHARED_BYTES``),
+  read from the ``#define`` lines of the .cu files and cuda_emu.h, so each number is written once, in
+  the C source that uses it;
+- ``build_emulator``: a .cu compiled by g++ against cuda_emu.h into a shared library, cached by the
   hash of its sources, flags and compiler in ``kernel_cache_dir()`` (a user cache folder, never
-  inside the installed package); ``load_emulator``: its launch entry point with ctypes types;
-- ``nvcc_resource_report``: registers and spills as ptxas reports them.
+  inside the installed package); ``load_emulator``: a kernel's launch entry point with ctypes types;
+- ``nvcc_resource_report``: registers and spills of each kernel as ptxas reports them.
 """
 
 from __future__ import annotations
@@ -21,10 +24,12 @@ import shutil
 import subprocess
 import tempfile
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 KERNEL_DIR = Path(__file__).parent
 KERNEL_SOURCE = KERNEL_DIR / "flash_attention.cu"
+V2_SOURCE = KERNEL_DIR / "flash_attention_v2.cu"
 EMU_HEADER = KERNEL_DIR / "cuda_emu.h"
 KERNEL_NAME = "flash_attention_forward"
 CACHE_ENV = "MINILLM_KERNEL_CACHE"  # overrides where built kernels are cached
@@ -54,21 +59,53 @@ def read_defines(path: Path) -> dict[str, tuple[int, str]]:
     return defines
 
 
+def status_codes(defines: dict, prefix: str) -> dict[int, str]:
+    """A kernel's status #defines PREFIX_* (0 = success) -> {code: "NAME: what it means"}."""
+    return {value: f"{name}: {comment}" for name, (value, comment) in defines.items()
+            if name.startswith(prefix) and value != 0}
+
+
 KERNEL_DEFINES = read_defines(KERNEL_SOURCE)
-HS_MAX = KERNEL_DEFINES["HS_MAX"][0]  # the largest head size the kernel accepts
-KERNEL_STATUS = {  # the kernel's FLASH_* codes (0 = FLASH_OK) -> what each one means
-    value: f"{name}: {comment}" for name, (value, comment) in KERNEL_DEFINES.items()
-    if name.startswith("FLASH_") and value != 0
-}
+HS_MAX = KERNEL_DEFINES["HS_MAX"][0]  # the largest head size v1 accepts
+KERNEL_STATUS = status_codes(KERNEL_DEFINES, "FLASH_")  # v1's FLASH_* codes -> what each one means
+V2_DEFINES = read_defines(V2_SOURCE)
+V2_THREADS, V2_BR, V2_BC, V2_PAD = (V2_DEFINES[n][0] for n in ("V2_THREADS", "V2_BR", "V2_BC", "V2_PAD"))
+# the head sizes v2 is compiled for: its FLASH2_ENTRY(HS) lines, one extern "C" kernel each
+V2_HEAD_SIZES = tuple(int(h) for h in re.findall(r"^FLASH2_ENTRY\((\d+)\)", V2_SOURCE.read_text(), re.M))
 # shared memory every NVIDIA GPU gives a block without opting in, and what the emulated device offers
 DEFAULT_SMEM_BYTES = read_defines(EMU_HEADER)["CUDA_EMU_SHARED_BYTES"][0]
+EMULATED_SMEM_OPTIN = 232_448  # what a block may opt in to on an H100/H200 (227 KiB): the emulated GPU's
+
+FLOAT_P, INT_P = ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_int)
 
 
-def raise_status(code: int) -> None:
-    """Turn the kernel's status code into a KernelError naming the violated limit (0: nothing to do)."""
+@dataclass(frozen=True)
+class KernelFile:
+    """A .cu file and its extern "C" kernels, which all take ``params`` (ctypes types, in order) and report
+    ``status`` codes ({code: meaning}) through their int* status argument."""
+
+    source: Path
+    names: tuple[str, ...]
+    params: tuple
+    status: dict
+
+
+# v1: Q, K, V, O, L, status, Tq, Tk, d, Bc, causal, scale
+V1 = KernelFile(KERNEL_SOURCE, (KERNEL_NAME,), (FLOAT_P,) * 5 + (INT_P,) + (ctypes.c_int,) * 5 + (ctypes.c_float,),
+                KERNEL_STATUS)
+# v2: Q, K, V, O, L, status, Tq, Tk, causal, scale (the head size is the kernel's: one kernel per size)
+V2 = KernelFile(V2_SOURCE, tuple(f"flash_attention_v2_hs{h}" for h in V2_HEAD_SIZES),
+                (FLOAT_P,) * 5 + (INT_P,) + (ctypes.c_int,) * 3 + (ctypes.c_float,),
+                status_codes(V2_DEFINES, "FLASH2_"))
+KERNELS = {name: kernel for kernel in (V1, V2) for name in kernel.names}  # kernel name -> its file
+
+
+def raise_status(code: int, name: str = KERNEL_NAME) -> None:
+    """Turn kernel ``name``'s status code into a KernelError naming the violated limit (0: nothing to do)."""
     if code != 0:
-        meaning = KERNEL_STATUS.get(code, f"unknown status {code}")
-        raise KernelError(f"{KERNEL_NAME} refused the launch: {meaning} (HS_MAX = {HS_MAX})")
+        meaning = KERNELS[name].status.get(code, f"unknown status {code}")
+        limit = f" (HS_MAX = {HS_MAX})" if name == KERNEL_NAME else ""
+        raise KernelError(f"{name} refused the launch: {meaning}{limit}")
 
 
 # --- where builds are cached ------------------------------------------------------------------------
@@ -96,26 +133,34 @@ def kernel_cache_dir() -> Path:
 # --- on a CPU: g++ against cuda_emu.h, loaded with ctypes ---------------------------------------------
 
 # The launcher translation unit: the .cu unchanged, the storage for `extern __shared__ float sram[]`,
-# and one extern "C" entry point for ctypes that does what <<<grid, block, smem>>> does.
-EMU_LAUNCHER = """\
-#include "{source}"
-CUDA_EMU_DYNAMIC_SHARED(float, sram);
-extern "C" int launch_flash_attention_forward(
-    const float* Q, const float* K, const float* V, float* O, float* L, int* status,
-    int Tq, int Tk, int d, int Bc, int causal, float scale,
+# and for each kernel one extern "C" entry point launch_<kernel> for ctypes that does what
+# <<<grid, block, smem>>> does.
+EMU_ENTRY = """\
+extern "C" int launch_{name}({params},
     unsigned gx, unsigned gy, unsigned gz, unsigned bx, unsigned smem, char* err, int errlen) {{
-    return cuda_emu::launch(dim3(gx, gy, gz), dim3(bx), smem, sram, err, errlen, flash_attention_forward,
-                            Q, K, V, O, L, status, Tq, Tk, d, Bc, causal, scale);
+    return cuda_emu::launch(dim3(gx, gy, gz), dim3(bx), smem, sram, err, errlen, {name}, {args});
 }}
 """
+C_TYPES = {FLOAT_P: "float*", INT_P: "int*", ctypes.c_int: "int", ctypes.c_float: "float"}
+
+
+def emu_launcher(source: Path, kernel: KernelFile) -> str:
+    """The launcher translation unit of ``source`` (kernel's file, or a mutant of it)."""
+    params = ", ".join(f"{C_TYPES[t]} a{n}" for n, t in enumerate(kernel.params))
+    args = ", ".join(f"a{n}" for n in range(len(kernel.params)))
+    entries = "".join(EMU_ENTRY.format(name=name, params=params, args=args) for name in kernel.names)
+    return f'#include "{source.as_posix()}"\nCUDA_EMU_DYNAMIC_SHARED(float, sram);\n{entries}'
+
 EMU_FLAGS = ["-std=c++20", "-O2", "-shared", "-fPIC", "-pthread"]
 SANITIZE_FLAGS = {None: [], "thread": ["-fsanitize=thread", "-g"], "address": ["-fsanitize=address", "-g"]}
 
 
 def build_emulator(source: Path = KERNEL_SOURCE, sanitize: str | None = None, compiler: str = "g++",
-                   shared_bytes: int = DEFAULT_SMEM_BYTES) -> Path:
+                   shared_bytes: int = DEFAULT_SMEM_BYTES, kernel: KernelFile = V1) -> Path:
     """Compile a .cu + cuda_emu.h into a shared library once; later calls return the cached path.
 
+    ``kernel``: the KernelFile whose entry points ``source`` defines (V1, or V2 for flash_attention_v2.cu and
+    its mutants).
     ``shared_bytes``: the most dynamic shared memory the emulated device gives a block (48 KiB, what every
     GPU gives without opting in; a GPU's opt-in limit to emulate one). The cache key hashes the kernel
     source, the header, the flags and the compiler, so editing the .cu rebuilds it. Raises KernelError
@@ -128,8 +173,10 @@ def build_emulator(source: Path = KERNEL_SOURCE, sanitize: str | None = None, co
     flags = EMU_FLAGS + SANITIZE_FLAGS[sanitize] + ["-include", str(EMU_HEADER)]
     if shared_bytes != DEFAULT_SMEM_BYTES:
         flags.append(f"-DCUDA_EMU_SHARED_BYTES={shared_bytes}")
+    launcher_text = emu_launcher(source, kernel)
     h = hashlib.sha256()
-    for part in (source.read_bytes(), EMU_HEADER.read_bytes(), " ".join(flags).encode(), cxx.encode()):
+    for part in (source.read_bytes(), EMU_HEADER.read_bytes(), " ".join(flags).encode(), cxx.encode(),
+                 launcher_text.encode()):
         h.update(part)
     tag = f"{source.stem}-{sanitize or 'plain'}-{h.hexdigest()[:16]}"
     out_dir = kernel_cache_dir()
@@ -137,7 +184,7 @@ def build_emulator(source: Path = KERNEL_SOURCE, sanitize: str | None = None, co
     if lib.exists():
         return lib
     launcher = out_dir / f"{tag}.cpp"
-    launcher.write_text(EMU_LAUNCHER.format(source=source.as_posix()))
+    launcher.write_text(launcher_text)
     tmp = out_dir / f"{tag}.{os.getpid()}.tmp.so"
     proc = subprocess.run([cxx, *flags, str(launcher), "-o", str(tmp)], capture_output=True, text=True)
     if proc.returncode != 0:
@@ -147,33 +194,32 @@ def build_emulator(source: Path = KERNEL_SOURCE, sanitize: str | None = None, co
     return lib
 
 
-_emulators: dict = {}  # library path -> its loaded entry point
+_emulators: dict = {}  # (library path, kernel name) -> its loaded entry point
 EMULATOR_LOCK = threading.Lock()  # emulated launches run one at a time (ctypes releases the GIL)
-FLOAT_P, INT_P = ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_int)
-# the kernel's parameters in order: Q, K, V, O, L, status, Tq, Tk, d, Bc, causal, scale
-KERNEL_PARAMS = [FLOAT_P] * 5 + [INT_P] + [ctypes.c_int] * 5 + [ctypes.c_float]
 LAUNCH_PARAMS = [ctypes.c_uint] * 5 + [ctypes.c_char_p, ctypes.c_int]  # grid x y z, block x, shared bytes, error
 
 
-def load_emulator(lib: Path):
-    """The ``launch_flash_attention_forward`` entry point of a built library, with its ctypes signature."""
-    if lib not in _emulators:
-        fn = ctypes.CDLL(str(lib)).launch_flash_attention_forward
-        fn.argtypes = KERNEL_PARAMS + LAUNCH_PARAMS
+def load_emulator(lib: Path, name: str = KERNEL_NAME):
+    """The ``launch_<name>`` entry point of a built library, with its ctypes signature."""
+    if (lib, name) not in _emulators:
+        fn = getattr(ctypes.CDLL(str(lib)), f"launch_{name}")
+        fn.argtypes = list(KERNELS[name].params) + LAUNCH_PARAMS
         fn.restype = ctypes.c_int
-        _emulators[lib] = fn
-    return _emulators[lib]
+        _emulators[lib, name] = fn
+    return _emulators[lib, name]
 
 
-def run_emulated(lib: Path, args, grid: tuple[int, int, int], block_x: int, smem_bytes: int) -> None:
-    """Launch the built kernel: args in KERNEL_PARAMS order (NumPy arrays for the pointers, numbers for the
-    rest), grid (x, y, z), block (block_x,), dynamic shared memory in bytes. Raises KernelError with the
-    emulator's message when it refuses the launch (a diverged barrier, shared memory beyond its device's)."""
+def run_emulated(lib: Path, args, grid: tuple[int, int, int], block_x: int, smem_bytes: int,
+                 name: str = KERNEL_NAME) -> None:
+    """Launch kernel ``name`` of a built library: args in its parameters' order (NumPy arrays for the
+    pointers, numbers for the rest), grid (x, y, z), block (block_x,), dynamic shared memory in bytes.
+    Raises KernelError with the emulator's message when it refuses the launch (a diverged barrier,
+    shared memory beyond its device's)."""
     c_args = [a.ctypes.data_as(param) if param in (FLOAT_P, INT_P) else param(a).value
-              for a, param in zip(args, KERNEL_PARAMS)]
+              for a, param in zip(args, KERNELS[name].params)]
     err = ctypes.create_string_buffer(1024)
     with EMULATOR_LOCK:
-        rc = load_emulator(lib)(*c_args, *grid, block_x, smem_bytes, err, len(err))
+        rc = load_emulator(lib, name)(*c_args, *grid, block_x, smem_bytes, err, len(err))
     if rc != 0:
         raise KernelError(err.value.decode())
 
@@ -204,13 +250,20 @@ def parse_ptxas_report(text: str) -> dict:
     return out
 
 
+def parse_ptxas_functions(text: str) -> dict[str, dict]:
+    """ptxas's report of a file with several kernels -> {kernel name: parse_ptxas_report(its part)}."""
+    parts = re.split(r"Compiling entry function '(\w+)'", text)
+    return {name: parse_ptxas_report(body) for name, body in zip(parts[1::2], parts[2::2])}
+
+
 def nvcc_resource_report(arch: str = "sm_90", source: Path = KERNEL_SOURCE, nvcc: str = "nvcc",
                          extra_flags: tuple[str, ...] = ()) -> dict:
-    """Compile the kernel for one GPU architecture with nvcc (device code only) and read ptxas's report.
+    """Compile a kernel file for one GPU architecture with nvcc (device code only) and read ptxas's report.
 
-    nvcc -arch=<arch> -cubin -Xptxas -v [extra_flags] <source>. Returns parse_ptxas_report(...) plus
-    "arch" and the raw "report". Spills (registers that did not fit, moved to slow local memory) should be 0.
-    Raises KernelError when nvcc is missing or the compile fails.
+    nvcc -arch=<arch> -cubin -Xptxas -v [extra_flags] <source>. Returns the worst case over the file's
+    kernels (most registers, stack and spill bytes) as parse_ptxas_report does, plus "functions" (each
+    kernel's numbers), "arch" and the raw "report". Spills (registers that did not fit, moved to slow local
+    memory) should be 0. Raises KernelError when nvcc is missing or the compile fails.
     """
     exe = shutil.which(nvcc)
     if exe is None:
@@ -222,4 +275,6 @@ def nvcc_resource_report(arch: str = "sm_90", source: Path = KERNEL_SOURCE, nvcc
     if proc.returncode != 0:
         raise KernelError(f"nvcc could not compile {Path(source).name} for {arch}:\n{proc.stderr}")
     report = proc.stdout + proc.stderr
-    return {"arch": arch, **parse_ptxas_report(report), "report": report.strip()}
+    functions = parse_ptxas_functions(report) or {source.stem: parse_ptxas_report(report)}
+    worst = {key: max(f[key] for f in functions.values()) for key in PTXAS_PATTERNS}
+    return {"arch": arch, **worst, "functions": functions, "report": report.strip()}

@@ -20,9 +20,15 @@
 //     source line), and no thread may leave
 //     the kernel while others wait at one. A violation (divergence) breaks the barrier: all
 //     waiters are released and the launch returns an error that names the line and the threads.
+//   - the warp-level calls __shfl_xor_sync(), __shfl_sync() and __syncwarp() are warp-wide barriers
+//     with the same checks, warp by warp (32 consecutive threads): every lane of the warp must make
+//     the *same* call (same source line) with the full mask, as the kernels here do. A shuffle really
+//     exchanges the values through memory between two barriers, so lanes that skip __syncwarp()
+//     before reading what other lanes wrote to shared memory show up as races under ThreadSanitizer;
 //   - launches are serialized by a global lock.
 // Supported: extern __shared__ (dynamic) shared memory, 1-D/2-D/3-D grids and blocks, the math
-// functions below. Not supported: statically sized __shared__ arrays, warp intrinsics, atomics.
+// functions below, float2/float4 and the warp calls above (full warps, full masks).
+// Not supported: statically sized __shared__ arrays, partial-warp masks, atomics.
 #pragma once
 #define CUDA_EMU 1
 
@@ -45,6 +51,7 @@
 #define __host__
 #define __forceinline__ inline __attribute__((always_inline))
 #define __shared__  // only `extern __shared__` is supported: its storage comes from the launcher
+#define __launch_bounds__(...)  // a hint to nvcc's register allocator; nothing to do on a CPU
 
 // ---- built-in variables ------------------------------------------------------------------
 struct uint3 {
@@ -59,6 +66,16 @@ inline thread_local uint3 blockIdx;
 inline thread_local dim3 blockDim;
 inline thread_local dim3 gridDim;
 
+// ---- vector types: 16- and 8-byte aligned, so a float4 load is one 128-bit access on a GPU ------
+struct alignas(16) float4 {
+    float x, y, z, w;
+};
+struct alignas(8) float2 {
+    float x, y;
+};
+inline float4 make_float4(float x, float y, float z, float w) { return float4{x, y, z, w}; }
+inline float2 make_float2(float x, float y) { return float2{x, y}; }
+
 // ---- math: the intrinsics map to the accurate libm versions ------------------------------
 inline float __expf(float x) { return std::exp(x); }
 inline float __logf(float x) { return std::log(x); }
@@ -66,6 +83,7 @@ inline float __fdividef(float a, float b) { return a / b; }
 inline float __int_as_float(int i) { return std::bit_cast<float>(i); }
 inline int __float_as_int(float f) { return std::bit_cast<int>(f); }
 inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline float fmaf(float a, float b, float c) { return std::fma(a, b, c); }
 inline int min(int a, int b) { return a < b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 inline unsigned int min(unsigned int a, unsigned int b) { return a < b ? a : b; }
@@ -96,8 +114,10 @@ inline double barrier_timeout_s() {
 // barrier k happens-before everything any thread does after barrier k -- and nothing else.
 class BlockBarrier {
   public:
-    void reset(int expected) {  // called between blocks, while no thread of a block runs
+    // called between blocks, while no thread of a block runs. what: the call this barrier stands for
+    void reset(int expected, const std::string& what = "__syncthreads()") {
         expected_ = expected;
+        what_ = what;
         arrived_.store(0);
         exited_.store(0);
         line_.store(-1);
@@ -112,7 +132,7 @@ class BlockBarrier {
         const unsigned long gen = generation_.load(std::memory_order_acquire);
         int first_line = -1;  // the first thread to arrive records its line; the others must match it
         if (!line_.compare_exchange_strong(first_line, line) && first_line != line) {
-            fail("thread " + std::to_string(tid) + " reached __syncthreads() at line " + std::to_string(line) +
+            fail("thread " + std::to_string(tid) + " reached " + what_ + " at line " + std::to_string(line) +
                  " while other threads wait at line " + std::to_string(first_line));
             return;
         }
@@ -123,7 +143,7 @@ class BlockBarrier {
             return;
         }
         if (exited_.load() > 0) {  // checked after arriving: thread_exit checks arrived_ after exiting
-            fail("thread " + std::to_string(tid) + " waits at __syncthreads() (line " + std::to_string(line) +
+            fail("thread " + std::to_string(tid) + " waits at " + what_ + " (line " + std::to_string(line) +
                  ") but " + std::to_string(exited_.load()) + " thread(s) of the block already left the kernel");
             return;
         }
@@ -138,7 +158,7 @@ class BlockBarrier {
             std::this_thread::sleep_for(std::chrono::microseconds(20));
             if (std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() > timeout) {
                 fail("only " + std::to_string(arrived_.load()) + " of " + std::to_string(expected_) +
-                     " threads reached __syncthreads() at line " + std::to_string(line) + " within " +
+                     " threads reached " + what_ + " at line " + std::to_string(line) + " within " +
                      std::to_string(timeout) + " s");
                 return;
             }
@@ -149,7 +169,7 @@ class BlockBarrier {
         exited_.fetch_add(1);
         if (arrived_.load() > 0) {
             fail("thread " + std::to_string(tid) + " left the kernel while " + std::to_string(arrived_.load()) +
-                 " thread(s) wait at __syncthreads() (line " + std::to_string(line_.load()) + ")");
+                 " thread(s) wait at " + what_ + " (line " + std::to_string(line_.load()) + ")");
         }
     }
 
@@ -158,7 +178,6 @@ class BlockBarrier {
         return error_;
     }
 
-  private:
     void fail(const std::string& msg) {  // record the first divergence and release every waiter
         {
             std::lock_guard<std::mutex> lk(error_mu_);
@@ -167,7 +186,9 @@ class BlockBarrier {
         broken_.store(true, std::memory_order_release);
     }
 
+  private:
     int expected_ = 0;
+    std::string what_ = "__syncthreads()";
     std::atomic<int> arrived_{0}, exited_{0}, line_{-1};
     std::atomic<unsigned long> generation_{0};
     std::atomic<bool> broken_{false};
@@ -178,10 +199,56 @@ class BlockBarrier {
 inline BlockBarrier g_barrier;
 inline std::mutex g_launch_lock;
 
-inline void syncthreads(int line) {
-    const int tid = static_cast<int>(threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z));
-    g_barrier.sync(line, tid);
+constexpr int kWarpSize = 32;
+constexpr int kMaxWarps = 1024 / kWarpSize;
+constexpr unsigned int kFullMask = 0xffffffffu;
+inline BlockBarrier g_warp_barriers[kMaxWarps];  // one per warp of the block being run
+inline std::uint64_t g_shuffle_slots[1024];      // what each thread offers to a shuffle
+
+inline int thread_rank() {
+    return static_cast<int>(threadIdx.x + blockDim.x * (threadIdx.y + blockDim.y * threadIdx.z));
 }
+
+inline void syncthreads(int line) { g_barrier.sync(line, thread_rank()); }
+
+inline int warp_lanes(int warp, int nthreads) {
+    return nthreads - warp * kWarpSize < kWarpSize ? nthreads - warp * kWarpSize : kWarpSize;
+}
+
+// __syncwarp(mask): a barrier for the lanes of this thread's warp. Only the full mask of a full warp
+// is emulated; anything else is reported as a divergence of the warp.
+inline void syncwarp(int line, unsigned int mask = kFullMask) {
+    const int tid = thread_rank();
+    BlockBarrier& warp = g_warp_barriers[tid / kWarpSize];
+    const int nthreads = static_cast<int>(blockDim.x * blockDim.y * blockDim.z);
+    if (mask != kFullMask || warp_lanes(tid / kWarpSize, nthreads) != kWarpSize) {
+        warp.fail("thread " + std::to_string(tid) + " made a warp call at line " + std::to_string(line) +
+                  " with a partial mask or in a partial warp; only full warps with the full mask are emulated");
+        return;
+    }
+    warp.sync(line, tid);
+}
+
+// __shfl_sync / __shfl_xor_sync: each lane offers its value, the warp meets at a barrier, each lane reads
+// the value of its source lane, and the warp meets again before anyone may offer a new value.
+template <typename T>
+T shuffle(int line, unsigned int mask, T value, int src_of_lane(int, int), int arg) {
+    static_assert(sizeof(T) <= sizeof(std::uint64_t), "the emulated shuffles move values of up to 8 bytes");
+    const int tid = thread_rank();
+    const int base = tid - tid % kWarpSize;
+    std::uint64_t bits = 0;
+    std::memcpy(&bits, &value, sizeof(T));
+    g_shuffle_slots[tid] = bits;
+    syncwarp(line, mask);
+    const int src = base + (src_of_lane(tid % kWarpSize, arg) & (kWarpSize - 1));
+    bits = g_shuffle_slots[src];
+    syncwarp(line, mask);
+    T out;
+    std::memcpy(&out, &bits, sizeof(T));
+    return out;
+}
+inline int lane_xor(int lane, int lane_mask) { return lane ^ lane_mask; }
+inline int lane_from(int, int src_lane) { return src_lane; }
 
 inline int write_error(char* err, int errlen, const std::string& msg) {
     if (err && errlen > 0) std::snprintf(err, static_cast<size_t>(errlen), "%s", msg.c_str());
@@ -210,6 +277,8 @@ int launch(dim3 grid, dim3 block, unsigned int smem_bytes, void* shared, char* e
             for (unsigned int bx = 0; bx < grid.x; ++bx) {
                 std::memset(shared, 0xff, CUDA_EMU_SHARED_BYTES);  // 0xffffffff is a float NaN
                 g_barrier.reset(nthreads);
+                for (int w = 0; w * kWarpSize < nthreads; ++w)
+                    g_warp_barriers[w].reset(warp_lanes(w, nthreads), "a warp call of warp " + std::to_string(w));
                 std::vector<std::thread> threads;
                 threads.reserve(nthreads);
                 for (int t = 0; t < nthreads; ++t) {
@@ -220,10 +289,12 @@ int launch(dim3 grid, dim3 block, unsigned int smem_bytes, void* shared, char* e
                         gridDim = grid;
                         kernel(args...);
                         g_barrier.thread_exit(t);
+                        g_warp_barriers[t / kWarpSize].thread_exit(t);
                     });
                 }
                 for (auto& th : threads) th.join();
-                const std::string e = g_barrier.error();
+                std::string e = g_barrier.error();
+                for (int w = 0; e.empty() && w * kWarpSize < nthreads; ++w) e = g_warp_barriers[w].error();
                 if (!e.empty()) {
                     return write_error(err, errlen,
                                        e + " [block (" + std::to_string(bx) + ", " + std::to_string(by) + ", " +
@@ -236,6 +307,10 @@ int launch(dim3 grid, dim3 block, unsigned int smem_bytes, void* shared, char* e
 }  // namespace cuda_emu
 
 #define __syncthreads() ::cuda_emu::syncthreads(__LINE__)
+#define __syncwarp(...) ::cuda_emu::syncwarp(__LINE__ __VA_OPT__(, ) __VA_ARGS__)
+#define __shfl_xor_sync(mask, value, lane_mask, ...) \
+    ::cuda_emu::shuffle(__LINE__, mask, value, ::cuda_emu::lane_xor, lane_mask)
+#define __shfl_sync(mask, value, src_lane, ...) ::cuda_emu::shuffle(__LINE__, mask, value, ::cuda_emu::lane_from, src_lane)
 
 // The bytes of dynamic shared memory of this launch (on a GPU: the %dynamic_smem_size register).
 inline unsigned int dynamic_smem_size() { return cuda_emu::g_dynamic_smem_bytes; }

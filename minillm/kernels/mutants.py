@@ -1,4 +1,5 @@
-"""Broken kernels on purpose: the classic CUDA mistakes, each an edit of the real flash_attention.cu.
+"""Broken kernels on purpose: the classic CUDA mistakes, each an edit of the real flash_attention.cu
+(KERNEL_MUTANTS) or flash_attention_v2.cu (V2_MUTANTS).
 
 Chapter 4 shows that its checks bite by running them on these, and tests/test_flash_attention.py
 asserts that every one is caught. Each mutant is the current kernel with one or two textual edits,
@@ -44,12 +45,44 @@ KERNEL_MUTANTS = {
 }
 
 
-def mutate_kernel(name: str, source: str) -> str:
-    """The kernel text ``source`` with the edits of KERNEL_MUTANTS[name]; ValueError for an unknown
+# name -> [(old, new), ...]: the edits of minillm/kernels/flash_attention_v2.cu that make the mutant
+V2_MUTANTS = {
+    # each lane keeps the max of its own 8 scores instead of the row's: the 8 lanes of a row scale
+    # their parts of P by different exponentials. Caught by the output check.
+    "v2_no_row_max": [(
+        "            const float m_new = fmaxf(m[a], row_max(m_tile));\n",
+        "            const float m_new = fmaxf(m[a], m_tile);  // (mutant: no shuffle across the row's lanes)\n",
+    )],
+    # the __syncwarp() between writing P and reading it is removed: a lane may read an entry of P that
+    # another lane of its warp has not written yet (lanes of a warp are not in lock step since Volta).
+    # Caught by ThreadSanitizer.
+    "v2_missing_syncwarp": [(
+        "        __syncwarp();  // the warp's P rows are complete before its lanes read each other's entries\n",
+        "        // (mutant: no __syncwarp() between writing P and reading it)\n",
+    )],
+    # the tail bounds check of the K/V tile load is removed: key rows past Tk are read. Caught by the
+    # output check (the emulator poisons memory past each buffer).
+    "v2_no_tail_check": [(
+        "            const bool in_bounds = kr < Tk;\n",
+        "            const bool in_bounds = true;  // (mutant: no tail bounds check)\n",
+    )],
+    # the final row-sum shuffle moves inside `if (row < Tq)`: lanes whose rows lie past Tq skip it while
+    # the rest of their warp waits. Caught by the emulator's divergence check (KernelError).
+    "v2_shuffle_in_branch": [
+        ("        const float l_row = row_sum(l[a]);  // every lane calls the shuffle, also for rows past Tq\n", ""),
+        ("        if (row < Tq) {\n            const float inv_l",
+         "        if (row < Tq) {\n            const float l_row = row_sum(l[a]);  // (mutant: a shuffle in a branch)\n"
+         "            const float inv_l"),
+    ],
+}
+
+
+def mutate_kernel(name: str, source: str, mutants: dict = KERNEL_MUTANTS) -> str:
+    """The kernel text ``source`` with the edits of mutants[name]; ValueError for an unknown
     name or an edit whose text does not occur exactly once."""
-    if name not in KERNEL_MUTANTS:
-        raise ValueError(f"unknown kernel mutant {name!r}; known: {', '.join(KERNEL_MUTANTS)}")
-    for old, new in KERNEL_MUTANTS[name]:
+    if name not in mutants:
+        raise ValueError(f"unknown kernel mutant {name!r}; known: {', '.join(mutants)}")
+    for old, new in mutants[name]:
         count = source.count(old)
         if count != 1:
             raise ValueError(f"kernel mutant {name!r}: the text to replace occurs {count} times, not once")
@@ -57,9 +90,9 @@ def mutate_kernel(name: str, source: str) -> str:
     return source
 
 
-def write_kernel_mutant(name: str, kernel_path, out_dir) -> Path:
-    """Write the kernel at ``kernel_path`` with mutant ``name``'s edits to out_dir/flash_<name>.cu -> that path."""
-    text = mutate_kernel(name, Path(kernel_path).read_text())
+def write_kernel_mutant(name: str, kernel_path, out_dir, mutants: dict = KERNEL_MUTANTS) -> Path:
+    """Write the kernel at ``kernel_path`` with mutants[name]'s edits to out_dir/flash_<name>.cu -> that path."""
+    text = mutate_kernel(name, Path(kernel_path).read_text(), mutants)
     path = Path(out_dir) / f"flash_{name}.cu"
     path.write_text(text)
     return path
