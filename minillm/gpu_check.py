@@ -15,8 +15,9 @@ Run it from a checkout of the project whenever a CUDA GPU is available (see docs
            CUDA kernel over the whole shape grid, the model with each attention, generation, speculative
            decoding, the paged cache and batches on the device), counted per test file, with the first
            error of each failure
-3. bench:  ``python -m minillm bench attention`` on the GPU (validates the kernel against naive
-           attention, then times both; TFLOP/s against the FP32 peak)
+3. bench:  ``python -m minillm bench attention`` on the GPU (validates kernels v1 and v2 against naive
+           attention, then times all three with CUDA events; TFLOP/s against the FP32 peak)
+4. decode: milliseconds per decoded token of the shipped target model (greedy) with each attention
 Then a compact table. Exit status 1 when anything fails, including a CuPy that is installed but cannot
 be used; 0 with "skipped" only on a machine without CuPy and without an NVIDIA driver.
 """
@@ -160,6 +161,24 @@ def run_attention_bench(max_n: int, repeat: int, out_dir: Path) -> tuple[bool, s
     return ok, buf.getvalue(), time.perf_counter() - t0
 
 
+DECODE_ATTENTIONS = ("naive", "flash", "cuda", "cuda_v2")
+
+
+def run_decode_bench(steps: int = 32) -> tuple[str, float]:
+    """ms per decoded token of the shipped target model on the GPU, greedy, per attention -> (table, seconds)."""
+    from .benchmarks.common import format_table
+    from .benchmarks.device_calls import seconds_per_token
+    from .checkpoint import load_model
+
+    t0 = time.perf_counter()
+    rows = []
+    for attention in DECODE_ATTENTIONS:
+        model, _ = load_model("target", attention)
+        rows.append({"attention": attention, "ms / token": 1e3 * seconds_per_token(model, steps)})
+    title = f"decode on the GPU: model target, greedy, prompt 8 tokens, {steps} steps, best of 3"
+    return f"{title}\n{format_table(rows, ['attention', 'ms / token'])}", time.perf_counter() - t0
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m minillm.gpu_check", description=__doc__.split("\n")[0])
     p.add_argument("--max-n", type=int, default=16384, help="largest N of the attention benchmark")
@@ -205,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     ok_bench, bench_out, secs = run_attention_bench(args.max_n, args.repeat, out_dir)
     summary.append(("bench attention (kernel vs naive)", "ok" if ok_bench else "FAIL (validation)", secs))
 
+    decode_table, secs = run_decode_bench()
+    summary.append(("decode (ms per token)", "ok", secs))
+
     total = time.perf_counter() - t_start
     width = max(len(c) for c, _, _ in summary)
     lines.append("")
@@ -213,6 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"{total:6.1f} s")
     lines.append("")
     lines.append(bench_out.rstrip())
+    lines += ["", decode_table]
     failed = any(r.startswith("FAIL") for _, r, _ in summary)
     if failed and test_tail:
         lines += ["", "pytest output:", test_tail]

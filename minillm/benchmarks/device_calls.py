@@ -17,6 +17,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 
 from ..backend import BACKEND_ENV, xp
 from ..checkpoint import load_model
@@ -39,6 +40,22 @@ def per_token(model, steps: int) -> dict:
     return {k: (runs[1].get(k, 0) - runs[0].get(k, 0)) / steps for k in COUNTED}
 
 
+def seconds_per_token(model, steps: int, repeat: int = 3) -> float:
+    """Wall seconds per decoded token of greedy generation on this machine's backend: (time of 1 + steps
+    new tokens - time of 1) / steps, the best of ``repeat`` (generate returns the tokens on the host, so
+    each timing ends when the device is done)."""
+    generate(model, PROMPT, 1, temperature=0)
+    per_run = []
+    for _ in range(repeat):
+        times = []
+        for n in (1, 1 + steps):
+            t0 = time.perf_counter()
+            generate(model, PROMPT, n, temperature=0)
+            times.append(time.perf_counter() - t0)
+        per_run.append((times[1] - times[0]) / steps)
+    return min(per_run)
+
+
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m minillm bench device-calls", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="target", help="a shipped model name or a checkpoint path")
@@ -48,7 +65,7 @@ def main(argv: list[str]) -> int:
         command = [sys.executable, "-m", "minillm", "bench", "device-calls", *argv]
         return subprocess.run(command, env={**os.environ, BACKEND_ENV: "strict"}).returncode
     args = parse_args(p, argv)
-    attentions = ["naive", "flash"] + (["cuda"] if shutil.which("g++") else [])  # 'cuda' is emulated: g++
+    attentions = ["naive", "flash"] + (["cuda", "cuda_v2"] if shutil.which("g++") else [])  # emulated: g++
     rows = []
     for attention in attentions:
         model, _ = load_model(args.model, attention)
