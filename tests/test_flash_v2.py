@@ -14,6 +14,7 @@ from test_flash_attention import (
     KERNEL_ATOL,
     case_id,
     check_attention,
+    check_kernel_case,
     check_model_logits,
     make_qkv,
     needs_gxx,
@@ -44,13 +45,7 @@ def emulated_v2(source=build.V2_SOURCE):
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_emulated_v2_matches_naive(case):
     """v2, run on the CPU through cuda_emu.h, matches the float64 reference within 1e-5 (and L too)."""
-    q, k, v = make_qkv(case)
-    causal = case[-1]
-    out, lse = launch.flash_attention_v2_emulated(q, k, v, causal, return_lse=True)
-    ref, ref_lse = reference(q, k, v, causal)
-    assert out.dtype == np.float32 and out.shape == q.shape
-    assert np.abs(out - ref).max() <= KERNEL_ATOL
-    assert np.abs(lse - ref_lse).max() <= 1e-4 * max(1.0, np.abs(ref_lse).max())
+    check_kernel_case(launch.flash_attention_v2_emulated, case)
 
 
 def test_v2_head_sizes_and_shared_memory():
@@ -162,12 +157,7 @@ def test_model_logits_kernel_v2_equal_naive(tiny_model):
 @pytest.mark.skipif(not is_gpu(), reason="needs a CUDA GPU (CuPy)")
 def test_gpu_v2_matches_naive(case):
     """flash_attention_v2_cuda on the device matches the float64 reference within 1e-5, and L too."""
-    q, k, v = make_qkv(case)
-    causal = case[-1]
-    out, lse = launch.flash_attention_v2_cuda(*on_backend(q, k, v), causal, return_lse=True)
-    ref, ref_lse = reference(q, k, v, causal)
-    assert np.abs(to_numpy(out) - ref).max() <= KERNEL_ATOL
-    assert np.abs(to_numpy(lse) - ref_lse).max() <= 1e-4 * max(1.0, np.abs(ref_lse).max())
+    check_kernel_case(launch.flash_attention_v2_cuda, case, on_backend)
 
 
 @pytest.mark.gpu
