@@ -14,8 +14,10 @@ cache and is never attended to, and its logits are dropped (``forward_ragged``).
                                 each row accepts its own number and rolls back only its own caches
 
 Per-sequence bookkeeping (make room, roll back) is ``speculative.SequenceState``, the same code the
-single-sequence loop runs; proposals and verification are ``speculative.propose`` and
-``speculative.judge`` (``verify`` / ``verify_greedy``); the context policy is ``generate.fit_context``.
+single-sequence loop runs; proposals are ``speculative.propose``'s, for all rows at once
+(``propose_rows``), and verification is ``speculative.judge`` (``verify`` / ``verify_greedy``) on one host
+copy of the verify logits (``rows_to_host``); the context policy is ``generate.fit_context``. A step brings
+its rows' tokens or logits to the host in one transfer, never one per row (a GPU would wait B times).
 Both loops return a ``BatchResult``: one ``GenerationResult`` per row (the row's tokens and its own
 stats, as the row would have them alone) plus the batch's ``BatchStats``.
 
@@ -46,8 +48,8 @@ import numpy as np
 from .backend import synchronize, to_numpy, xp
 from .generate import GenerationResult, Throughput, check_prompt, fit_context, step_stats
 from .paged_kv import PagedKVCache, num_blocks_for
-from .sampling import SamplingSettings, next_tokens
-from .speculative import SequenceState, SpecStats, check_speculative_args, judge, propose
+from .sampling import SamplingSettings, next_tokens, sample
+from .speculative import SequenceState, SpecStats, check_speculative_args, judge
 
 POLICIES = ("pad", "adaptive")
 PAD_ID = 0  # the token id in padding columns (any valid id: its results are discarded)
@@ -102,13 +104,13 @@ def rows_to_host(rows) -> list:
 
 
 def propose_rows(logits, settings: SamplingSettings, rngs) -> tuple[list, list]:
-    """Draft logits (B, V) -> (B tokens, B q rows or None), ``propose`` for every row with one transfer to
-    the host: greedy rows' argmaxes are taken on the device (``next_tokens``), sampled rows are drawn from
-    one host copy of the logits."""
+    """Draft logits (B, V) -> (B tokens, B q rows or None): ``propose`` for every row, with one transfer to
+    the host: greedy, the rows' argmaxes are taken on the device (``next_tokens``); sampled, the rows'
+    probabilities are computed at once on the host and row b is drawn with its own generator."""
     if settings.greedy:
         return next_tokens(logits, [settings] * len(rngs), rngs), [None] * len(rngs)
-    proposals = [propose(row, settings, rng) for row, rng in zip(to_numpy(logits), rngs)]
-    return [token for token, _ in proposals], [q for _, q in proposals]
+    q = settings.probs(logits)  # (B, V) float64 on the host
+    return [sample(row, rng) for row, rng in zip(q, rngs)], list(q)
 
 
 def _pool(config, batch_size: int, page_size: int) -> PagedKVCache:
