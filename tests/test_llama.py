@@ -267,6 +267,7 @@ def hf_state_dict_to_params(state):
     return {k.removeprefix("model."): v.float().numpy() for k, v in state.items() if k != "lm_head.weight"}
 
 
+@pytest.mark.oracle
 def test_transformers_tiny_random_llama():
     """A random transformers LlamaConfig (2 layers, 4 heads, 2 KV heads), its state dict exported to
     minillm: the same logits within 1e-4, with and without the cache."""
@@ -402,6 +403,7 @@ def test_real_model_paged_and_speculative_equal_plain_greedy(real_model):
     assert spec.tokens == plain and spec.stats.proposed > 0  # lossless whatever the draft's acceptance
 
 
+@pytest.mark.oracle
 def test_transformers_real_model_logits(real_model, transformers_smollm2):
     """SmolLM2 through minillm and through transformers (loaded from the same GGUF): max abs logit
     difference <= 1e-3 on every prompt."""
@@ -413,6 +415,7 @@ def test_transformers_real_model_logits(real_model, transformers_smollm2):
         assert np.abs(ours - theirs).max() <= 1e-3, ids
 
 
+@pytest.mark.oracle
 def test_transformers_real_model_greedy_30_tokens(real_model, transformers_smollm2):
     """A 30-token greedy continuation (minillm with its KV cache) is transformers' token for token."""
     torch, hf = transformers_smollm2
