@@ -1,6 +1,7 @@
 """The strict CuPy stand-in follows CuPy's rules (no implicit conversion, explicit ways up and down,
-RawKernel's argument rules), counts kernels and synchronizations, and with it as the backend the kernel
-launcher and a decoded token cost what they should: no wait for the device inside the forward pass."""
+RawKernel's argument rules), counts kernels and synchronizations, and with it as the backend (the test
+command's strict run) the kernel launcher, a decoded token and a batch's step cost what they should: no
+wait for the device inside the forward pass, one transfer of a batch's next tokens per step."""
 
 import shutil
 
