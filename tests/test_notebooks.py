@@ -1,4 +1,4 @@
-"""Every chapter notebook executes top to bottom (on NumPy, in the CI time budget; chapter 7's also on
+"""Every chapter notebook executes top to bottom (on NumPy, in the CI time budget; chapters 1 and 7 also on
 the strict CuPy stand-in), and is committed with its figures and without errors."""
 
 import json
@@ -10,7 +10,7 @@ import pytest
 NOTEBOOKS = sorted((Path(__file__).parents[1] / "notebooks").glob("*.ipynb"))
 # Executed again under MINILLM_BACKEND=strict (the strict run), so that a chapter's code breaks in CI where
 # it would break on a GPU; the other notebooks are executed on NumPy only.
-ON_A_DEVICE = {"07_batched_speculative.ipynb"}
+ON_A_DEVICE = {"01_gpt_from_arrays.ipynb", "07_batched_speculative.ipynb"}
 
 # A code cell draws when it calls pyplot, an axes' plot/imshow, or one of the library's figure helpers
 # (draw_*, plot_*, *_figure).
