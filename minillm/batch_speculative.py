@@ -14,8 +14,10 @@ cache and is never attended to, and its logits are dropped (``forward_ragged``).
                                 each row accepts its own number and rolls back only its own caches
 
 Per-sequence bookkeeping (make room, roll back) is ``speculative.SequenceState``, the same code the
-single-sequence loop runs; proposals and verification are ``speculative.propose`` and
-``speculative.judge`` (``verify`` / ``verify_greedy``); the context policy is ``generate.fit_context``.
+single-sequence loop runs; proposals are ``speculative.propose``'s, for all rows at once
+(``propose_rows``), and verification is ``speculative.judge`` (``verify`` / ``verify_greedy``) on one host
+copy of the verify logits (``rows_to_host``); the context policy is ``generate.fit_context``. A step brings
+its rows' tokens or logits to the host in one transfer, never one per row (a GPU would wait B times).
 Both loops return a ``BatchResult``: one ``GenerationResult`` per row (the row's tokens and its own
 stats, as the row would have them alone) plus the batch's ``BatchStats``.
 
@@ -43,11 +45,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .backend import synchronize, xp
+from .backend import synchronize, to_numpy, xp
 from .generate import GenerationResult, Throughput, check_prompt, fit_context, step_stats
 from .paged_kv import PagedKVCache, num_blocks_for
-from .sampling import SamplingSettings
-from .speculative import SequenceState, SpecStats, check_speculative_args, judge, propose
+from .sampling import SamplingSettings, next_tokens, sample
+from .speculative import SequenceState, SpecStats, check_speculative_args, judge
 
 POLICIES = ("pad", "adaptive")
 PAD_ID = 0  # the token id in padding columns (any valid id: its results are discarded)
@@ -88,6 +90,27 @@ def forward_ragged(model, cache: PagedKVCache, seq_ids, token_lists) -> list:
     idx, counts = pad_batch(token_lists)
     logits = model.forward(xp.asarray(idx), cache.view(seq_ids, counts))  # (B, T, V)
     return [logits[b, :n] for b, n in enumerate(counts)]
+
+
+def last_logits(rows):
+    """Each row's last logits, stacked on the device: [(n_b, V)] -> (B, V) (one kernel, no transfer)."""
+    return xp.stack([logits[-1] for logits in rows])
+
+
+def rows_to_host(rows) -> list:
+    """Ragged device rows [(n_b, V)] -> their NumPy copies, with one transfer to the host (not one per row)."""
+    ends = np.cumsum([len(logits) for logits in rows])[:-1]
+    return np.split(to_numpy(xp.concatenate(rows)), ends)
+
+
+def propose_rows(logits, settings: SamplingSettings, rngs) -> tuple[list, list]:
+    """Draft logits (B, V) -> (B tokens, B q rows or None): ``propose`` for every row, with one transfer to
+    the host: greedy, the rows' argmaxes are taken on the device (``next_tokens``); sampled, the rows'
+    probabilities are computed at once on the host and row b is drawn with its own generator."""
+    if settings.greedy:
+        return next_tokens(logits, [settings] * len(rngs), rngs), [None] * len(rngs)
+    q = settings.probs(logits)  # (B, V) float64 on the host
+    return [sample(row, rng) for row, rng in zip(q, rngs)], list(q)
 
 
 def _pool(config, batch_size: int, page_size: int) -> PagedKVCache:
@@ -207,8 +230,7 @@ def generate_batch(model, prompts, max_new_tokens, temperature=1.0, top_k=None, 
             reprefills[b] += reprefilled
         rows = forward_ragged(model, pool, [v.seq_id for v in views], pending)
         stats.target_calls += 1
-        for b, logits in enumerate(rows):
-            token = settings.next_token(logits[-1], rngs[b])
+        for b, token in enumerate(next_tokens(last_logits(rows), [settings] * B, rngs)):  # one transfer
             seqs[b].append(token)
             pending[b] = [token]
         synchronize()
@@ -254,9 +276,9 @@ def _draft_batch(draft, pool, states, k_round, settings, rngs, stats):
         rows = [i for i in k_round if k_round[i] > j]
         logits = forward_ragged(draft, pool, [states[i].dcache.seq_id for i in rows], [feed[i] for i in rows])
         calls += 1
-        for i, row in zip(rows, logits):
+        tokens, qs = propose_rows(last_logits(logits), settings, [rngs[i] for i in rows])  # one transfer
+        for i, token, q in zip(rows, tokens, qs):
             stats[i].draft_calls += 1
-            token, q = propose(row[-1], settings, rngs[i])
             drafts[i].append(token)
             q_rows[i].append(q)
             feed[i] = [token]
@@ -293,8 +315,8 @@ def speculative_generate_batch(target, draft, prompts, max_new_tokens, k=4, temp
         batch.draft_calls += calls
 
         # pass 3: the target scores every row's pending + drafts in ONE forward (right-padded)
-        rows = forward_ragged(target, tpool, [states[i].tcache.seq_id for i in running],
-                              [states[i].t_pending + drafts[i] for i in running])
+        rows = rows_to_host(forward_ragged(target, tpool, [states[i].tcache.seq_id for i in running],
+                                           [states[i].t_pending + drafts[i] for i in running]))  # one transfer
         batch.target_calls += 1
         accepted = []
         for i, logits in zip(running, rows):

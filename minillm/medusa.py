@@ -177,8 +177,9 @@ class MedusaHeads:
         return xp.stack([r[k] @ self.params[f"{k}.lm"].T for k in ks])
 
     def accuracy(self, h, targets, top: tuple = (1, 5)) -> dict:
-        """Top-n accuracy of each head: targets (N, K) -> {"head k": {"top1": .., "top5": ..}}."""
-        logits = to_numpy(self.logits(h))  # (K, N, V)
+        """Top-n accuracy of each head: h (N, C) on the host (``head_data``'s) or the device, targets (N, K)
+        -> {"head k": {"top1": .., "top5": ..}}."""
+        logits = to_numpy(self.logits(xp.asarray(h)))  # (K, N, V)
         ranks = (logits > np.take_along_axis(logits, np.asarray(targets).T[..., None], axis=-1)).sum(-1)  # (K, N)
         return {f"head {k} (+{k + 2})": {f"top{n}": round(float((ranks[k] < n).mean()), 4) for n in top}
                 for k in range(self.n_heads)}

@@ -7,7 +7,8 @@
 2. ``sample``: probabilities -> token ids, using an explicit ``numpy.random.Generator``.
 
 ``settings.next_token`` does both for one row, and takes the argmax directly when decoding is
-greedy. ``logits_to_probs(logits, temperature=..., ...)`` is step 1 for one-off use.
+greedy. ``next_tokens`` does it for a batch of rows with one transfer to the host (a GPU waits once
+per step, not once per row). ``logits_to_probs(logits, temperature=..., ...)`` is step 1 for one-off use.
 
 Keeping them apart matters for speculative decoding, which compares the draft's and the target's
 probability vectors *after* the same transform. Sampling runs on the host in float64: the vectors
@@ -86,6 +87,17 @@ class SamplingSettings:
         if self.greedy:
             return int(logits.argmax())
         return sample(self.probs(logits), rng)
+
+
+def next_tokens(logits, settings, rngs) -> list[int]:
+    """(B, V) logits, one SamplingSettings and one generator per row -> B tokens, ``next_token`` row by
+    row, with ONE transfer to the host: when every row is greedy, one argmax over the rows on the device
+    and the B ids come down; otherwise the logits come down once and each row is drawn on the host.
+    (Calling next_token per device row would wait for the device B times per step.)
+    """
+    if all(s.greedy for s in settings):
+        return to_numpy(logits.argmax(axis=-1)).tolist()
+    return [s.next_token(row, rng) for s, row, rng in zip(settings, to_numpy(logits), rngs)]
 
 
 def logits_to_probs(logits, temperature=1.0, top_k=None, top_p=None):

@@ -47,10 +47,10 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backend import synchronize
-from .batch_speculative import forward_ragged
+from .batch_speculative import forward_ragged, last_logits
 from .paged_kv import OutOfBlocksError, PagedKVCache, num_blocks_for
 from .prefix_blocks import PrefixBlockCache
-from .sampling import SamplingSettings
+from .sampling import SamplingSettings, next_tokens
 
 # --- touch points: the paged cache and the sampler -------------------------------------------------
 
@@ -73,9 +73,10 @@ def remember_prefix(prefix: PrefixBlockCache | None, seq_id: int, prompt) -> Non
         prefix.store(seq_id, prompt)
 
 
-def sample_next(request: Request, rng: np.random.Generator, logits) -> int:
-    """The request's next token from its last logits (V,), with its own settings and generator."""
-    return request.settings.next_token(logits, rng)
+def sample_next(states: list, logits) -> list[int]:
+    """Each request's next token from its last logits (B, V), with its own settings and generator, all
+    rows with one transfer to the host (``next_tokens``)."""
+    return next_tokens(logits, [s.request.settings for s in states], [s.rng for s in states])
 
 
 # --- requests --------------------------------------------------------------------------------------
@@ -435,19 +436,23 @@ class Engine:
         batch = [s for s in self.running if s.id in scheduled]
         feeds = [s.tokens[s.num_computed : s.num_computed + scheduled[s.id]] for s in batch]
         rows = forward_ragged(self.model, self.pool, [s.seq_id for s in batch], feeds)  # (b): ONE forward
-        new, prefill = {}, 0
+        sampling, prefill = [], 0
         for state, logits in zip(batch, rows):
             computed_before = state.num_computed
             state.num_computed += len(logits)
             if computed_before < len(state.request.prompt):
                 remember_prefix(self.prefix, state.seq_id, state.request.prompt)
-            if state.num_pending == 0:  # (c) its cache holds every token: sample the next one
-                token = sample_next(state.request, state.rng, logits[-1])
-                state.tokens.append(token)
-                new[state.id] = [token]
+            if state.num_pending == 0:  # (c) its cache holds every token: it samples the next one
+                sampling.append((state, logits))
                 prefill += len(logits) - 1
             else:
                 prefill += len(logits)
+        new = {}
+        if sampling:  # every sampling request's token at once: one transfer to the host
+            states = [state for state, _ in sampling]
+            for state, token in zip(states, sample_next(states, last_logits([logits for _, logits in sampling]))):
+                state.tokens.append(token)
+                new[state.id] = [token]
         record = StepRecord(
             time_s=0.0,
             scheduled=scheduled,

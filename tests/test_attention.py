@@ -11,7 +11,7 @@ from minillm.attention import (
     sliding_window_mask,
     softmax,
 )
-from minillm.backend import to_numpy
+from minillm.backend import to_numpy, xp
 
 # The tests that check each exercise, as pytest -k expressions (read by minillm.course; docs/instructors.md)
 EXERCISES = {"2.1": "window", "2.2": "entropy"}
@@ -19,7 +19,7 @@ EXERCISES = {"2.1": "window", "2.2": "entropy"}
 
 def test_softmax_huge_logits_are_safe():
     """Subtracting the max keeps exp() finite: [1000, 1000] -> [0.5, 0.5], not NaN."""
-    out = to_numpy(softmax(np.array([[1000.0, 1000.0], [-1000.0, 0.0], [3.0, 1e30]], dtype=np.float32)))
+    out = to_numpy(softmax(xp.asarray([[1000.0, 1000.0], [-1000.0, 0.0], [3.0, 1e30]], dtype=np.float32)))
     assert np.isfinite(out).all()
     np.testing.assert_allclose(out[0], [0.5, 0.5])
     np.testing.assert_allclose(out[2], [0.0, 1.0])
@@ -27,7 +27,7 @@ def test_softmax_huge_logits_are_safe():
 
 
 def test_softmax_fully_masked_row_is_zero_not_nan():
-    out = to_numpy(softmax(np.array([[-np.inf, -np.inf], [0.0, -np.inf]])))
+    out = to_numpy(softmax(xp.asarray([[-np.inf, -np.inf], [0.0, -np.inf]])))
     np.testing.assert_array_equal(out, [[0.0, 0.0], [1.0, 0.0]])
 
 
@@ -58,7 +58,7 @@ def reference(q, k, v, causal, window=None):
 def test_naive_attention_matches_loops(Tq, Tk, causal):
     rng = np.random.default_rng(Tq * 10 + Tk)
     q, k, v = (rng.normal(size=(2, 3, T, 8)) for T in (Tq, Tk, Tk))
-    ours = to_numpy(naive_attention(q, k, v, causal))
+    ours = to_numpy(naive_attention(*map(xp.asarray, (q, k, v)), causal))
     np.testing.assert_allclose(ours, reference(q, k, v, causal), atol=1e-12)
 
 
@@ -67,20 +67,22 @@ def test_tq_less_than_tk_equals_tail_of_full():
     the rule that makes decode (Tq=1) and verify (Tq=K) exact."""
     rng = np.random.default_rng(0)
     q, k, v = (rng.normal(size=(1, 2, 10, 4)) for _ in range(3))
+    q, k, v = (xp.asarray(t) for t in (q, k, v))
     full = to_numpy(naive_attention(q, k, v))
     np.testing.assert_allclose(to_numpy(naive_attention(q[:, :, -3:], k, v)), full[:, :, -3:], atol=1e-12)
 
 
 def test_rows_sum_to_one_and_masked_weights_are_exactly_zero():
     rng = np.random.default_rng(1)
-    w = to_numpy(attention_weights(rng.normal(size=(1, 1, 5, 4)), rng.normal(size=(1, 1, 5, 4))))
+    q, k = (xp.asarray(rng.normal(size=(1, 1, 5, 4))) for _ in range(2))
+    w = to_numpy(attention_weights(q, k))
     np.testing.assert_allclose(w.sum(-1), 1.0)
     assert (w[0, 0][np.triu_indices(5, 1)] == 0).all()
 
 
 def test_more_queries_than_keys_is_refused():
     with pytest.raises(ValueError, match="Tq <= Tk"):
-        naive_attention(np.zeros((1, 1, 3, 4)), np.zeros((1, 1, 2, 4)), np.zeros((1, 1, 2, 4)))
+        naive_attention(xp.zeros((1, 1, 3, 4)), xp.zeros((1, 1, 2, 4)), xp.zeros((1, 1, 2, 4)))
 
 
 def test_model_registry_names_naive_attention_and_rejects_unknown_names():
@@ -113,7 +115,7 @@ def test_sliding_window_attention_matches_loops(Tq, Tk, window):
     including fewer queries than keys (the queries are the last Tq positions)."""
     rng = np.random.default_rng(Tq * 100 + Tk * 10 + window)
     q, k, v = (rng.normal(size=(2, 3, T, 8)) for T in (Tq, Tk, Tk))
-    ours = to_numpy(attention_weights(q, k, window=window) @ v)
+    ours = to_numpy(attention_weights(xp.asarray(q), xp.asarray(k), window=window) @ xp.asarray(v))
     np.testing.assert_allclose(ours, reference(q, k, v, True, window), atol=1e-12)
 
 
@@ -124,7 +126,7 @@ def test_attention_entropy_extremes():
     """One key -> 0; n keys evenly -> log n; masked zeros count 0 (no NaN, no warning)."""
     w = np.array([[1.0, 0.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0], [0.25] * 4])
     with np.errstate(all="raise"):
-        h = to_numpy(attention_entropy(w))
+        h = to_numpy(attention_entropy(xp.asarray(w)))
     np.testing.assert_allclose(h, [0.0, np.log(2), np.log(4)], atol=1e-12)
 
 
@@ -132,8 +134,8 @@ def test_attention_entropy_of_real_weights():
     """On causal attention weights (B, nh, T, T) -> (B, nh, T), equal to -sum w log w over the keys
     each query sees; the first query sees one key, so its entropy is 0."""
     rng = np.random.default_rng(3)
-    w = to_numpy(attention_weights(rng.normal(size=(2, 3, 6, 4)), rng.normal(size=(2, 3, 6, 4))))
-    h = to_numpy(attention_entropy(w))
+    w = attention_weights(xp.asarray(rng.normal(size=(2, 3, 6, 4))), xp.asarray(rng.normal(size=(2, 3, 6, 4))))
+    h, w = to_numpy(attention_entropy(w)), to_numpy(w)
     assert h.shape == (2, 3, 6)
     expected = [[[-(r[: i + 1] * np.log(r[: i + 1])).sum() for i, r in enumerate(head)] for head in b] for b in w]
     np.testing.assert_allclose(h, expected, atol=1e-12)

@@ -55,6 +55,7 @@ def test_generate_uses_the_shipped_target_by_default():
     assert r.stdout.startswith("ROMEO:") and len(r.stdout) >= 36
 
 
+@pytest.mark.host_only  # refused options: the commands' device runs are the other tests here
 @pytest.mark.parametrize(
     "args,code,message",
     [

@@ -24,6 +24,8 @@ from project_copy import patched, run_pytest
 from minillm import course, project
 
 ROOT = Path(__file__).resolve().parents[1]
+# The kit's own logic: its pytest runs check the manifest against the NumPy run's outcomes; no array here.
+pytestmark = pytest.mark.host_only
 
 
 def run_cli(*args):

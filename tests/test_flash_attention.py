@@ -334,6 +334,9 @@ def emulated(source=build.KERNEL_SOURCE):
     return lambda q, k, v, causal: launch.flash_attention_emulated(q, k, v, causal, source=source)
 
 
+# The CPU emulation (host arrays through ctypes), ThreadSanitizer and nvcc builds run no device code: they are
+# host_only (the strict run launches the same kernel through RawKernel in the gpu tests below).
+@pytest.mark.host_only
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_emulated_kernel_matches_naive(emulator, case):
     """The real .cu, run on the CPU through cuda_emu.h, matches naive_attention within 1e-5 (and L too)."""
@@ -412,6 +415,7 @@ def test_emulated_kernel_checks_its_limits():
         launch.flash_attention_emulated(q, k, v, block_k=0)
 
 
+@pytest.mark.host_only
 @needs_gxx
 def test_emulator_build_error_is_clear(tmp_path):
     """A kernel that does not compile raises KernelError carrying g++'s message (no silent fallback)."""
@@ -421,9 +425,8 @@ def test_emulator_build_error_is_clear(tmp_path):
         build.build_emulator(broken)
 
 
-def test_cuda_launcher_without_gpu_says_so():
-    if is_gpu():
-        pytest.skip("a GPU is present")
+def test_cuda_launcher_without_gpu_says_so(monkeypatch):
+    monkeypatch.setattr(launch, "is_gpu", lambda: False)  # what the launcher sees on a machine without one
     q, k, v = make_qkv((1, 1, 4, 4, 16, True))
     with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
         launch.flash_attention_cuda(q, k, v)
@@ -476,6 +479,7 @@ def run_under_tsan(source, script=TSAN_SCRIPT, kernel=build.V1, shared_bytes=bui
     return proc.returncode, out
 
 
+@pytest.mark.host_only
 def test_tsan_reports_no_data_race():
     """The kernel built with -fsanitize=thread runs with no report: every shared access is ordered."""
     rc, out = run_under_tsan(build.KERNEL_SOURCE)
@@ -483,6 +487,7 @@ def test_tsan_reports_no_data_race():
     assert rc == 0, out[-3000:]
 
 
+@pytest.mark.host_only
 def test_tsan_catches_missing_syncthreads():
     """Remove the __syncthreads() that protects K_j, V_j from the next load: TSan reports the race."""
     rc, out = run_under_tsan(kernel_mutant("missing_sync"))
@@ -492,6 +497,7 @@ def test_tsan_catches_missing_syncthreads():
 # ---- nvcc: the kernel builds for Ampere and Hopper without register spills ----------------------------
 
 
+@pytest.mark.host_only
 @needs_nvcc
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_nvcc_builds_without_spills(arch):
@@ -502,6 +508,7 @@ def test_nvcc_builds_without_spills(arch):
     assert report["registers"] <= 128, report["report"]
 
 
+@pytest.mark.host_only
 @needs_nvcc
 def test_nvcc_spill_check_bites():
     """Squeezed to 16 registers the same kernel spills, and the report shows it."""

@@ -110,11 +110,13 @@ def smollm2():
         pytest.skip(str(exc))
 
 
+@pytest.mark.host_only  # reads and dequantizes the file on the host: no device code
 def test_installed_file_is_the_pinned_one(smollm2):
     check_smollm2_file(smollm2)  # size and sha256
     assert SMOLLM2_SHA256.startswith("b179c952")
 
 
+@pytest.mark.host_only  # reads and dequantizes the file on the host: no device code
 def test_real_tensors_match_gguf(smollm2):
     """The Q8_0 token embedding, Q4_1 projections and an F32 norm of SmolLM2: bit for bit gguf's."""
     reader = open_gguf(smollm2)

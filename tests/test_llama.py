@@ -17,7 +17,7 @@ from minillm import (
     speculative_generate,
 )
 from minillm.attention import naive_attention
-from minillm.backend import to_numpy
+from minillm.backend import to_numpy, xp
 from minillm.checkpoint import CheckpointError
 from minillm.config import LlamaConfig
 from minillm.gguf import GGUFError
@@ -104,7 +104,7 @@ def test_rope_matches_rotation_matrices(positions, rng):
     hs, theta = 16, 10000.0
     x = rng.standard_normal((2, 3, len(positions), hs)).astype(np.float32)
     cos, sin = rope_cos_sin(np.array(positions), hs, theta)
-    ours = to_numpy(apply_rope(x, cos, sin))
+    ours = to_numpy(apply_rope(xp.asarray(x), cos, sin))
     expected = np.empty(x.shape)
     for b, h, t in np.ndindex(*x.shape[:3]):
         expected[b, h, t] = rotate_pairs(x[b, h, t].astype(np.float64), positions[t], theta)
@@ -121,14 +121,15 @@ def test_rope_scores_depend_only_on_distance(rng):
     def score(m, n):
         cq, sq = rope_cos_sin(np.array([m]), hs, theta)
         ck, sk = rope_cos_sin(np.array([n]), hs, theta)
-        return float((to_numpy(apply_rope(q, cq, sq)) * to_numpy(apply_rope(k, ck, sk))).sum())
+        return float((to_numpy(apply_rope(xp.asarray(q), cq, sq)) * to_numpy(apply_rope(xp.asarray(k), ck, sk))).sum())
 
     for m, n in [(5, 2), (9, 9), (3, 40)]:
         shifted = [score(m + s, n + s) for s in (0, 1, 100, 5000)]
         np.testing.assert_allclose(shifted, shifted[0], atol=1e-3, rtol=0)
     assert abs(score(5, 2) - score(6, 2)) > 1e-3
     cos, sin = rope_cos_sin(np.array([123]), hs, theta)
-    np.testing.assert_allclose(np.linalg.norm(to_numpy(apply_rope(q, cos, sin))), np.linalg.norm(q), rtol=1e-5)
+    turned = to_numpy(apply_rope(xp.asarray(q), cos, sin))
+    np.testing.assert_allclose(np.linalg.norm(turned), np.linalg.norm(q), rtol=1e-5)
 
 
 def test_cos_sin_tables_per_row_for_ragged_batches():
@@ -145,7 +146,7 @@ def test_rms_norm_matches_definition(rng):
     """x / sqrt(mean(x^2) + eps) * w on the last axis, in float32; no mean is subtracted."""
     x = (rng.standard_normal((2, 3, 8)) + 3.0).astype(np.float32)  # a large mean: LayerNorm would differ
     w = rng.standard_normal(8).astype(np.float32)
-    ours = to_numpy(rms_norm(x, w, 1e-5))
+    ours = to_numpy(rms_norm(xp.asarray(x), xp.asarray(w), 1e-5))
     x64 = x.astype(np.float64)
     expected = x64 / np.sqrt((x64**2).mean(axis=-1, keepdims=True) + 1e-5) * w
     assert ours.dtype == np.float32
@@ -154,9 +155,9 @@ def test_rms_norm_matches_definition(rng):
 
 def test_rms_norm_eps_inside_the_root():
     """A zero vector stays 0 (no division by zero); a tiny one is damped by eps under the root."""
-    w = np.ones(4, dtype=np.float32)
-    assert np.all(to_numpy(rms_norm(np.zeros((1, 4), dtype=np.float32), w, 1e-5)) == 0)
-    tiny = np.full((1, 4), 1e-3, dtype=np.float32)
+    w = xp.ones(4, dtype=np.float32)
+    assert np.all(to_numpy(rms_norm(xp.zeros((1, 4), dtype=np.float32), w, 1e-5)) == 0)
+    tiny = xp.full((1, 4), 1e-3, dtype=np.float32)
     np.testing.assert_allclose(to_numpy(rms_norm(tiny, w, 1e-5)), 1e-3 / math.sqrt(1e-6 + 1e-5), rtol=1e-5)
 
 
@@ -168,7 +169,7 @@ def test_repeat_kv_maps_each_query_head_to_its_group(n_kv, n_rep, rng):
     """Query head h reads key/value head h // n_rep: KV heads [a, b] with n_rep 2 -> [a, a, b, b],
     not [a, b, a, b]."""
     x = rng.standard_normal((2, n_kv, 5, 4)).astype(np.float32)
-    out = to_numpy(repeat_kv(x, n_rep))
+    out = to_numpy(repeat_kv(xp.asarray(x), n_rep))
     assert out.shape == (2, n_kv * n_rep, 5, 4)
     for h in range(n_kv * n_rep):
         np.testing.assert_array_equal(out[:, h], x[:, h // n_rep])
@@ -176,7 +177,7 @@ def test_repeat_kv_maps_each_query_head_to_its_group(n_kv, n_rep, rng):
 
 def test_repeat_kv_grouped_attention_with_one_group_each_is_multi_head(rng):
     """n_kv_head = n_head: grouped attention is plain multi-head attention."""
-    q, k, v = rng.standard_normal((3, 2, 4, 6, 8)).astype(np.float32)
+    q, k, v = (xp.asarray(t) for t in rng.standard_normal((3, 2, 4, 6, 8)).astype(np.float32))
     np.testing.assert_array_equal(to_numpy(grouped_attention(naive_attention, 1)(q, k, v)),
                                   to_numpy(naive_attention(q, k, v)))
 
@@ -266,6 +267,7 @@ def hf_state_dict_to_params(state):
     return {k.removeprefix("model."): v.float().numpy() for k, v in state.items() if k != "lm_head.weight"}
 
 
+@pytest.mark.oracle
 def test_transformers_tiny_random_llama():
     """A random transformers LlamaConfig (2 layers, 4 heads, 2 KV heads), its state dict exported to
     minillm: the same logits within 1e-4, with and without the cache."""
@@ -401,6 +403,7 @@ def test_real_model_paged_and_speculative_equal_plain_greedy(real_model):
     assert spec.tokens == plain and spec.stats.proposed > 0  # lossless whatever the draft's acceptance
 
 
+@pytest.mark.oracle
 def test_transformers_real_model_logits(real_model, transformers_smollm2):
     """SmolLM2 through minillm and through transformers (loaded from the same GGUF): max abs logit
     difference <= 1e-3 on every prompt."""
@@ -412,6 +415,7 @@ def test_transformers_real_model_logits(real_model, transformers_smollm2):
         assert np.abs(ours - theirs).max() <= 1e-3, ids
 
 
+@pytest.mark.oracle
 def test_transformers_real_model_greedy_30_tokens(real_model, transformers_smollm2):
     """A 30-token greedy continuation (minillm with its KV cache) is transformers' token for token."""
     torch, hf = transformers_smollm2

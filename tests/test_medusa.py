@@ -10,6 +10,7 @@ import pytest
 from test_speculative import P_MIN, chi2_pvalue
 
 from minillm import GPT, GPTConfig, generate
+from minillm.backend import to_numpy, xp
 from minillm.checkpoint import SHIPPED_DIR, CheckpointError
 from minillm.kv_cache import KVCache
 from minillm.medusa import (
@@ -72,7 +73,7 @@ def test_head_data_aligns_head_k_with_token_t_plus_k_plus_2():
     model = peaked_model(13, 32)
     h, targets = head_data(model, [[5, 6, 7, 8, 9]], 2)
     assert targets.tolist() == [[6, 7, 8], [7, 8, 9]]
-    assert np.allclose(h, model.hidden(np.array([[5, 6, 7, 8, 9]]))[0, :2])
+    assert np.allclose(h, to_numpy(model.hidden(xp.asarray([[5, 6, 7, 8, 9]])))[0, :2])
     _, targets = head_data(model, [[5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6]], 2, starts=[1, 2])
     assert targets.tolist() == [[7, 8, 9], [4, 5, 6]]  # row 1 of the first, row 2 of the second
     with pytest.raises(ValueError, match="long enough"):
@@ -92,20 +93,22 @@ def test_backward_matches_finite_differences(own_projection):
             params[f"{k}.lm"] = rng.normal(0, 0.7, (V, C))
     lm_head, h = rng.normal(0, 0.7, (V, C)), rng.normal(0, 1.0, (N, C))
     targets = rng.integers(0, V, (N, K))
+    params = {name: xp.asarray(p) for name, p in params.items()}
+    lm_head, h, targets = xp.asarray(lm_head), xp.asarray(h), xp.asarray(targets)
     _, _, grads = heads_forward_backward(params, lm_head, h, targets)
     assert grads.keys() == params.keys()
     eps = 1e-6
     for name, p in params.items():
-        numeric = np.zeros_like(p)
+        numeric = np.zeros(p.shape)
         for i in np.ndindex(p.shape):
-            old = p[i]
+            old = float(p[i])
             p[i] = old + eps
             plus = heads_forward_backward(params, lm_head, h, targets)[0]
             p[i] = old - eps
             minus = heads_forward_backward(params, lm_head, h, targets)[0]
             p[i] = old
             numeric[i] = (plus - minus) / (2 * eps)
-        assert np.abs(grads[name] - numeric).max() <= 1e-6 * max(1.0, np.abs(numeric).max()), name
+        assert np.abs(to_numpy(grads[name]) - numeric).max() <= 1e-6 * max(1.0, np.abs(numeric).max()), name
 
 
 def test_heads_start_as_the_lm_head():
@@ -127,8 +130,9 @@ def test_training_lowers_the_loss_and_beats_the_untrained_heads(trained):
     assert last < 0.9 * first
     h, targets = head_data(model, own_text(model, 10, 32, seed=100), 3)
     untrained = MedusaHeads.init(model, 3)
-    _, before, _ = heads_forward_backward(untrained.params, model.lm_head, h, targets[:, 1:])
-    _, after, _ = heads_forward_backward(heads.params, model.lm_head, h, targets[:, 1:])
+    on_device = xp.asarray(h), xp.asarray(targets[:, 1:])
+    _, before, _ = heads_forward_backward(untrained.params, model.lm_head, *on_device)
+    _, after, _ = heads_forward_backward(heads.params, model.lm_head, *on_device)
     assert all(a < b for a, b in zip(after, before)), (before, after)
     top5 = [heads.accuracy(h, targets[:, 1:]), untrained.accuracy(h, targets[:, 1:])]
     assert all(top5[0][k]["top5"] > top5[1][k]["top5"] for k in top5[0]), top5

@@ -128,6 +128,7 @@ def test_matches_float64_reference():
     np.testing.assert_allclose(ours, reference_gpt2_logits(params, cfg, idx), atol=1e-4, rtol=0)
 
 
+@pytest.mark.oracle
 def test_matches_huggingface_gpt2():
     """Hugging Face's GPT2LMHeadModel, fed the same weights under the same names, gives the same
     logits (max abs diff <= 1e-4): our parameter layout *is* GPT-2's."""

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from minillm import sampling
-from minillm.sampling import MIN_TEMPERATURE, SamplingSettings, logits_to_probs, sample
+from minillm.backend import xp
+from minillm.sampling import MIN_TEMPERATURE, SamplingSettings, logits_to_probs, next_tokens, sample
 
 # The tests that check each exercise, as pytest -k expressions (read by minillm.course; docs/instructors.md)
 EXERCISES = {"1.1": "top_k", "1.2": "top_p"}
@@ -30,7 +31,7 @@ def _next_token_equals_sample_of_logits_to_probs(**kw):
     logits = np.random.default_rng(3).normal(size=(50, 17))
     rng_a, rng_b = np.random.default_rng(9), np.random.default_rng(9)
     settings = SamplingSettings(**kw)
-    got = [settings.next_token(row, rng_a) for row in logits]
+    got = [settings.next_token(row, rng_a) for row in xp.asarray(logits)]  # the loops' logits are on the device
     assert got == [sample(logits_to_probs(row, **kw), rng_b) for row in logits], kw
     assert all(isinstance(t, int) for t in got)
 
@@ -41,6 +42,17 @@ def test_next_token_is_sample_of_logits_to_probs():
         _next_token_equals_sample_of_logits_to_probs(temperature=temperature)
     logits = np.random.default_rng(4).normal(size=17)
     assert len({SamplingSettings().next_token(logits, np.random.default_rng(s)) for s in range(30)}) > 1
+
+
+def test_next_tokens_of_a_batch_equal_next_token_row_by_row():
+    """next_tokens (one transfer to the host for the whole batch) picks, for every row, what next_token
+    picks for that row alone with the row's own settings and generator: all greedy, all sampled, mixed."""
+    logits = np.random.default_rng(4).normal(size=(6, 17)).astype(np.float32)
+    for temperatures in ([0] * 6, [1.0] * 6, [0, 0.7, 1.0, 0, 1.3, 0]):
+        settings = [SamplingSettings(t) for t in temperatures]
+        alone = [s.next_token(row, np.random.default_rng(b)) for b, (s, row) in enumerate(zip(settings, logits))]
+        batch = next_tokens(xp.asarray(logits), settings, [np.random.default_rng(b) for b in range(6)])
+        assert batch == alone and all(isinstance(t, int) for t in batch), temperatures
 
 
 def test_next_token_passes_top_k_and_top_p_on():

@@ -315,11 +315,12 @@ def test_serve_chunked_and_one_shot_prefill_give_the_same_cache_and_logits(monke
     """A 21-token prompt prefilled in one step, or in chunks of 1, 4 and 8 beside another request's
     decodes: the same K/V in the cache (to float32 rounding) and the same first-token logits, equal
     to a forward of the prompt without any cache."""
-    seen = {}
+    seen, sample_next = {}, serving.sample_next
 
-    def recording(request, rng, logits):
-        seen.setdefault(request.seed, []).append(to_numpy(logits))
-        return request.settings.next_token(logits, rng)
+    def recording(states, logits):
+        for state, row in zip(states, to_numpy(logits)):
+            seen.setdefault(state.request.seed, []).append(row)
+        return sample_next(states, logits)
 
     monkeypatch.setattr(serving, "sample_next", recording)
     prompt = tuple(int(t) for t in np.random.default_rng(3).integers(0, CFG.vocab_size, 21))

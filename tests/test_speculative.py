@@ -179,8 +179,11 @@ def verify_greedy_by_ratio(draft_tokens, target_logits):
 
 # ----------------------------------------------------------------------------------------------
 # 5.2 verify: rejection sampling
+# verify works on host probability arrays (sampling runs on the host): the statistical checks below run no
+# device code, so they are host_only (the strict run would repeat the NumPy run's work exactly).
 
 
+@pytest.mark.host_only
 @pytest.mark.parametrize("name", CASES)
 def test_rejection_each_position_matches_target(name):
     """Every emitted position is distributed as p (chi-square, 50k calls), and the number of
@@ -191,6 +194,7 @@ def test_rejection_each_position_matches_target(name):
     assert ok, f"{name}: {why}"
 
 
+@pytest.mark.host_only
 @pytest.mark.parametrize(
     "wrong",
     [verify_missing_bonus, verify_resample_from_p, verify_swapped_roles, verify_reseeded],
@@ -203,6 +207,7 @@ def test_rejection_check_catches_classic_mistakes(wrong):
     assert not ok, f"{wrong.__name__} passed the check"
 
 
+@pytest.mark.host_only
 def test_rejection_check_catches_reseeding_in_the_loop():
     """Re-seeding a generator per draw (here per trial, for the draft's draw and for verify) makes
     the acceptance test reuse the uniform number that chose the draft: the output is biased."""
@@ -211,6 +216,7 @@ def test_rejection_check_catches_reseeding_in_the_loop():
     assert not check_verify(verify, p, q, n_trials=5_000, reseed=True)[0]
 
 
+@pytest.mark.host_only
 def test_rejection_sample_size_detects_one_percent_error():
     """N_TRIALS is enough: moving 1% of probability between two tokens (total variation 0.01) is
     detected with power >= 0.9 at position 0 (noncentral chi-square), and in practice: real verify
@@ -333,6 +339,7 @@ def test_theory_is_the_geometric_series(alpha, k):
     assert expected_tokens_per_call(alpha, k) == pytest.approx(sum(alpha**i for i in range(k + 1)))
 
 
+@pytest.mark.host_only
 def test_rejection_mean_tokens_per_call_is_geometric():
     """With every row having acceptance probability beta = sum min(p, q) = alpha, the mean
     number of tokens per verify call is 1 + alpha + ... + alpha^k (Leviathan et al. Eq. 1)."""

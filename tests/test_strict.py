@@ -1,27 +1,20 @@
 """The strict CuPy stand-in follows CuPy's rules (no implicit conversion, explicit ways up and down,
-RawKernel's argument rules), counts kernels and synchronizations, and with it as the backend the kernel
-launcher and a decoded token cost what they should: no wait for the device inside the forward pass."""
+RawKernel's argument rules), counts kernels and synchronizations, and with it as the backend (the test
+command's strict run) the kernel launcher, a decoded token and a batch's step cost what they should: no
+wait for the device inside the forward pass, one transfer of a batch's next tokens per step."""
 
-import json
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
 
-from minillm import strict
+from minillm import GPT, GPTConfig, generate_batch, speculative_generate_batch, strict
+from minillm.backend import xp
+from minillm.benchmarks.device_calls import per_token
 from minillm.kernels import launch
+from minillm.serving import Engine, Request, SimulatedClock
 
-# Tests that also run other exercises' code (minillm.course): a decoded token runs the KV cache; the
-# device tests run every device path (KV cache, kernel, speculative, paged and batched decoding)
-NEEDS = {
-    ("3.1", "3.2", "3.3"): "decoded_token or device_tests",
-    ("4.1", "4.2", "4.3", "5.1", "5.2", "5.3", "6.1", "6.2", "6.3", "6.4", "7.1", "7.2", "7.3"): "device_tests",
-}
-
+on_the_stand_in = pytest.mark.skipif(xp is not strict, reason="counts the stand-in's calls: MINILLM_BACKEND=strict")
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the stand-in's RawKernel runs the g++ emulation")
 
 
@@ -104,38 +97,43 @@ def test_launcher_reads_limits_once_and_never_waits_in_the_forward_pass(monkeypa
     assert counts["syncs"] == 0 and counts["attribute_queries"] == 0
 
 
-PER_TOKEN = """
-import json
-from minillm import GPT, GPTConfig
-from minillm.benchmarks.device_calls import per_token
-
-model = GPT.init(GPTConfig(vocab_size=13, block_size=32, n_layer=2, n_head=2, n_embd=16), seed=0, attention="cuda")
-print(json.dumps(per_token(model, 8)))
-"""
-
-
+@on_the_stand_in
 @needs_gxx
 def test_a_decoded_token_costs_few_synchronizations():
-    """bench device-calls' count under the stand-in (MINILLM_BACKEND=strict, the kernel's attention): per
-    decoded token, the sampled id is one synchronization and the forward pass's token-id range check one
-    more; a loop that copied logits or the cache to the host per token, or a launcher that waited per
-    launch, adds more."""
-    r = subprocess.run([sys.executable, "-c", PER_TOKEN], capture_output=True, text=True, timeout=300,
-                       env={**os.environ, "MINILLM_BACKEND": "strict"})
-    assert r.returncode == 0, r.stderr
-    per_token = json.loads(r.stdout)
-    assert 1 <= per_token["syncs"] <= 2, per_token
-    assert per_token["kernels"] < 200, per_token  # 115 for this 2-layer model when written
+    """bench device-calls' count (the kernel's attention): per decoded token, the sampled id is one
+    synchronization and the forward pass's token-id range check one more; a loop that copied logits or
+    the cache to the host per token, or a launcher that waited per launch, adds more."""
+    model = GPT.init(GPTConfig(vocab_size=13, block_size=32, n_layer=2, n_head=2, n_embd=16), seed=0,
+                     attention="cuda")
+    cost = per_token(model, 8)
+    assert 1 <= cost["syncs"] <= 2, cost
+    assert cost["kernels"] < 200, cost  # 115 for this 2-layer model when written
 
 
-@needs_gxx
-def test_device_tests_pass_under_the_strict_stand_in():
-    """Every test marked gpu (each attention's logits, contiguous and paged; generate, speculative and
-    batched decoding on the device; the kernel over its whole shape grid) runs in its own pytest
-    process with MINILLM_BACKEND=strict, so a device path that would break on a GPU breaks here first."""
-    root = Path(__file__).resolve().parents[1]
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m", "gpu", "tests"],
-                       cwd=root, capture_output=True, text=True, timeout=900,
-                       env={**os.environ, "MINILLM_BACKEND": "strict"})
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-1000:]
-    assert " passed" in r.stdout and " skipped" not in r.stdout.splitlines()[-1], r.stdout[-500:]
+BATCH = [[1, 2, 3], [4, 5], [6], [7, 8, 9, 10]]  # four rows: a per-row pick would wait four times a step
+
+
+@on_the_stand_in
+@pytest.mark.parametrize("temperature", [0, 1.0])
+def test_a_batch_brings_its_next_tokens_down_in_one_transfer(tiny_model, counts, temperature):
+    """generate_batch, speculative_generate_batch and the serving engine pick every row's next token
+    (greedy: one argmax over the rows on the device; sampled: one copy of the rows' logits) with ONE
+    transfer per forward: at most two synchronizations per forward (that transfer and the token-id range
+    check) plus the loop's one timing wait per step. Picking row by row (an int() or a logits copy per
+    row, as next_token on each device row does) costs B per forward and fails here."""
+    draft = GPT.init(GPTConfig(vocab_size=13, block_size=32, n_layer=1, n_head=2, n_embd=16), seed=1)
+    batch = generate_batch(tiny_model, BATCH, 6, temperature=temperature)
+    assert counts["syncs"] <= 2 * batch.stats.target_calls + 6, dict(counts)
+    counts.clear()
+    spec = speculative_generate_batch(tiny_model, draft, BATCH, 6, k=3, temperature=temperature)
+    forwards = spec.stats.target_calls + spec.stats.draft_calls
+    assert counts["syncs"] <= 2 * forwards + len(spec.stats.rounds), dict(counts)
+    engine = Engine(tiny_model, num_blocks=40, page_size=4, max_num_batched_tokens=64, clock=SimulatedClock())
+    for prompt in BATCH:
+        engine.add_request(Request(tuple(prompt), 6, temperature=temperature))
+    counts.clear()
+    steps = 0
+    while engine.has_unfinished:
+        engine.step()
+        steps += 1
+    assert counts["syncs"] <= 2 * steps, dict(counts)

@@ -288,6 +288,8 @@ def residual_forgotten(tree, target_probs, rng, draft_probs):
             return emitted, None
 
 
+# verify_tree works on host probabilities: the statistical checks run no device code (host_only)
+@pytest.mark.host_only
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_tree_sampling_is_lossless_and_catches_a_forgotten_residual(temperature):
     """The first two emitted tokens are distributed as the target's (chi-square over V^2 cells); the
@@ -303,6 +305,7 @@ def test_tree_sampling_is_lossless_and_catches_a_forgotten_residual(temperature)
     assert chi2_pvalue(bad, joint) < P_MIN
 
 
+@pytest.mark.host_only
 def test_deterministic_candidates_are_lossless(rng):
     """Candidates without a draft distribution (prompt lookup, Medusa's top-k) count as one-hot q."""
     V, n = 5, 20_000

@@ -49,8 +49,9 @@ def max_gradcheck_error(params, idx, targets, entries_per_tensor=12, eps=1e-6):
 
 @pytest.fixture
 def batch():
+    """(inputs, targets) (2, 8) on the device, as train.get_batch gives them."""
     rng = np.random.default_rng(0)
-    return rng.integers(0, 11, (2, 8)), rng.integers(0, 11, (2, 8))
+    return xp.asarray(rng.integers(0, 11, (2, 8))), xp.asarray(rng.integers(0, 11, (2, 8)))
 
 
 def numerical_grad(f, x, dout, eps=1e-6):
@@ -113,7 +114,7 @@ def test_loss_equals_model_forward(batch):
     """The training forward and GPT.forward compute the same loss."""
     params = {k: v.astype(np.float32) for k, v in float64_params().items()}
     loss, _ = tr.forward_backward(params, CFG, *batch)
-    model_loss, _ = tr.cross_entropy_forward(GPT(CFG, params).forward(batch[0]), xp.asarray(batch[1]))
+    model_loss, _ = tr.cross_entropy_forward(GPT(CFG, params).forward(batch[0]), batch[1])
     assert abs(float(loss) - float(model_loss)) < 1e-5
 
 
