@@ -29,6 +29,8 @@ from minillm.kernels import build, launch
 from minillm.kernels.mutants import V2_MUTANTS, mutate_kernel, write_kernel_mutant
 
 pytestmark = needs_gxx
+# The emulated launches, sanitizer and nvcc builds below run no device code (host_only: not in the strict
+# run); the strict run launches v2 through RawKernel in the model test and the device tests at the end.
 
 
 def v2_mutant(name):
@@ -42,12 +44,14 @@ def emulated_v2(source=build.V2_SOURCE):
     return lambda q, k, v, causal: launch.flash_attention_v2_emulated(q, k, v, causal, source=source)
 
 
+@pytest.mark.host_only
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_emulated_v2_matches_naive(case):
     """v2, run on the CPU through cuda_emu.h, matches the float64 reference within 1e-5 (and L too)."""
     check_kernel_case(launch.flash_attention_v2_emulated, case)
 
 
+@pytest.mark.host_only
 def test_v2_head_sizes_and_shared_memory():
     """Head sizes pad up to the kernel's (32, 64, 128); the shared memory is the kernel's own formula."""
     assert build.V2_HEAD_SIZES == (32, 64, 128)
@@ -61,6 +65,7 @@ def test_v2_head_sizes_and_shared_memory():
     assert launch.launch_v2_emulated(q, k, v, smem_bytes=need - 4)[2] == 2  # FLASH2_SMEM_TOO_SMALL
 
 
+@pytest.mark.host_only
 def test_v2_checks_its_limits():
     """A block that is not 128 threads, too little shared memory, a pointer off a 16-byte boundary: the
     kernel refuses each with its status code, and the launcher raises naming it."""
@@ -80,17 +85,20 @@ def test_v2_checks_its_limits():
     assert status[0] == 3  # FLASH2_MISALIGNED
 
 
+@pytest.mark.host_only
 def test_v2_status_codes_are_read_from_the_source():
     assert build.V2.status[3].startswith("FLASH2_MISALIGNED")
     assert (build.V2_THREADS, build.V2_BR, build.V2_BC) == (128, 64, 64)
 
 
+@pytest.mark.host_only
 def test_v2_mutants_edit_the_current_kernel_once():
     kernel = build.V2_SOURCE.read_text()
     for name in V2_MUTANTS:
         assert mutate_kernel(name, kernel, V2_MUTANTS) != kernel
 
 
+@pytest.mark.host_only
 @pytest.mark.parametrize("name", ["v2_no_row_max", "v2_no_tail_check"])
 def test_v2_output_check_catches(name):
     """Without the row max shared across the row's 8 lanes, or without the tail check, the output is wrong
@@ -99,6 +107,7 @@ def test_v2_output_check_catches(name):
         check_attention(emulated_v2(v2_mutant(name)), [(1, 1, 100, 100, 32, True)], KERNEL_ATOL)
 
 
+@pytest.mark.host_only
 def test_v2_emulator_catches_a_shuffle_in_a_branch():
     """The row-sum shuffle inside `if (row < Tq)`: with Tq = 42, lanes of the warp holding rows 40-43 differ
     (two lanes' rows are past Tq), and the emulator's warp barrier reports the divergence (on a GPU:
@@ -123,6 +132,7 @@ def run_v2_under_tsan(source):
     return run_under_tsan(source, TSAN_V2_SCRIPT, build.V2, build.EMULATED_SMEM_OPTIN)
 
 
+@pytest.mark.host_only
 def test_v2_tsan_reports_no_data_race():
     """v2 under ThreadSanitizer (two query tiles, two key tiles, tails, causal): no report. Every shared
     access is ordered by a __syncthreads(), a __syncwarp() or a shuffle."""
@@ -131,12 +141,14 @@ def test_v2_tsan_reports_no_data_race():
     assert rc == 0, out[-3000:]
 
 
+@pytest.mark.host_only
 def test_v2_tsan_catches_missing_syncwarp():
     """Remove the __syncwarp() between writing P and reading it: ThreadSanitizer reports the race."""
     rc, out = run_v2_under_tsan(v2_mutant("v2_missing_syncwarp"))
     assert rc == 66 and "WARNING: ThreadSanitizer: data race" in out
 
 
+@pytest.mark.host_only
 @needs_nvcc
 @pytest.mark.parametrize("arch", ["sm_80", "sm_90"])
 def test_v2_nvcc_builds_without_spills(arch):
