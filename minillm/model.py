@@ -25,7 +25,6 @@ from .backend import on_device, to_numpy, xp
 from .config import GPTConfig
 from .flash_attention import tiled_attention
 from .kernels.launch import kernel_attention
-from .kernels.small_matmul import matmul
 
 LN_EPS = 1e-5  # GPT-2's LayerNorm epsilon
 GELU_C = math.sqrt(2.0 / math.pi)  # a Python float: a NumPy float64 scalar would upcast float32
@@ -61,12 +60,8 @@ def gelu(x):
 
 
 def linear(x, w, b):
-    """x @ w + b with w stored [in, out].  [..., in] -> [..., out]
-
-    ``matmul`` is ``x @ w``; for the 2..8 token rows of a speculative verification on a CPU it runs a
-    small C kernel that reads w once instead of BLAS's repacking (``minillm.kernels.small_matmul``).
-    """
-    return matmul(x, w) + b
+    """x @ w + b with w stored [in, out].  [..., in] -> [..., out]"""
+    return x @ w + b
 
 
 def split_heads(x, n_head):

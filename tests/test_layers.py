@@ -11,7 +11,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "minillm"
 LAYERS = [  # lowest first; a module may import from its own layer and the ones before it
     {"backend", "strict", "cache_contract", "config", "tokenizer", "bpe", "project", "options", "kernels",
      "kernels.build"},
-    {"attention", "flash_attention", "kernels.launch", "kernels.small_matmul", "data", "sampling"},
+    {"attention", "flash_attention", "kernels.launch", "data", "sampling"},
     {"model", "kv_cache", "paged_kv", "prefix_blocks"},
     {"llama", "checkpoint", "gguf", "registry", "drafts"},
     {"generate", "speculative"},

@@ -17,11 +17,9 @@ sequence. Then, in the order printed:
    roofline, and the "floor": the v(n) left if only the roofline's work grew with n;
 3. where the time goes (the character GPT): each part of the forward swapped for a free stand-in at
    several n (``bench kv-cache``'s ablation), so the growth from n = 1 is attributed to the parts;
-4. the weight matrices of one block alone, x (n, in) @ W (in, out) for each, through the model's own
-   product (``kernels.small_matmul.matmul``): n = 1 is a matrix-vector product (BLAS gemv, which
-   streams W once); n = 2..8 the C kernel that also streams W once (``MINILLM_SMALL_MATMUL=0``: BLAS
-   gemm, which first copies W into its own blocked layout, "packing", then multiplies); larger n
-   BLAS gemm; beside their roofline.
+4. the weight matrices of one block alone, x (n, in) @ W (in, out) for each: n = 1 is a matrix-vector
+   product (BLAS gemv, which streams W once); n > 1 a matrix-matrix product (gemm, which first
+   copies W into its own blocked layout, "packing", then multiplies), beside their roofline.
 """
 
 from __future__ import annotations
@@ -32,7 +30,6 @@ import numpy as np
 
 from ..backend import xp
 from ..data import load_corpus
-from ..kernels.small_matmul import matmul, small_matmul_status
 from ..kv_cache import KVCache, kv_cache_bytes
 from ..model import GPT
 from ..options import positive_int, positive_int_list
@@ -171,8 +168,8 @@ def gemm_peak(size: int = GEMM_SIZE, repeat: int = ROOF_REPEAT) -> float:
 
 
 def block_matmul_seconds(model, ns: list[int], rounds: int, steps: int) -> tuple[dict, int]:
-    """x (n, in) @ W (in, out) for every weight matrix W of block 0, by the model's ``matmul`` -> ({n: [seconds,
-    one per round]}, the number of weights in those matrices). Timed like ``forward_seconds``."""
+    """x (n, in) @ W (in, out) for every weight matrix W of block 0 -> ({n: [seconds, one per round]},
+    the number of weights in those matrices). Timed like ``forward_seconds``."""
     prefix = "h.0." if isinstance(model, GPT) else "layers.0."
     weights = [a for name, a in model.params.items() if name.startswith(prefix) and a.ndim == 2]
     rng = np.random.default_rng(0)
@@ -181,7 +178,7 @@ def block_matmul_seconds(model, ns: list[int], rounds: int, steps: int) -> tuple
     def run(n):
         for _ in range(steps):
             for x, w in zip(xs[n], weights):
-                matmul(x, w)
+                x @ w
 
     return alternating_rounds(run, ns, rounds, steps, "block matmuls"), sum(int(w.size) for w in weights)
 
@@ -281,8 +278,7 @@ def main(argv=None) -> int:
     weights = matmul_weights(model)
     w_bytes, w_elems = sum(int(a.nbytes) for a in weights), sum(int(a.size) for a in weights)
     print(f"model {args.model}: {model.num_params():,} params, {cfg.n_layer} layers, width {cfg.n_embd}; "
-          f"{w_elems:,} weights in matrices ({w_bytes / 2**20:.1f} MiB float32); {args.context} tokens cached")
-    print(f"{small_matmul_status()}\n")
+          f"{w_elems:,} weights in matrices ({w_bytes / 2**20:.1f} MiB float32); {args.context} tokens cached\n")
 
     check_cached_forward(model, prefix, [(3 * t + 2) % cfg.vocab_size for t in range(max(ns))])
     print("validated: a cached forward over n tokens == the last n rows of a full forward\n")

@@ -1,14 +1,13 @@
-"""Build plumbing for the C and CUDA kernels: the CUDA kernel's limits, g++ builds, ctypes, nvcc's report.
+"""Build plumbing for the CUDA kernel: its limits, the g++ emulation build, ctypes, nvcc's report.
 
 What chapter 4 uses but does not teach, in one place:
 
 - the kernel's limits (``HS_MAX``, its ``FLASH_*`` status codes) and the shared memory a block gets
   without opting in (48 KiB, ``CUDA_EMU_SHARED_BYTES``), read from the ``#define`` lines of
   flash_attention.cu and cuda_emu.h, so each number is written once, in the C source that uses it;
-- ``build_library``: a C or C++ source compiled into a shared library, cached by the hash of its
-  sources, flags and compiler in ``kernel_cache_dir()`` (a user cache folder, never inside the
-  installed package); ``build_emulator``: the .cu compiled that way by g++ against cuda_emu.h;
-  ``load_emulator``: its launch entry point with ctypes types (``small_matmul`` builds its kernel too);
+- ``build_emulator``: the .cu compiled by g++ against cuda_emu.h into a shared library, cached by the
+  hash of its sources, flags and compiler in ``kernel_cache_dir()`` (a user cache folder, never
+  inside the installed package); ``load_emulator``: its launch entry point with ctypes types;
 - ``nvcc_resource_report``: registers and spills as ptxas reports them.
 """
 
@@ -123,44 +122,27 @@ def build_emulator(source: Path = KERNEL_SOURCE, sanitize: str | None = None, co
     with g++'s message when the compile fails.
     """
     source = Path(source).resolve()
+    cxx = shutil.which(compiler)
+    if cxx is None:
+        raise KernelError(f"{compiler} not found: emulating the CUDA kernel on a CPU needs a C++20 compiler")
     flags = EMU_FLAGS + SANITIZE_FLAGS[sanitize] + ["-include", str(EMU_HEADER)]
     if shared_bytes != DEFAULT_SMEM_BYTES:
         flags.append(f"-DCUDA_EMU_SHARED_BYTES={shared_bytes}")
-    launcher = EMU_LAUNCHER.format(source=source.as_posix())
-    return build_library(f"{source.stem}-{sanitize or 'plain'}", launcher, ".cpp", flags, compiler,
-                         (source.read_bytes(), EMU_HEADER.read_bytes()), f"{source.name} against cuda_emu.h",
-                         "emulating the CUDA kernel on a CPU needs a C++20 compiler")
-
-
-def build_library(stem: str, code: str, suffix: str, flags: list[str], compiler: str, inputs: tuple[bytes, ...],
-                  what: str, why: str) -> Path:
-    """Compile ``code`` (a translation unit, saved with ``suffix``) into a shared library in ``kernel_cache_dir()``
-    once; later calls return the cached path.
-
-    The name is ``stem-<hash>.so``, the hash over the code, the files it includes (``inputs``), the flags and
-    the compiler's path, so editing any of them rebuilds it. Each process compiles under names of its own and
-    renames the library into place (atomic: a concurrent build of the same key writes the same bytes).
-    Raises KernelError saying ``why`` a compiler is needed when ``compiler`` is not found, and with the
-    compiler's message (building ``what``) when the compile fails.
-    """
-    cxx = shutil.which(compiler)
-    if cxx is None:
-        raise KernelError(f"{compiler} not found: {why}")
     h = hashlib.sha256()
-    for part in (code.encode(), *inputs, " ".join(flags).encode(), cxx.encode()):
+    for part in (source.read_bytes(), EMU_HEADER.read_bytes(), " ".join(flags).encode(), cxx.encode()):
         h.update(part)
-    tag = f"{stem}-{h.hexdigest()[:16]}"
+    tag = f"{source.stem}-{sanitize or 'plain'}-{h.hexdigest()[:16]}"
     out_dir = kernel_cache_dir()
     lib = out_dir / f"{tag}.so"
     if lib.exists():
         return lib
-    unit, tmp = (out_dir / f"{tag}.{os.getpid()}.tmp{ext}" for ext in (suffix, ".so"))  # this process's own files
-    unit.write_text(code)
-    proc = subprocess.run([cxx, *flags, str(unit), "-o", str(tmp)], capture_output=True, text=True)
-    unit.unlink()
+    launcher = out_dir / f"{tag}.cpp"
+    launcher.write_text(EMU_LAUNCHER.format(source=source.as_posix()))
+    tmp = out_dir / f"{tag}.{os.getpid()}.tmp.so"
+    proc = subprocess.run([cxx, *flags, str(launcher), "-o", str(tmp)], capture_output=True, text=True)
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
-        raise KernelError(f"{compiler} could not build {what}:\n{proc.stderr}")
+        raise KernelError(f"g++ could not build {source.name} against cuda_emu.h:\n{proc.stderr}")
     os.replace(tmp, lib)  # atomic: a concurrent build of the same key writes the same bytes
     return lib
 
