@@ -11,11 +11,15 @@ import numpy as np
 import pytest
 from device_cases import ATTENTIONS, logits, tokens
 
-from minillm.backend import is_gpu
+from minillm.backend import is_cupy, is_gpu
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not is_gpu(), reason="needs a CUDA GPU (CuPy)")]
 ROOT = Path(__file__).resolve().parents[1]
 LOGITS_ATOL = 1e-4  # float32 on two machines, different summation orders
+# Kernel v2's decoding runs through the same loops as v1's; emulated under the strict stand-in its
+# 128-thread blocks make these four decodes take about 90 s, so v2's tokens are checked on a real GPU
+# only (its logits, prefill, decode step and paged step, everywhere).
+TOKEN_ATTENTIONS = ATTENTIONS if is_cupy() else tuple(a for a in ATTENTIONS if a != "cuda_v2")
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +43,7 @@ def test_device_logits_equal_the_hosts(host, attention):
         np.testing.assert_allclose(got, host[f"logits/{name}"], atol=LOGITS_ATOL, err_msg=name)
 
 
-@pytest.mark.parametrize("attention", ATTENTIONS)
+@pytest.mark.parametrize("attention", TOKEN_ATTENTIONS)
 def test_device_decoding_gives_the_hosts_tokens(host, attention):
     """generate (greedy and sampled), speculative decoding and a batch pick the host's tokens."""
     for name, got in tokens(attention).items():

@@ -163,20 +163,21 @@ def build_emulator(source: Path = KERNEL_SOURCE, sanitize: str | None = None, co
     its mutants).
     ``shared_bytes``: the most dynamic shared memory the emulated device gives a block (48 KiB, what every
     GPU gives without opting in; a GPU's opt-in limit to emulate one). The cache key hashes the kernel
-    source, the header, the flags and the compiler, so editing the .cu rebuilds it. Raises KernelError
+    source, the header, the flags and the compiler (contents, not paths: a copy of the project elsewhere, or a
+    mutant identical to a built kernel, reuses the build), so editing the .cu rebuilds it. Raises KernelError
     with g++'s message when the compile fails.
     """
     source = Path(source).resolve()
     cxx = shutil.which(compiler)
     if cxx is None:
         raise KernelError(f"{compiler} not found: emulating the CUDA kernel on a CPU needs a C++20 compiler")
-    flags = EMU_FLAGS + SANITIZE_FLAGS[sanitize] + ["-include", str(EMU_HEADER)]
+    flags = EMU_FLAGS + SANITIZE_FLAGS[sanitize]
     if shared_bytes != DEFAULT_SMEM_BYTES:
         flags.append(f"-DCUDA_EMU_SHARED_BYTES={shared_bytes}")
     launcher_text = emu_launcher(source, kernel)
     h = hashlib.sha256()
     for part in (source.read_bytes(), EMU_HEADER.read_bytes(), " ".join(flags).encode(), cxx.encode(),
-                 launcher_text.encode()):
+                 emu_launcher(Path(source.name), kernel).encode()):
         h.update(part)
     tag = f"{source.stem}-{sanitize or 'plain'}-{h.hexdigest()[:16]}"
     out_dir = kernel_cache_dir()
@@ -186,7 +187,8 @@ def build_emulator(source: Path = KERNEL_SOURCE, sanitize: str | None = None, co
     launcher = out_dir / f"{tag}.cpp"
     launcher.write_text(launcher_text)
     tmp = out_dir / f"{tag}.{os.getpid()}.tmp.so"
-    proc = subprocess.run([cxx, *flags, str(launcher), "-o", str(tmp)], capture_output=True, text=True)
+    command = [cxx, *flags, "-include", str(EMU_HEADER), str(launcher), "-o", str(tmp)]
+    proc = subprocess.run(command, capture_output=True, text=True)
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
         raise KernelError(f"g++ could not build {source.name} against cuda_emu.h:\n{proc.stderr}")
