@@ -172,8 +172,9 @@ def run_decode_bench(steps: int = 32) -> tuple[str, float]:
 
     t0 = time.perf_counter()
     rows = []
+    model, _ = load_model("target")
     for attention in DECODE_ATTENTIONS:
-        model, _ = load_model("target", attention)
+        model.set_attention(attention)
         rows.append({"attention": attention, "ms / token": 1e3 * seconds_per_token(model, steps)})
     title = f"decode on the GPU: model target, greedy, prompt 8 tokens, {steps} steps, best of 3"
     return f"{title}\n{format_table(rows, ['attention', 'ms / token'])}", time.perf_counter() - t0

@@ -32,7 +32,14 @@ from collections import Counter
 
 import numpy
 
-from .kernels.build import DEFAULT_SMEM_BYTES, EMULATED_SMEM_OPTIN
+from .kernels.build import (
+    DEFAULT_SMEM_BYTES,
+    EMULATED_SMEM_OPTIN,
+    KERNELS,
+    build_emulator,
+    kernel_cache_dir,
+    run_emulated,
+)
 
 __version__ = "strict stand-in (NumPy " + numpy.__version__ + ")"
 COUNTS: Counter = Counter()  # kernels, syncs, attribute_queries, copies_to_device
@@ -361,8 +368,6 @@ class RawKernel:
     run by the g++ emulation."""
 
     def __init__(self, code: str, name: str, options=(), **kwargs):
-        from .kernels.build import KERNELS
-
         if name not in KERNELS:
             raise NotImplementedError(f"the strict stand-in runs only {', '.join(KERNELS)}, not {name}")
         self.code, self.name, self.kernel = code, name, KERNELS[name]
@@ -370,8 +375,6 @@ class RawKernel:
 
     def source_file(self):
         """The code as a .cu file in the kernel cache (one per distinct code), for build_emulator."""
-        from .kernels.build import kernel_cache_dir
-
         folder = kernel_cache_dir() / f"rawkernel-{hashlib.sha256(self.code.encode()).hexdigest()[:16]}"
         folder.mkdir(exist_ok=True)
         path = folder / self.kernel.source.name
@@ -380,8 +383,6 @@ class RawKernel:
         return path
 
     def __call__(self, grid, block, args, *, shared_mem: int = 0, stream=None):
-        from .kernels.build import build_emulator, run_emulated
-
         grid, block = tuple(grid), tuple(block)
         if not (1 <= len(grid) <= 3 and 1 <= len(block) <= 3) or not builtins.all(
             isinstance(n, int) and n >= 1 for n in grid + block

@@ -203,12 +203,13 @@ def flash_attention_cuda(q, k, v, causal=True, block_k: int | None = None, retur
     return (out, lse) if return_lse else out
 
 
-def padded_heads(a, HS: int):
-    """(..., hs) -> a C-contiguous float32 (..., HS) on a's device, zeros in the columns past hs."""
-    a = xp.ascontiguousarray(a, dtype=xp.float32)
+def padded_heads(a, HS: int, lib=xp):
+    """(..., hs) -> a C-contiguous float32 (..., HS) of array module ``lib`` (the backend's, or NumPy for the
+    emulator), zeros in the columns past hs."""
+    a = lib.ascontiguousarray(a, dtype=lib.float32)
     if a.shape[-1] == HS:
         return a
-    out = xp.zeros(a.shape[:-1] + (HS,), dtype=xp.float32)
+    out = lib.zeros(a.shape[:-1] + (HS,), dtype=lib.float32)
     out[..., : a.shape[-1]] = a
     return out
 
@@ -309,7 +310,7 @@ def launch_v2_emulated(q, k, v, causal=True, smem_bytes: int | None = None, bloc
     offers what an H100/H200 block may opt in to (EMULATED_SMEM_OPTIN)."""
     B, nh, Tq, Tk, hs = check_inputs(q, k, v)
     HS = v2_head_size(hs)
-    q, k, v = (padded_heads(xp.asarray(t), HS) for t in (q, k, v))
+    q, k, v = (padded_heads(to_numpy(t), HS, np) for t in (q, k, v))  # the emulator runs on the host
     smem = v2_smem_bytes(HS) if smem_bytes is None else smem_bytes
     return emulate(v2_kernel_name(HS), source, sanitize, q, k, v, (int(bool(causal)), 1.0 / math.sqrt(hs)),
                    (-(-Tq // V2_BR), nh, B), block_x, smem, EMULATED_SMEM_OPTIN)
@@ -326,11 +327,16 @@ def flash_attention_v2_emulated(q, k, v, causal=True, return_lse: bool = False, 
     return (out, lse) if return_lse else out
 
 
-def refuse_mask(mask) -> None:
-    """The CUDA kernels know the causal rule only: an explicit mask (a token tree's) is a ValueError."""
+def attention_by_kernel(on_gpu, emulated, q, k, v, causal, mask):
+    """Attention by one of the CUDA kernels: ``on_gpu`` (its launcher on a GPU, without waiting for the GPU
+    mid-forward), else ``emulated`` (the same kernel on the CPU), on the backend's arrays. The kernels know
+    the causal rule only: an explicit ``mask`` (a token tree's) is a ValueError."""
     if mask is not None:
         raise ValueError("the CUDA kernels apply the causal mask only; verify token trees with "
                          "attention='naive' or 'flash'")
+    if is_gpu():
+        return on_gpu(q, k, v, causal, check_status=False)
+    return xp.asarray(emulated(q, k, v, causal))
 
 
 def kernel_attention(q, k, v, causal=True, mask=None):
@@ -339,15 +345,9 @@ def kernel_attention(q, k, v, causal=True, mask=None):
     (B, nh, Tq, hs), (B, nh, Tk, hs) x 2 -> (B, nh, Tq, hs) on the backend's arrays, like ``naive_attention``.
     The kernel knows the causal rule only: an explicit ``mask`` (a token tree's) is refused.
     """
-    refuse_mask(mask)
-    if is_gpu():
-        return flash_attention_cuda(q, k, v, causal, check_status=False)  # no wait for the GPU mid-forward
-    return xp.asarray(flash_attention_emulated(q, k, v, causal))
+    return attention_by_kernel(flash_attention_cuda, flash_attention_emulated, q, k, v, causal, mask)
 
 
 def kernel_attention_v2(q, k, v, causal=True, mask=None):
     """``kernel_attention`` with kernels/flash_attention_v2.cu: on a GPU, else the same kernel emulated."""
-    refuse_mask(mask)
-    if is_gpu():
-        return flash_attention_v2_cuda(q, k, v, causal, check_status=False)
-    return xp.asarray(flash_attention_v2_emulated(q, k, v, causal))
+    return attention_by_kernel(flash_attention_v2_cuda, flash_attention_v2_emulated, q, k, v, causal, mask)
