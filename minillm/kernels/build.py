@@ -156,11 +156,15 @@ SANITIZE_FLAGS = {None: [], "thread": ["-fsanitize=thread", "-g"], "address": ["
 
 
 def build_emulator(source: Path = KERNEL_SOURCE, sanitize: str | None = None, compiler: str = "g++",
-                   shared_bytes: int = DEFAULT_SMEM_BYTES, kernel: KernelFile = V1) -> Path:
+                   shared_bytes: int = DEFAULT_SMEM_BYTES, kernel: KernelFile = V1,
+                   race_window_us: int = 0) -> Path:
     """Compile a .cu + cuda_emu.h into a shared library once; later calls return the cached path.
 
     ``kernel``: the KernelFile whose entry points ``source`` defines (V1, or V2 for flash_attention_v2.cu and
     its mutants).
+    ``race_window_us``: a pause every waiting thread takes between arriving at a barrier and checking it
+    (``CUDA_EMU_RACE_WINDOW_US``), so a stress test meets, every time, the descheduling that a busy machine
+    brings only now and then. 0 (no pause) for every real use.
     ``shared_bytes``: the most dynamic shared memory the emulated device gives a block (48 KiB, what every
     GPU gives without opting in; a GPU's opt-in limit to emulate one). The cache key hashes the kernel
     source, the header, the flags and the compiler (contents, not paths: a copy of the project elsewhere, or a
@@ -174,6 +178,8 @@ def build_emulator(source: Path = KERNEL_SOURCE, sanitize: str | None = None, co
     flags = EMU_FLAGS + SANITIZE_FLAGS[sanitize]
     if shared_bytes != DEFAULT_SMEM_BYTES:
         flags.append(f"-DCUDA_EMU_SHARED_BYTES={shared_bytes}")
+    if race_window_us:
+        flags.append(f"-DCUDA_EMU_RACE_WINDOW_US={int(race_window_us)}")
     launcher_text = emu_launcher(source, kernel)
     h = hashlib.sha256()
     for part in (source.read_bytes(), EMU_HEADER.read_bytes(), " ".join(flags).encode(), cxx.encode(),

@@ -142,7 +142,13 @@ class BlockBarrier {
             generation_.fetch_add(1, std::memory_order_acq_rel);
             return;
         }
-        if (exited_.load() > 0) {  // checked after arriving: thread_exit checks arrived_ after exiting
+#ifdef CUDA_EMU_RACE_WINDOW_US  // tests widen the window in which a waiting thread can be descheduled
+        std::this_thread::sleep_for(std::chrono::microseconds(CUDA_EMU_RACE_WINDOW_US));
+#endif
+        // Checked after arriving (thread_exit checks arrived_ after exiting), and only while this barrier is
+        // still the current one: a thread descheduled here may find the others released, gone past this
+        // barrier and out of the kernel, and that is no divergence.
+        if (exited_.load() > 0 && generation_.load(std::memory_order_acquire) == gen) {
             fail("thread " + std::to_string(tid) + " waits at " + what_ + " (line " + std::to_string(line) +
                  ") but " + std::to_string(exited_.load()) + " thread(s) of the block already left the kernel");
             return;

@@ -255,21 +255,22 @@ def with_red_zone(a: np.ndarray) -> np.ndarray:
 
 
 def launch_emulated(q, k, v, causal=True, Br: int = KERNEL_BLOCK_Q, Bc: int = 32,
-                    smem_bytes: int | None = None, source: Path = KERNEL_SOURCE, sanitize: str | None = None):
+                    smem_bytes: int | None = None, source: Path = KERNEL_SOURCE, sanitize: str | None = None,
+                    race_window_us: int = 0):
     """One emulated launch with explicit tiles and shared memory, no Python-side limit checks.
 
     Returns (O, L, status): the kernel's own status code is returned, not raised, so tests can check
     that the kernel itself refuses bad launches. Raises KernelError when the emulator reports one
-    (diverged barrier, shared memory beyond the emulated device's).
+    (diverged barrier, shared memory beyond the emulated device's). ``race_window_us``: see build_emulator.
     """
     B, nh, Tq, Tk, hs = check_inputs(q, k, v)
     smem = kernel_smem_bytes(Br, Bc, hs) if smem_bytes is None else smem_bytes
     return emulate(KERNEL_NAME, source, sanitize, q, k, v, (hs, Bc, int(bool(causal)), 1.0 / math.sqrt(hs)),
-                   (-(-Tq // Br), nh, B), Br, smem, DEFAULT_SMEM_BYTES)
+                   (-(-Tq // Br), nh, B), Br, smem, DEFAULT_SMEM_BYTES, race_window_us)
 
 
 def emulate(name: str, source: Path, sanitize: str | None, q, k, v, scalars: tuple, grid: tuple, block_x: int,
-            smem: int, device_smem: int):
+            smem: int, device_smem: int, race_window_us: int = 0):
     """One emulated launch of kernel ``name``: q, k, v (their head size is the kernel's) copied to the host
     with red zones, then (Q, K, V, O, L, status, Tq, Tk, *scalars) -> (O, L, status) as NumPy arrays.
     ``device_smem``: the most shared memory the emulated device gives a block."""
@@ -279,7 +280,8 @@ def emulate(name: str, source: Path, sanitize: str | None, q, k, v, scalars: tup
     lse = np.full(B * nh * Tq + RED_ZONE, np.nan, dtype=np.float32)
     status = np.zeros(1, dtype=np.int32)
     args = (q, k, v, out, lse, status, Tq, Tk, *scalars)
-    lib = build_emulator(source, sanitize, shared_bytes=device_smem, kernel=KERNELS[name])
+    lib = build_emulator(source, sanitize, shared_bytes=device_smem, kernel=KERNELS[name],
+                         race_window_us=race_window_us)
     try:
         run_emulated(lib, args, grid, block_x, smem, name)
     except KernelError as exc:
@@ -304,7 +306,7 @@ def flash_attention_emulated(q, k, v, causal=True, block_k: int | None = None, r
 
 
 def launch_v2_emulated(q, k, v, causal=True, smem_bytes: int | None = None, block_x: int = V2_THREADS,
-                       source: Path = V2_SOURCE, sanitize: str | None = None):
+                       source: Path = V2_SOURCE, sanitize: str | None = None, race_window_us: int = 0):
     """One emulated launch of v2 (head size padded to its kernel's), no Python-side limit checks -> (O, L,
     status) with O of the padded head size: the kernel's status is returned, not raised. The emulated device
     offers what an H100/H200 block may opt in to (EMULATED_SMEM_OPTIN)."""
@@ -313,7 +315,7 @@ def launch_v2_emulated(q, k, v, causal=True, smem_bytes: int | None = None, bloc
     q, k, v = (padded_heads(to_numpy(t), HS, np) for t in (q, k, v))  # the emulator runs on the host
     smem = v2_smem_bytes(HS) if smem_bytes is None else smem_bytes
     return emulate(v2_kernel_name(HS), source, sanitize, q, k, v, (int(bool(causal)), 1.0 / math.sqrt(hs)),
-                   (-(-Tq // V2_BR), nh, B), block_x, smem, EMULATED_SMEM_OPTIN)
+                   (-(-Tq // V2_BR), nh, B), block_x, smem, EMULATED_SMEM_OPTIN, race_window_us)
 
 
 def flash_attention_v2_emulated(q, k, v, causal=True, return_lse: bool = False, source: Path = V2_SOURCE,
