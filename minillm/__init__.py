@@ -18,6 +18,7 @@ from .gguf import GGUFError
 from .kv_cache import GrowingKVCache, KVCache, PrefixCache, kv_cache_bytes
 from .llama import Llama
 from .model import GPT
+from .notebook import format_table, show
 from .paged_kv import BlockAllocator, OutOfBlocksError, PagedKVCache, paged_attention
 from .prefix_blocks import PrefixBlockCache
 from .registry import load_model
@@ -43,4 +44,5 @@ __all__ = [
     "BlockAllocator", "OutOfBlocksError", "PagedKVCache", "paged_attention",
     "SpecStats", "expected_speedup", "expected_tokens_per_call", "speculative_generate", "verify", "verify_greedy",
     "BatchResult", "BatchStats", "generate_batch", "speculative_generate_batch",
+    "format_table", "show",
 ]

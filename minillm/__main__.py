@@ -1,5 +1,5 @@
-"""``python -m minillm``: the command-line interface (see ``minillm.cli``)."""
+"""``python -m minillm``: the command-line interface (see ``minillm.tools.cli``)."""
 
-from .cli import main
+from .tools.cli import main
 
 raise SystemExit(main())

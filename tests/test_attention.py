@@ -13,7 +13,7 @@ from minillm.attention import (
 )
 from minillm.backend import to_numpy, xp
 
-# The tests that check each exercise, as pytest -k expressions (read by minillm.course; docs/instructors.md)
+# The tests that check each exercise, as pytest -k expressions (read by minillm.tools.course; docs/instructors.md)
 EXERCISES = {"2.1": "window", "2.2": "entropy"}
 
 

@@ -167,7 +167,7 @@ def test_installed_but_unusable_cupy_is_reported(tmp_path):
     (tmp_path / "cupy").mkdir()
     (tmp_path / "cupy" / "__init__.py").write_text(BROKEN_CUPY)
     path = os.pathsep.join([str(tmp_path), os.getcwd()])
-    r = subprocess.run([sys.executable, "-c", "from minillm import cli; cli.cmd_info(None)"], capture_output=True,
+    r = subprocess.run([sys.executable, "-c", "from minillm.tools import cli; cli.cmd_info(None)"], capture_output=True,
                        text=True, env={**os.environ, "PYTHONPATH": path, "MINILLM_BACKEND": ""}, timeout=120)
     assert r.returncode == 0, r.stderr
     assert "WARNING: running on NumPy because CuPy is installed but it needs the CUDA driver" in r.stdout

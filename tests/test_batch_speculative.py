@@ -40,7 +40,7 @@ from minillm.paged_kv import BatchView, PagedKVCache
 from minillm.sampling import logits_to_probs
 from minillm.speculative import speculative_generate
 
-# The tests that check each exercise, as pytest -k expressions (read by minillm.course; docs/instructors.md)
+# The tests that check each exercise, as pytest -k expressions (read by minillm.tools.course; docs/instructors.md)
 EXERCISES = {
     "7.1": "pad_batch or ragged_forward or ragged_padding or generate_batch_equals or generate_batch_rows "
            "or spec_rows or drives or mistake",

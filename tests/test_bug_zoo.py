@@ -15,7 +15,7 @@ import pytest
 from bug_zoo import MUTANTS
 from project_copy import patched, run_pytest
 
-from minillm import course
+from minillm.tools import course
 
 ROOT = Path(__file__).resolve().parents[1]
 # The zoo scores the tests, not a backend: its pytest runs are made once, in the NumPy run.

@@ -17,7 +17,7 @@ from minillm.backend import to_numpy, xp
 from minillm.cache_contract import CacheFullError, DecodeCache, ForwardCache, PromptCache
 from minillm.prefix_blocks import PrefixBlockCache
 
-# Tests that also run exercises' code, so they fail until those are solved (minillm.course)
+# Tests that also run exercises' code, so they fail until those are solved (minillm.tools.course)
 NEEDS = {
     ("3.1", "3.2"): "contiguous",
     "3.2": "growing and truncate",  # GrowingKVCache.truncate calls KVCache.truncate

@@ -13,8 +13,9 @@ import pytest
 
 from minillm import CacheFullError, load_model, to_numpy
 from minillm import chat as chat_module
-from minillm.chat import Chat, answer, main
+from minillm.chat import Chat, answer
 from minillm.data import corpus_tokenizer
+from minillm.tools.chat_cli import main
 
 # the chat runs the KV cache (3.1; 3.2 rolls an interrupted turn back); SmolLM2's tokenizer merges (8.4)
 NEEDS = {"3.1": "not refuses", "3.2": "interrupted", "8.4": "chatml"}

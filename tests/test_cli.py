@@ -5,12 +5,13 @@ import sys
 
 import pytest
 
-from minillm import CharTokenizer, cli, save_model
-from minillm.benchmarks import common
-from minillm.benchmarks import paged as paged_bench
+from minillm import CharTokenizer, save_model
 from minillm.checkpoint import shipped_path
+from minillm.tools import cli
+from minillm.tools.benchmarks import common
+from minillm.tools.benchmarks import paged as paged_bench
 
-# Tests that also run other exercises' code, so they fail until those are solved (minillm.course)
+# Tests that also run other exercises' code, so they fail until those are solved (minillm.tools.course)
 NEEDS = {
     ("3.1", "3.3"): "generate_streams or generate_uses",
     ("3.1", "3.2", "3.3", "5.1", "5.2", "5.3"): "demo_options",  # the demo runs generate and speculative decoding

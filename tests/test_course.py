@@ -1,4 +1,4 @@
-"""The course kit (minillm.course): well-formed markers, the student edition and the rule it keeps.
+"""The course kit (minillm.tools.course): well-formed markers, the student edition and the rule it keeps.
 
 The rule (docs/instructors.md): in the student edition every exercise raises NotImplementedError, and
 the tests that fail are exactly the ones the manifest names (each exercise's grading selection plus
@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 from project_copy import patched, run_pytest
 
-from minillm import course, project
+from minillm.tools import course, project
 
 ROOT = Path(__file__).resolve().parents[1]
 # The kit's own logic: its pytest runs check the manifest against the NumPy run's outcomes; no array here.
@@ -311,11 +311,12 @@ def test_instructors_guide_lists_every_exercise_with_its_grading_command():
 
 
 def test_notebooks_show_library_source_without_exercise_solutions():
-    """course.show / source_without_solutions: a function's source as the chapters print it, each
+    """minillm.show / source_without_solutions: a function's source as the chapters print it, each
     exercise region's body replaced by one line naming the exercise, the rest verbatim."""
     from minillm import sampling
+    from minillm.notebook import source_without_solutions
 
-    text = course.source_without_solutions(sampling.top_k_filter)
+    text = source_without_solutions(sampling.top_k_filter)
     assert "def top_k_filter(logits, k):" in text and "# EXERCISE 1.1 END" in text
     assert "...  (exercise 1.1: the solution is yours to write)" in text
     assert "np.sort" not in text and "np.where" not in text  # the two solution lines

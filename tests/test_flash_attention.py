@@ -31,13 +31,13 @@ from minillm.backend import is_cupy, is_gpu, to_numpy, xp
 from minillm.kernels import build, launch
 from minillm.kernels.mutants import KERNEL_MUTANTS, mutate_kernel, write_kernel_mutant
 
-# The tests that check each exercise, as pytest -k expressions (read by minillm.course; docs/instructors.md)
+# The tests that check each exercise, as pytest -k expressions (read by minillm.tools.course; docs/instructors.md)
 EXERCISES = {
     "4.1": "online_softmax and not catches",
     "4.2": "(tile_update or tiled) and not catches and not rejects",
     "4.3": "io_bytes",
 }
-# Tests that also run other exercises' code, so they fail until those are solved (minillm.course)
+# Tests that also run other exercises' code, so they fail until those are solved (minillm.tools.course)
 NEEDS = {"3.1": "model_logits_kernel"}
 # Exercises of other chapters that a grading selection also runs (the model's forward through a KVCache)
 DEPENDS = {"4.2": "3.1"}

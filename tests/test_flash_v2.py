@@ -28,7 +28,7 @@ from minillm.backend import is_gpu, to_numpy
 from minillm.kernels import build, launch
 from minillm.kernels.mutants import V2_MUTANTS, mutate_kernel, write_kernel_mutant
 
-# Tests that also run other exercises' code, so they fail until those are solved (minillm.course)
+# Tests that also run other exercises' code, so they fail until those are solved (minillm.tools.course)
 NEEDS = {"3.1": "model_logits_kernel_v2"}
 
 pytestmark = needs_gxx

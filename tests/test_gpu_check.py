@@ -1,15 +1,16 @@
-"""python -m minillm.gpu_check is honest: it fails when CuPy is installed but unusable, checks an install
+"""python -m minillm.tools.gpu_check is honest: it fails when CuPy is installed but unusable, checks an install
 without a GPU, and sizes its benchmark down to any --max-n."""
 
 import sys
 
 import pytest
 
-from minillm import backend, gpu_check
-from minillm.benchmarks import attention
-from minillm.benchmarks.attention import GPU_NS, sizes_up_to
+from minillm import backend
+from minillm.tools import gpu_check
+from minillm.tools.benchmarks import attention
+from minillm.tools.benchmarks.attention import GPU_NS, sizes_up_to
 
-# Tests that also run other exercises' code (minillm.course): the attention benchmark runs chapter 4's
+# Tests that also run other exercises' code (minillm.tools.course): the attention benchmark runs chapter 4's
 NEEDS = {("4.1", "4.2", "4.3"): "below_the_grid"}
 
 needs_no_cupy = pytest.mark.skipif(backend.is_cupy() or backend.CUPY_PROBLEM is not None, reason="CuPy is here")

@@ -18,13 +18,13 @@ from minillm import (
 )
 from minillm.backend import to_numpy
 
-# The tests that check each exercise, as pytest -k expressions (read by minillm.course; docs/instructors.md)
+# The tests that check each exercise, as pytest -k expressions (read by minillm.tools.course; docs/instructors.md)
 EXERCISES = {
     "3.1": "(prefill_decode or overflow or preallocated or float32_throughout or bigger_head) and not Growing",
     "3.2": "truncate",  # GrowingKVCache.truncate calls KVCache.truncate for the check and the length
     "3.3": "generation and not bad or reset or stats or context_policy",
 }
-# Tests that also run other exercises' code, so they fail until those are solved (minillm.course)
+# Tests that also run other exercises' code, so they fail until those are solved (minillm.tools.course)
 NEEDS = {("3.1", "3.3"): "prefix_cache"}
 # Exercises of other chapters that a grading selection also runs (sampled generation: top-k, top-p)
 DEPENDS = {"3.3": "1.1, 1.2"}

@@ -1,7 +1,8 @@
 """The library's layers (DESIGN: backend -> config/tokenizers -> attention and kernels -> model and
-caches -> sampling -> decoding loops -> batching -> serving/front ends -> benchmarks/CLI): every
+caches -> sampling -> decoding loops -> batching -> serving, chat, training; then the tools): every
 minillm module imports only from its own layer or the layers below, the model and the caches meet
-only through the cache contract, and no two modules import each other, even lazily."""
+only through the cache contract, no two modules import each other, even lazily, and the chapters'
+modules never import the tools (``minillm/tools/``: CLI, demo, benchmarks, course kit, GPU check)."""
 
 import ast
 from pathlib import Path
@@ -9,17 +10,18 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "minillm"
 
 LAYERS = [  # lowest first; a module may import from its own layer and the ones before it
-    {"backend", "strict", "cache_contract", "config", "tokenizer", "bpe", "project", "options", "kernels",
+    {"backend", "strict", "cache_contract", "config", "tokenizer", "bpe", "notebook", "kernels",
      "kernels.build"},
     {"attention", "flash_attention", "kernels.launch", "data", "sampling"},
     {"model", "kv_cache", "paged_kv", "prefix_blocks"},
     {"llama", "checkpoint", "gguf", "registry", "drafts"},
     {"generate", "speculative"},
     {"token_tree"},
-    {"draft_free", "lookahead"},
+    {"draft_free", "lookahead", "medusa"},
     {"batch_speculative"},
-    {"serving", "chat", "train", "medusa"},  # medusa trains its heads with train.py
-    {"benchmarks", "course", "demo", "cli", "gpu_check", "__main__", ""},
+    {"serving", "chat", "train"},
+    {"medusa_train"},  # the heads learn with train.py's AdamW, on text written by generate_batch
+    {"tools", "__main__", ""},  # every module under minillm/tools/; the package re-exports the chapters
 ]
 MODEL = {"model", "llama"}
 CACHES = {"kv_cache", "paged_kv", "prefix_blocks"}
@@ -50,7 +52,7 @@ def imports(path: Path) -> set:
 
 def layer(module: str) -> int:
     for i, members in enumerate(LAYERS):
-        if module in members or (module.startswith("benchmarks") and "benchmarks" in members):
+        if module in members or (module.split(".")[0] == "tools" and "tools" in members):
             return i
     raise AssertionError(f"minillm.{module} is in no layer of tests/test_layers.py: place it")
 
@@ -62,6 +64,14 @@ def test_every_import_goes_down_or_sideways():
     upward = [f"{m} (layer {layer(m)}) imports {d} (layer {layer(d)})"
               for m, deps in GRAPH.items() for d in deps if layer(d) > layer(m)]
     assert not upward, "\n".join(upward)
+
+
+def test_no_chapter_module_imports_the_tools():
+    """The chapters stand without the tools: only the tools themselves and ``python -m minillm`` reach
+    into ``minillm/tools/`` (the package's notebook helpers live in ``minillm.notebook``)."""
+    reaching = [(m, d) for m, deps in GRAPH.items() for d in deps
+                if d.split(".")[0] == "tools" and m.split(".")[0] != "tools" and m != "__main__"]
+    assert not reaching, reaching
 
 
 def test_model_and_caches_meet_only_through_the_contract():
@@ -93,4 +103,5 @@ def test_no_import_cycle():
 def test_the_checker_sees_imports():
     """The graph is not empty by accident: known edges are there."""
     assert "backend" in GRAPH["attention"] and "kv_cache" in GRAPH["generate"]
-    assert "kernels.build" in GRAPH["kernels.launch"] and "cli" in GRAPH["__main__"]
+    assert "kernels.build" in GRAPH["kernels.launch"] and "tools.cli" in GRAPH["__main__"]
+    assert "medusa" in GRAPH["medusa_train"] and "tools.options" in GRAPH["tools.cli"]

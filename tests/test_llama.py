@@ -23,13 +23,13 @@ from minillm.config import LlamaConfig
 from minillm.gguf import GGUFError
 from minillm.llama import Llama, apply_rope, grouped_attention, repeat_kv, rms_norm, rope_cos_sin
 
-# The tests that check each exercise, as pytest -k expressions (read by minillm.course; docs/instructors.md)
+# The tests that check each exercise, as pytest -k expressions (read by minillm.tools.course; docs/instructors.md)
 EXERCISES = {
     "8.1": "rope or tiny_llama",
     "8.2": "rms_norm",
     "8.3": "repeat_kv or gqa",
 }
-# Tests that also run other exercises' code, so they fail until those are solved (minillm.course)
+# Tests that also run other exercises' code, so they fail until those are solved (minillm.tools.course)
 NEEDS = {("8.2", "8.3"): "tiny_llama", ("8.1", "8.2"): "gqa", ("8.1", "8.2", "8.3"): "real_model or transformers"}
 # Exercises of other chapters that a grading selection also runs (generation, speculation and batches on SmolLM2)
 DEPENDS = {"8.1": "3.1, 3.2, 3.3, 4.2, 5.3, 6.1, 7.1"}

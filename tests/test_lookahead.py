@@ -17,11 +17,11 @@ from minillm.backend import to_numpy
 from minillm.lookahead import Lookahead, NGramPool, jacobi_generate, jacobi_step, window_inputs
 from minillm.token_tree import Proposal, TokenTree, round_inputs, tree_generate
 
-# The tests that check each exercise, as pytest -k expressions (read by minillm.course; docs/instructors.md)
+# The tests that check each exercise, as pytest -k expressions (read by minillm.tools.course; docs/instructors.md)
 EXERCISES = {"9.4": "jacobi and not bad"}
-# What a student must have solved before an exercise's grading command can pass (minillm.course)
+# What a student must have solved before an exercise's grading command can pass (minillm.tools.course)
 DEPENDS = {"9.4": "3.1, 3.2, 3.3"}
-# Tests that also run other exercises' code, so they fail until those are solved (minillm.course)
+# Tests that also run other exercises' code, so they fail until those are solved (minillm.tools.course)
 NEEDS = {
     ("3.1", "3.2", "3.3"): "jacobi_equals or several_iterations",
     ("3.2", "3.3"): "feeds_back",

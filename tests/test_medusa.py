@@ -13,21 +13,12 @@ from minillm import GPT, GPTConfig, generate
 from minillm.backend import to_numpy, xp
 from minillm.checkpoint import SHIPPED_DIR, CheckpointError
 from minillm.kv_cache import KVCache
-from minillm.medusa import (
-    HEADS_TRAIN,
-    MAX_HEADS,
-    MedusaHeads,
-    MedusaProposer,
-    head_data,
-    heads_forward_backward,
-    shipped_heads_path,
-    sparse_tree_paths,
-    train_heads,
-)
+from minillm.medusa import MAX_HEADS, MedusaHeads, MedusaProposer, shipped_heads_path, sparse_tree_paths
+from minillm.medusa_train import HEADS_TRAIN, head_data, heads_forward_backward, train_heads
 from minillm.sampling import logits_to_probs
 from minillm.token_tree import tree_generate
 
-# Tests that also run other exercises' code, so they fail until those are solved (minillm.course): the
+# Tests that also run other exercises' code, so they fail until those are solved (minillm.tools.course): the
 # heads train with AdamW (A1.3) on text decoded with the KV cache (chapter 3); the tree loop verifies
 # with 9.1 and 9.2, lossless sampling uses chapter 5's residual, SmolLM2 runs chapter 8's Llama
 NEEDS = {
@@ -323,7 +314,7 @@ def test_command_refuses_bad_options_before_any_work(argv, match, tmp_path):
     """medusa-train checks its options before it loads a model or writes anything."""
     import argparse
 
-    from minillm.medusa import add_arguments, run
+    from minillm.tools.medusa_cli import add_arguments, run
 
     p = argparse.ArgumentParser()
     add_arguments(p)

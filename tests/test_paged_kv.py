@@ -32,7 +32,7 @@ from minillm.prefix_blocks import PrefixBlockCache, block_hash, prefix_block_has
 # A model-free config for the bookkeeping tests: 2 layers, 1 head of size 2, context 32.
 BOOK = GPTConfig(vocab_size=3, block_size=32, n_layer=2, n_head=1, n_embd=2)
 
-# The tests that check each exercise, as pytest -k expressions (read by minillm.course; docs/instructors.md)
+# The tests that check each exercise, as pytest -k expressions (read by minillm.tools.course; docs/instructors.md)
 EXERCISES = {
     "6.1": "gather or paged_attention or forward or generation or positions or rollback or prefix or wrong_position",
     "6.2": "fork and not at_block_boundary or still_computes_last_token or invariants",

@@ -10,7 +10,7 @@ from minillm import sampling
 from minillm.backend import xp
 from minillm.sampling import MIN_TEMPERATURE, SamplingSettings, logits_to_probs, next_tokens, sample
 
-# The tests that check each exercise, as pytest -k expressions (read by minillm.course; docs/instructors.md)
+# The tests that check each exercise, as pytest -k expressions (read by minillm.tools.course; docs/instructors.md)
 EXERCISES = {"1.1": "top_k", "1.2": "top_p"}
 
 

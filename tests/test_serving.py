@@ -23,7 +23,6 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minillm import GPT, GPTConfig, generate, serving, to_numpy
-from minillm.benchmarks import serving as bench
 from minillm.serving import (
     Engine,
     Request,
@@ -35,8 +34,9 @@ from minillm.serving import (
     replay,
     save_trace,
 )
+from minillm.tools.benchmarks import serving as bench
 
-# The tests that check each exercise, as pytest -k expressions (read by minillm.course; docs/instructors.md)
+# The tests that check each exercise, as pytest -k expressions (read by minillm.tools.course; docs/instructors.md)
 EXERCISES = {
     "10.1": "serve",
     "10.2": "prefill_chunk or serve_greedy or serve_chunked or serve_budgets",

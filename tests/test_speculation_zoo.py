@@ -9,9 +9,15 @@ import numpy as np
 import pytest
 
 from minillm import GPT, GPTConfig, to_numpy
-from minillm.benchmarks import TOPICS
-from minillm.benchmarks.common import BenchmarkError
-from minillm.benchmarks.speculation_zoo import (
+from minillm.draft_free import LayerSkip, PromptLookup
+from minillm.generate import GenerationResult, GenerationStats
+from minillm.lookahead import Lookahead
+from minillm.medusa import MedusaHeads, MedusaProposer
+from minillm.speculative import SpecStats
+from minillm.tokenizer import CharTokenizer
+from minillm.tools.benchmarks import TOPICS
+from minillm.tools.benchmarks.common import BenchmarkError
+from minillm.tools.benchmarks.speculation_zoo import (
     Models,
     Pooled,
     Run,
@@ -29,14 +35,8 @@ from minillm.benchmarks.speculation_zoo import (
     verify_cost,
     zoo,
 )
-from minillm.draft_free import LayerSkip, PromptLookup
-from minillm.generate import GenerationResult, GenerationStats
-from minillm.lookahead import Lookahead
-from minillm.medusa import MedusaHeads, MedusaProposer
-from minillm.speculative import SpecStats
-from minillm.tokenizer import CharTokenizer
 
-# Tests that also run other exercises' code, so they fail until those are solved (minillm.course):
+# Tests that also run other exercises' code, so they fail until those are solved (minillm.tools.course):
 # generate and tree_generate run the KV cache (3.1-3.3); the tree loop its mask, walk and lookup
 # (9.1-9.3) and, at temperature 1, chapter 5's residual (5.1); the copy prompts run generate only; the
 # timed tree round runs the cache, its rollback and the tree mask
@@ -59,7 +59,7 @@ def test_the_zoo_is_a_table_with_plain_first_and_is_wired_into_bench():
     assert {v.verify for name in ("plain", "draft", "int8 target") for v in methods[name]} == {"chain"}
     trees = ("prompt lookup", "layer skip", "Medusa exact", "Medusa typical", "Lookahead")
     assert {v.verify for name in trees for v in methods[name]} == {"tree"}
-    assert TOPICS["speculation-zoo"] == "minillm.benchmarks.speculation_zoo"
+    assert TOPICS["speculation-zoo"] == "minillm.tools.benchmarks.speculation_zoo"
 
 
 def test_pooled_counts_plain_decoding_as_one_target_call_per_token():

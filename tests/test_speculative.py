@@ -35,14 +35,14 @@ from minillm.speculative import (
 
 N_TRIALS = 50_000  # verify calls per statistical case (see test_rejection_sample_size_...)
 
-# The tests that check each exercise, as pytest -k expressions (read by minillm.course; docs/instructors.md)
+# The tests that check each exercise, as pytest -k expressions (read by minillm.tools.course; docs/instructors.md)
 EXERCISES = {
     "5.1": "test_residual",
     "5.2": "rejection and not catches_classic and not rows_not",
     "5.3": "greedy",
     "5.4": "theory and not rejects",
 }
-# Tests that also run other exercises' code, so they fail until those are solved (minillm.course)
+# Tests that also run other exercises' code, so they fail until those are solved (minillm.tools.course)
 NEEDS = {  # speculative_generate runs the KV cache (3.1-3.3), verify (5.1, 5.2) and verify_greedy (5.3)
     ("3.1", "3.2", "3.3", "5.1", "5.2", "5.3"): (
         "loop and not alpha_counts or draft_is or quantized or shipped_sampling or shipped_demo"
@@ -682,7 +682,7 @@ def test_shipped_sampling_matches_target_distribution(shipped_pair):
 @shipped
 def test_shipped_demo_runs(capsys):
     """The main demo prints both passages, says they are identical, and a stats table."""
-    from minillm.demo import main
+    from minillm.tools.demo import main
 
     assert main(["--max-new-tokens", "60", "--k", "4"]) == 0
     out = capsys.readouterr().out

@@ -4,7 +4,7 @@ import subprocess
 
 import pytest
 
-from minillm.benchmarks import threads
+from minillm.tools.benchmarks import threads
 
 
 def test_background_load_starts_and_stops_busy_processes(monkeypatch):

@@ -28,9 +28,9 @@ from minillm.token_tree import (
     verify_tree_typical,
 )
 
-# The tests that check each exercise, as pytest -k expressions (read by minillm.course; docs/instructors.md)
+# The tests that check each exercise, as pytest -k expressions (read by minillm.tools.course; docs/instructors.md)
 EXERCISES = {"9.1": "tree_mask", "9.2": "greedy_walk", "9.3": "ngram and not bad"}
-# What a student must have solved before an exercise's grading command can pass (minillm.course)
+# What a student must have solved before an exercise's grading command can pass (minillm.tools.course)
 DEPENDS = {"9.2": "5.3"}
 # Tests that also run other exercises' code: the KV cache (3.1-3.3) under every forward, the tree
 # loop's mask, walk and lookup (9.1-9.3), the residual of chapter 5 (5.1) in lossless tree sampling,

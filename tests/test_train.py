@@ -11,7 +11,7 @@ from minillm.backend import to_numpy, xp
 
 CFG = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=8)
 
-# The tests that check each exercise, as pytest -k expressions (read by minillm.course; docs/instructors.md)
+# The tests that check each exercise, as pytest -k expressions (read by minillm.tools.course; docs/instructors.md)
 EXERCISES = {"A1.1": "gelu_backward", "A1.2": "layernorm_backward", "A1.3": "adamw"}
 # Tests that run the whole training step, so they fail until these exercises are solved
 NEEDS = {("A1.1", "A1.2", "A1.3"): "gradient_check or loss_equals or float32_training or overfits or resume_continues "

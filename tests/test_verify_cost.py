@@ -3,8 +3,10 @@
 import numpy as np
 import pytest
 
-from minillm.benchmarks.kv_cache import STAND_INS
-from minillm.benchmarks.verify_cost import (
+from minillm.config import GPTConfig
+from minillm.model import GPT
+from minillm.tools.benchmarks.kv_cache import STAND_INS
+from minillm.tools.benchmarks.verify_cost import (
     bound,
     cost_rows,
     forward_bytes,
@@ -14,8 +16,6 @@ from minillm.benchmarks.verify_cost import (
     parts_rows,
     roofline_seconds,
 )
-from minillm.config import GPTConfig
-from minillm.model import GPT
 
 
 def test_roofline_is_the_slower_of_moving_the_bytes_and_doing_the_arithmetic():
@@ -80,7 +80,7 @@ def test_matmul_rows_compare_each_n_with_the_matrix_vector_product_and_the_roofl
 
 def test_a_context_that_leaves_no_room_for_the_new_tokens_is_a_usage_error(capsys):
     """100 cached + 64 new fits the 256-token context; 250 + 8 does not: exit 2 naming the limit, nothing timed."""
-    from minillm.benchmarks.verify_cost import main
+    from minillm.tools.benchmarks.verify_cost import main
 
     with pytest.raises(SystemExit) as exc:
         main(["--context", "250", "--ns", "1,8", "--no-parts"])

@@ -25,19 +25,19 @@ import statistics
 
 import numpy as np
 
-from ..backend import xp
-from ..checkpoint import load_model
-from ..data import train_val_split
-from ..drafts import BigramDraft, quantize_weights
-from ..generate import generate
-from ..kv_cache import KVCache
+from ...backend import xp
+from ...checkpoint import load_model
+from ...data import train_val_split
+from ...drafts import BigramDraft, quantize_weights
+from ...generate import generate
+from ...kv_cache import KVCache
+from ...notebook import format_table
+from ...speculative import expected_speedup, expected_tokens_per_call, speculative_generate
 from ..options import positive_int_list
-from ..speculative import expected_speedup, expected_tokens_per_call, speculative_generate
 from .common import (
     BenchmarkError,
     add_output_args,
     figure_dir,
-    format_table,
     progress,
     save_figure,
     time_fn,

@@ -38,22 +38,22 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from ..backend import to_numpy, xp
-from ..checkpoint import load_model
-from ..draft_free import LayerSkip, PromptLookup
-from ..drafts import quantize_weights
-from ..generate import GenerationResult, generate
-from ..kv_cache import KVCache, MaskedView
-from ..lookahead import Lookahead
-from ..medusa import MedusaHeads, MedusaProposer, shipped_heads_path
+from ...backend import to_numpy, xp
+from ...checkpoint import load_model
+from ...draft_free import LayerSkip, PromptLookup
+from ...drafts import quantize_weights
+from ...generate import GenerationResult, generate
+from ...kv_cache import KVCache, MaskedView
+from ...lookahead import Lookahead
+from ...medusa import MedusaHeads, MedusaProposer, shipped_heads_path
+from ...notebook import format_table
+from ...speculative import speculative_generate
+from ...token_tree import Proposal, TokenTree, round_inputs, tree_generate
 from ..options import positive_int
-from ..speculative import speculative_generate
-from ..token_tree import Proposal, TokenTree, round_inputs, tree_generate
 from .common import (
     BenchmarkError,
     add_output_args,
     figure_dir,
-    format_table,
     progress,
     save_figure,
     time_paired,

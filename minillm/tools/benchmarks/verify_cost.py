@@ -28,17 +28,17 @@ import argparse
 
 import numpy as np
 
-from ..backend import xp
-from ..data import load_corpus
-from ..kv_cache import KVCache, kv_cache_bytes
-from ..model import GPT
+from ...backend import xp
+from ...data import load_corpus
+from ...kv_cache import KVCache, kv_cache_bytes
+from ...model import GPT
+from ...notebook import format_table
+from ...registry import load_model
 from ..options import positive_int, positive_int_list
-from ..registry import load_model
 from .common import (
     BenchmarkError,
     add_output_args,
     figure_dir,
-    format_table,
     parse_args,
     progress,
     save_figure,

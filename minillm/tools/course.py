@@ -9,7 +9,7 @@ exercise, as literals that this module reads without importing the tests:
     NEEDS = {"3.1": "loop or shipped"}   # tests here that also run another chapter's exercise
     DEPENDS = {"3.3": "1.1, 1.2"}   # exercises of other chapters that an exercise's grading tests run
 
-``student_edition(root, out)`` copies the project (``root``: a checkout, see ``minillm.project``),
+``student_edition(root, out)`` copies the project (``root``: a checkout, see ``minillm.tools.project``),
 replaces the body of every marked region (or of the chosen chapters' regions) by
 ``raise NotImplementedError("Exercise 3.1: <the text after BEGIN:>")`` (markers, signature and
 docstring kept) and writes the manifest: per exercise its chapter, file, function, the pytest
@@ -23,16 +23,15 @@ docs/instructors.md explains the rule; tests/test_course.py enforces it.
 from __future__ import annotations
 
 import ast
-import inspect
 import json
 import re
 import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from ..notebook import MARKER
 from .project import pytest_outcomes
 
-MARKER = re.compile(r"^(?P<indent>[ \t]*)# EXERCISE (?P<id>\S+) (?P<kind>BEGIN|END)\b:?\s*(?P<task>.*)$")
 EXERCISE_ID = re.compile(r"^(?P<chapter>A?\d+)\.\d+$")  # 3.1, A1.2
 NOTEBOOK_TEST = "tests/test_notebooks.py"
 MANIFEST_JSON, MANIFEST_MD = "MANIFEST.json", "MANIFEST.md"
@@ -97,28 +96,6 @@ def _enclosing_function(tree: ast.Module, line: int) -> str:
             return ".".join(names)
         names.append(inner.name)
         body = [n for n in ast.walk(inner) if n is not inner and isinstance(n, defs)]
-
-
-def source_without_solutions(obj) -> str:
-    """The source of a library function or class as a notebook shows it: each exercise region's
-    reference solution is replaced by one line naming the exercise (the student writes that part)."""
-    out, hidden = [], False
-    for line in inspect.getsource(obj).splitlines():
-        marker = MARKER.match(line)
-        if marker and marker["kind"] == "END":
-            hidden = False
-        if not hidden:
-            out.append(line)
-        if marker and marker["kind"] == "BEGIN":
-            hidden = True
-            out.append(f"{marker['indent']}...  (exercise {marker['id']}: the solution is yours to write)")
-    return "\n".join(out)
-
-
-def show(*objects) -> None:
-    """Print ``source_without_solutions`` of each object: the code on the page is the code that runs."""
-    for obj in objects:
-        print(source_without_solutions(obj), end="\n\n")
 
 
 def parse_markers(text: str, rel: str) -> list[Exercise]:
@@ -390,7 +367,7 @@ def grade(project: Path, chapters=None) -> list[Grade]:
 
 def format_grades(grades: list[Grade]) -> str:
     """The score table: one row per exercise, then the total."""
-    from .benchmarks.common import format_table
+    from ..notebook import format_table
 
     rows = [{"exercise": g.exercise, "tests passed": f"{g.passed}/{g.total}", "result": "pass" if g.ok else "FAIL",
              "time s": round(g.seconds, 1), "also needs": ",".join(g.depends), "grade with": g.command}

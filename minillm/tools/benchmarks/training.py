@@ -10,7 +10,7 @@ import argparse
 
 import numpy as np
 
-from ..checkpoint import SHIPPED, model_notes
+from ...checkpoint import SHIPPED, model_notes
 from .common import add_output_args, figure_dir, parse_args, save_figure
 
 SMOOTH_STEPS = 25  # steps in the moving average of the training loss

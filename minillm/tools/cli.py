@@ -18,7 +18,7 @@ DEMO_DEFAULT = "demo"  # `python -m minillm [demo options]` runs the demo
 
 
 def cmd_train(args) -> int:
-    from .train import train
+    from ..train import train
 
     out = args.out or f"{args.preset}.npz"
     summary = train(args.preset, out, steps=args.steps, resume=args.resume, progress=not args.quiet,
@@ -32,11 +32,11 @@ def cmd_train(args) -> int:
 
 
 def cmd_generate(args) -> int:
-    from .generate import generate, generate_naive
-    from .kv_cache import KVCache
-    from .registry import load_model
-    from .sampling import SamplingSettings
-    from .tokenizer import TextStream
+    from ..generate import generate, generate_naive
+    from ..kv_cache import KVCache
+    from ..registry import load_model
+    from ..sampling import SamplingSettings
+    from ..tokenizer import TextStream
 
     SamplingSettings(args.temperature, args.top_k, args.top_p)  # refuses bad values before anything is printed
     model, tok = load_model(args.model)
@@ -70,9 +70,9 @@ def cmd_generate(args) -> int:
 
 def proposer(args, model):
     """The draft-free proposer ``--speculate`` names (chapter 9), for ``model``."""
-    from .draft_free import LayerSkip, PromptLookup
-    from .lookahead import Lookahead
-    from .medusa import MedusaHeads, MedusaProposer, shipped_heads_path
+    from ..draft_free import LayerSkip, PromptLookup
+    from ..lookahead import Lookahead
+    from ..medusa import MedusaHeads, MedusaProposer, shipped_heads_path
 
     if args.speculate == "lookup":
         return PromptLookup()
@@ -89,7 +89,7 @@ def proposer(args, model):
 
 def draft_free_generate(model, prompt, max_new_tokens, proposer, cache, on_token=None, **sampling):
     """``tree_generate`` with ``generate``'s call shape (the tokens are shown once the run is done)."""
-    from .token_tree import tree_generate
+    from ..token_tree import tree_generate
 
     result = tree_generate(model, prompt, max_new_tokens, proposer, cache=cache, **sampling)
     for token in result.tokens:
@@ -98,9 +98,9 @@ def draft_free_generate(model, prompt, max_new_tokens, proposer, cache, on_token
 
 
 def cmd_info(args) -> int:
-    from . import backend
-    from .checkpoint import SHIPPED, CheckpointError, load_model, model_notes, shipped_path
-    from .registry import SMOLLM2, smollm2_path
+    from .. import backend
+    from ..checkpoint import SHIPPED, CheckpointError, load_model, model_notes, shipped_path
+    from ..registry import SMOLLM2, smollm2_path
 
     print(f"minillm {__import__('minillm').__version__}")
     print(f"backend: {backend.BACKEND_REASON}")
@@ -138,7 +138,7 @@ def cmd_demo(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from .chat import run
+    from .chat_cli import run
 
     return run(args)
 
@@ -150,7 +150,7 @@ def cmd_serve_demo(args) -> int:
 
 
 def cmd_medusa_train(args) -> int:
-    from .medusa import run
+    from .medusa_cli import run
 
     return run(args)
 
@@ -183,9 +183,9 @@ def cmd_grade(args) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from .benchmarks import TOPICS
     from .benchmarks.serving import add_demo_arguments as add_serve_demo_arguments
-    from .chat import add_arguments as add_chat_arguments
+    from .chat_cli import add_arguments as add_chat_arguments
     from .demo import add_arguments as add_demo_arguments
-    from .medusa import add_arguments as add_medusa_arguments
+    from .medusa_cli import add_arguments as add_medusa_arguments
 
     parser = argparse.ArgumentParser(prog="python -m minillm", description=__doc__.splitlines()[0],
                                      epilog="With no command (or only demo options) it runs the demo.")

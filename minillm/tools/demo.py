@@ -16,15 +16,15 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .benchmarks.common import format_table
-from .chat import answer, turn_summary
-from .checkpoint import CheckpointError, load_model
-from .generate import generate
+from ..chat import answer, turn_summary
+from ..checkpoint import CheckpointError, load_model
+from ..generate import generate
+from ..notebook import format_table
+from ..registry import SMOLLM2
+from ..registry import load_model as load_any_model
+from ..sampling import SamplingSettings
+from ..speculative import speculative_generate
 from .options import finite_float, nonnegative_int, positive_int
-from .registry import SMOLLM2
-from .registry import load_model as load_any_model
-from .sampling import SamplingSettings
-from .speculative import speculative_generate
 
 DEFAULT_PROMPT = "ROMEO:\nBut soft, what light"
 DEFAULT_QUESTION = "What is the capital of France?"

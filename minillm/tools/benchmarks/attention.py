@@ -7,7 +7,7 @@ On a GPU (CuPy): naive CuPy attention vs the CUDA kernels v1 and v2 (``kernels.l
 ``flash_attention_v2_cuda``), GPU time (CUDA events) and achieved TFLOP/s against the device's FP32 peak.
 Both: the IO-model plot (HBM bytes vs N and vs SRAM size).
 
-Discipline (see minillm.benchmarks.common): validate every output against the reference first, warm up, then time
+Discipline (see minillm.tools.benchmarks.common): validate every output against the reference first, warm up, then time
 (synchronizing the GPU), print aligned tables, save PNGs. Nothing here asserts a timing.
 """
 
@@ -19,12 +19,13 @@ from functools import partial
 
 import numpy as np
 
-from .. import flash_attention as fa
-from ..attention import naive_attention
-from ..backend import is_cupy, synchronize, to_numpy, xp
-from ..kernels.launch import flash_attention_cuda, flash_attention_v2_cuda
+from ... import flash_attention as fa
+from ...attention import naive_attention
+from ...backend import is_cupy, synchronize, to_numpy, xp
+from ...kernels.launch import flash_attention_cuda, flash_attention_v2_cuda
+from ...notebook import format_table
 from ..options import positive_int
-from .common import BenchmarkError, add_output_args, figure_dir, format_table, parse_args, save_figure, time_fn
+from .common import BenchmarkError, add_output_args, figure_dir, parse_args, save_figure, time_fn
 
 CPU_NS = [1024, 2048, 4096, 8192, 16384]
 GPU_NS = [1024, 2048, 4096, 8192, 16384]

@@ -22,12 +22,13 @@ import argparse
 
 import numpy as np
 
-from ..batch_speculative import POLICIES, forward_ragged, generate_batch, speculative_generate_batch
-from ..checkpoint import load_model
-from ..generate import generate
+from ...batch_speculative import POLICIES, forward_ragged, generate_batch, speculative_generate_batch
+from ...checkpoint import load_model
+from ...generate import generate
+from ...notebook import format_table
+from ...paged_kv import PagedKVCache, num_blocks_for
 from ..options import positive_int_list
-from ..paged_kv import PagedKVCache, num_blocks_for
-from .common import BenchmarkError, add_output_args, figure_dir, format_table, save_figure, time_fn, time_paired
+from .common import BenchmarkError, add_output_args, figure_dir, save_figure, time_fn, time_paired
 from .common import parse_args as common_parse_args
 from .speculative import STEP_CONTEXT, validation_prompts
 

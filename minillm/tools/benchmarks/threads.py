@@ -25,10 +25,10 @@ import sys
 import time
 from contextlib import contextmanager
 
-from ..backend import BLAS_THREADS_ENV, xp
-from ..kv_cache import KVCache
-from ..registry import load_model
-from .common import format_table
+from ...backend import BLAS_THREADS_ENV, xp
+from ...kv_cache import KVCache
+from ...notebook import format_table
+from ...registry import load_model
 from .common import parse_args as common_parse_args
 
 POLICIES = ("1", "all")  # MINILLM_BLAS_THREADS values compared

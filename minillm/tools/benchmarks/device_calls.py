@@ -19,11 +19,12 @@ import subprocess
 import sys
 import time
 
-from ..backend import BACKEND_ENV, xp
-from ..checkpoint import load_model
-from ..generate import generate
+from ...backend import BACKEND_ENV, xp
+from ...checkpoint import load_model
+from ...generate import generate
+from ...notebook import format_table
 from ..options import positive_int
-from .common import format_table, parse_args
+from .common import parse_args
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 COUNTED = ("kernels", "syncs", "copies_to_device")

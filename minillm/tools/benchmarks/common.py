@@ -17,7 +17,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from ..backend import runtime_summary, synchronize
+from ...backend import runtime_summary, synchronize
 from ..project import project_root
 
 DEFAULT_FIG_DIR = Path(tempfile.gettempdir()) / "minillm-figures"
@@ -66,23 +66,6 @@ def time_paired(baseline, candidate, repeat: int = 3):
     """``time_pairs`` reduced to medians -> (baseline s, candidate s, candidate's last result)."""
     base_times, cand_times, result = time_pairs(baseline, candidate, repeat)
     return statistics.median(base_times), statistics.median(cand_times), result
-
-
-def format_table(rows: list[dict], columns: list[str] | None = None) -> str:
-    """Rows of dicts -> an aligned text table (floats with 4 significant digits)."""
-    columns = columns or list(rows[0])
-
-    def fmt(v):
-        if isinstance(v, float):
-            return f"{v:.4g}"
-        return str(v)
-
-    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
-    lines = ["  ".join(c.rjust(w) for c, w in zip(columns, widths))]
-    lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
-    return "\n".join(lines)
 
 
 def progress(iterable, desc: str, total: int | None = None):

@@ -20,17 +20,17 @@ from functools import partial
 
 import numpy as np
 
-from ..backend import xp
-from ..checkpoint import load_model
-from ..data import load_corpus
-from ..generate import generate, generate_naive
-from ..kv_cache import GrowingKVCache, KVCache, PrefixCache, kv_cache_bytes
+from ...backend import xp
+from ...checkpoint import load_model
+from ...data import load_corpus
+from ...generate import generate, generate_naive
+from ...kv_cache import GrowingKVCache, KVCache, PrefixCache, kv_cache_bytes
+from ...notebook import format_table
 from ..options import positive_int
 from .common import (
     BenchmarkError,
     add_output_args,
     figure_dir,
-    format_table,
     parse_args,
     progress,
     save_figure,

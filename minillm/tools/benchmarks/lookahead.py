@@ -14,13 +14,14 @@ from __future__ import annotations
 import argparse
 import statistics
 
-from ..backend import xp
-from ..generate import generate
-from ..kv_cache import KVCache
-from ..lookahead import LOOKAHEAD_G, LOOKAHEAD_N, LOOKAHEAD_W, Lookahead, jacobi_generate
-from ..registry import SMOLLM2, load_model
-from ..token_tree import tree_generate
-from .common import BenchmarkError, format_table, parse_args, time_pairs
+from ...backend import xp
+from ...generate import generate
+from ...kv_cache import KVCache
+from ...lookahead import LOOKAHEAD_G, LOOKAHEAD_N, LOOKAHEAD_W, Lookahead, jacobi_generate
+from ...notebook import format_table
+from ...registry import SMOLLM2, load_model
+from ...token_tree import tree_generate
+from .common import BenchmarkError, parse_args, time_pairs
 from .speculative import STEP_CONTEXT, validation_prompts
 
 FORWARD_PAIRS = 15  # alternating (1-token, n-token) forward pairs per cost measurement

@@ -22,10 +22,11 @@ import statistics
 
 import numpy as np
 
-from ..backend import runtime_summary, to_numpy
-from ..kv_cache import KVCache, kv_cache_bytes
-from ..registry import SMOLLM2, SMOLLM2_FILE, load_model, smollm2_path
-from .common import BenchmarkError, format_table, parse_args, time_pairs
+from ...backend import runtime_summary, to_numpy
+from ...kv_cache import KVCache, kv_cache_bytes
+from ...notebook import format_table
+from ...registry import SMOLLM2, SMOLLM2_FILE, load_model, smollm2_path
+from .common import BenchmarkError, parse_args, time_pairs
 
 LOGIT_ATOL = 1e-3  # minillm vs transformers, float32 both
 CONTEXTS = (256, 1024)  # section 2
@@ -130,7 +131,7 @@ def kv_bytes_rows(config):
 
 
 def tokenizer_rows(tokenizer, repeat):
-    from ..data import load_corpus
+    from ...data import load_corpus
 
     text = load_corpus()[:200_000]
     ids = tokenizer.encode(text)  # warm-up (fills the word cache, as a running server would)

@@ -1,11 +1,11 @@
-"""python -m minillm.gpu_check: every GPU test and the GPU benchmarks, in one command, in under 5 minutes.
+"""python -m minillm.tools.gpu_check: every GPU test and the GPU benchmarks, in one command, in under 5 minutes.
 
 Run it from a checkout of the project whenever a CUDA GPU is available (see docs/gpu.md):
 
-    python -m minillm.gpu_check                      # tests marked gpu + the attention benchmark
-    python -m minillm.gpu_check --record docs/gpu.md # ... and append the summary to docs/gpu.md
-    python -m minillm.gpu_check --root PATH          # the checkout whose tests to run
-    python -m minillm.gpu_check --install-only       # is the GPU install complete? (needs no GPU)
+    python -m minillm.tools.gpu_check                      # tests marked gpu + the attention benchmark
+    python -m minillm.tools.gpu_check --record docs/gpu.md # ... and append the summary to docs/gpu.md
+    python -m minillm.tools.gpu_check --root PATH          # the checkout whose tests to run
+    python -m minillm.tools.gpu_check --install-only       # is the GPU install complete? (needs no GPU)
 
 0. install: CuPy imports, with its cuBLAS module; the CUDA runtime headers of NVRTC's CUDA version are
            where CuPy 14 looks for them (cuda.pathfinder), and NVRTC, cuBLAS and cuBLASLt load. Printed
@@ -33,7 +33,7 @@ import shutil
 import time
 from pathlib import Path
 
-from .backend import BACKEND_REASON, CUPY_PROBLEM, GPU_INSTALL_HINT, first_line, is_cupy
+from ..backend import BACKEND_REASON, CUPY_PROBLEM, GPU_INSTALL_HINT, first_line, is_cupy
 from .benchmarks.common import BenchmarkError, add_output_args, figure_dir
 from .project import ProjectRootError, project_root, pytest_outcomes
 
@@ -166,9 +166,9 @@ DECODE_ATTENTIONS = ("naive", "flash", "cuda", "cuda_v2")
 
 def run_decode_bench(steps: int = 32) -> tuple[str, float]:
     """ms per decoded token of the shipped target model on the GPU, greedy, per attention -> (table, seconds)."""
-    from .benchmarks.common import format_table
+    from ..checkpoint import load_model
+    from ..notebook import format_table
     from .benchmarks.device_calls import seconds_per_token
-    from .checkpoint import load_model
 
     t0 = time.perf_counter()
     rows = []
@@ -181,7 +181,7 @@ def run_decode_bench(steps: int = 32) -> tuple[str, float]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m minillm.gpu_check", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m minillm.tools.gpu_check", description=__doc__.split("\n")[0])
     p.add_argument("--max-n", type=int, default=16384, help="largest N of the attention benchmark")
     p.add_argument("--repeat", type=int, default=5, help="timed repeats per benchmark point")
     p.add_argument("--root", default=None, help="the project checkout whose GPU tests to run (default: found)")

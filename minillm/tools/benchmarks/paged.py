@@ -34,12 +34,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ..config import GPTConfig
-from ..kv_cache import KVCache
+from ...config import GPTConfig
+from ...kv_cache import KVCache
+from ...notebook import format_table
+from ...paged_kv import OutOfBlocksError, PagedKVCache, num_blocks_for
+from ...prefix_blocks import PrefixBlockCache
 from ..options import positive_int, positive_int_list
-from ..paged_kv import OutOfBlocksError, PagedKVCache, num_blocks_for
-from ..prefix_blocks import PrefixBlockCache
-from .common import BenchmarkError, add_output_args, figure_dir, format_table, parse_args, progress, save_figure
+from .common import BenchmarkError, add_output_args, figure_dir, parse_args, progress, save_figure
 
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # tokens per KV block
 PAPER_CONTIGUOUS = {"Max": 20.4, "Pow2": 26.8, "Oracle": 38.2}  # % of KV memory holding tokens, Fig. 2
@@ -204,9 +205,9 @@ def plot_memory(rows, out_dir):
 
 def load_target(name: str):
     """The shipped target model and its tokenizer, or random weights of its shape (--model random)."""
-    from ..checkpoint import CheckpointError, load_model
-    from ..model import GPT
-    from ..tokenizer import CharTokenizer
+    from ...checkpoint import CheckpointError, load_model
+    from ...model import GPT
+    from ...tokenizer import CharTokenizer
 
     if name != "random":
         try:
@@ -225,7 +226,7 @@ def median_ttft(run, repeat: int):
 
 
 def ttft_rows(model, tok, new_tokens: int, repeat: int, page_size: int, n_questions: int):
-    from ..generate import generate
+    from ...generate import generate
 
     cfg = model.config
     n_blocks = 2 * num_blocks_for(cfg.block_size, page_size)

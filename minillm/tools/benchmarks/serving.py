@@ -33,11 +33,12 @@ import time
 
 import numpy as np
 
-from ..batch_speculative import generate_batch
-from ..data import load_corpus
-from ..generate import generate
-from ..registry import load_model
-from ..serving import (
+from ...batch_speculative import generate_batch
+from ...data import load_corpus
+from ...generate import generate
+from ...notebook import format_table
+from ...registry import load_model
+from ...serving import (
     Engine,
     RealClock,
     Request,
@@ -48,7 +49,7 @@ from ..serving import (
     replay,
     save_trace,
 )
-from .common import BenchmarkError, add_output_args, figure_dir, format_table, save_figure
+from .common import BenchmarkError, add_output_args, figure_dir, save_figure
 from .common import parse_args as common_parse_args
 
 MODES = ("static", "continuous", "chunked")

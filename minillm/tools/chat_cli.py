@@ -1,0 +1,85 @@
+"""``python -m minillm chat``: talk to a model in the terminal (``minillm.chat.Chat``), or answer one message."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..chat import COMMANDS, DEFAULT_MODEL, Chat, turn_summary
+from ..kv_cache import CacheFullError
+from ..registry import load_model
+from ..sampling import SamplingSettings
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The chat options, for this module's parser and for a ``chat`` subcommand of the CLI."""
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"model name or .gguf path (default {DEFAULT_MODEL})")
+    p.add_argument("--system", help="system prompt (default: the model's own)")
+    p.add_argument("--temperature", type=float, default=0.2, help="0 = greedy (default 0.2)")
+    p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default 0.9)")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="longest reply in tokens (default 256)")
+    p.add_argument("--context", type=int, help="KV cache length in tokens (default: the model's context)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--prompt", help="answer this one message and exit (no interactive loop)")
+
+
+def run(args, loader=load_model, read=input) -> int:
+    """Check the options (ValueError, before loading anything), load the model, chat.
+
+    ``loader(name) -> (model, tokenizer)`` and ``read(prompt) -> str`` can be swapped in tests.
+    """
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    SamplingSettings(args.temperature, None, args.top_p)  # refuses bad values before the model loads
+    if args.prompt is not None and not args.prompt.strip():
+        raise ValueError("--prompt is empty: give the message to answer")
+    model, tokenizer = loader(args.model)
+    chat = Chat(model, tokenizer, system=args.system, max_len=args.context, seed=args.seed)
+
+    def say(message: str) -> int:
+        """Stream the reply to stdout, its summary to stderr -> 0; a bad message: one line on stderr -> 1."""
+        try:
+            reply = chat.turn(message, args.max_new_tokens, args.temperature, top_p=args.top_p,
+                              on_text=lambda s: print(s, end="", flush=True))
+        except (ValueError, CacheFullError) as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 1
+        except KeyboardInterrupt:
+            print("\n(interrupted: that message is forgotten)", file=sys.stderr)
+            return 1
+        print()
+        print(turn_summary(reply), file=sys.stderr)
+        return 0
+
+    if args.prompt is not None:
+        return say(args.prompt)
+    print(f"chatting with {args.model} (context {chat.cache.max_len} tokens); {COMMANDS}", file=sys.stderr)
+    while True:
+        try:
+            message = read("you> ")
+        except (EOFError, KeyboardInterrupt):
+            print()
+            return 0
+        if message.strip() in ("/quit", "/exit"):
+            return 0
+        if message.strip() == "/reset":
+            chat.reset()
+            print("(new conversation)", file=sys.stderr)
+            continue
+        say(message)
+
+
+def main(argv=None, loader=load_model, read=input) -> int:
+    """``python -m minillm chat [options]``: a bad option or input prints one line (exit 1), no traceback."""
+    p = argparse.ArgumentParser(prog="python -m minillm chat", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    args = p.parse_args(argv)
+    try:
+        return run(args, loader, read)
+    except (ValueError, OSError, RuntimeError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
