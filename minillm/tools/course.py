@@ -29,7 +29,7 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from ..notebook import MARKER
+from ..notebook import MARKER, stub_message
 from .project import pytest_outcomes
 
 EXERCISE_ID = re.compile(r"^(?P<chapter>A?\d+)\.\d+$")  # 3.1, A1.2
@@ -229,7 +229,7 @@ def stub_source(text: str, exercises: list[Exercise]) -> str:
     lines = text.splitlines(keepends=True)
     for ex in sorted(exercises, key=lambda e: e.begin, reverse=True):
         indent = MARKER.match(lines[ex.begin - 1])["indent"]
-        message = f"Exercise {ex.id}: {ex.task}"
+        message = stub_message(ex.id, ex.task)
         needs = [f"{indent}# {depends_note(ex)}\n"] if ex.depends else []
         lines[ex.begin : ex.end - 1] = needs + [f"{indent}raise NotImplementedError({json.dumps(message)})\n"]
     return "".join(lines)
