@@ -25,7 +25,7 @@ the caches never import each other: they meet only through these three protocols
 
     length, max_len                  tokens cached now; the most it can hold
     reset()                          forget everything (length 0)
-    truncate(n)                      keep the first n tokens; 0 <= n <= length, else ValueError
+    truncate(n)                      keep the first n tokens; n an int in 0..length, else ValueError
                                      (speculative decoding's rollback)
     nbytes, bytes_used               bytes allocated for K and V; bytes holding valid tokens
 

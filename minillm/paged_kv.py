@@ -44,6 +44,7 @@ import numpy as np
 from .attention import naive_attention, softmax
 from .backend import xp
 from .cache_contract import CacheFullError
+from .config import check_count
 
 
 class OutOfBlocksError(CacheFullError):
@@ -268,6 +269,7 @@ class PagedKVCache:
         it is copied first, so the other holders keep their tokens.
         """
         self.check_seq(seq_id)
+        n = check_count("truncate's n (tokens to keep)", n, 0)  # 2.5 or True is no length
         # EXERCISE 6.3 BEGIN: refuse n outside 0..length; free the blocks past ceil(n / page_size)
         if not 0 <= n <= self.lengths[seq_id]:
             raise ValueError(f"cannot truncate sequence {seq_id} of length {self.lengths[seq_id]} to {n}")
