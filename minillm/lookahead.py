@@ -112,6 +112,8 @@ def jacobi_generate(model, prompt_ids, max_new_tokens, m: int = JACOBI_M, cache=
         while guesses:
             pending, reprefilled = fit_context(cache, seq, pending)
             stats.reprefills += reprefilled
+            if stats.target_calls == 0:  # the first iteration feeds the prompt, cropped if too long
+                stats.dropped_prompt_tokens = len(prompt_ids) - len(pending)
             guesses = guesses[: cache.max_len - cache.length - len(pending) + 1]  # the fed ones must fit
             base, fed = cache.length, pending + guesses[:-1]
             logits = model.forward(xp.asarray([fed]), cache)[0, len(pending) - 1 :]  # (n, V)

@@ -49,6 +49,24 @@ def test_generate_streams_text_and_stats(tiny_checkpoint):
     assert naive.stdout == r.stdout  # the KV cache changes the speed, not the text
 
 
+def test_generate_streams_and_says_how_many_prompt_tokens_were_dropped(tiny_checkpoint, capsys):
+    """A prompt longer than the model's 32-token context is cropped to its last 16 tokens: the command
+    says so in one line on stderr (it printed the whole prompt and said nothing); with a prompt that
+    fits, it says nothing. Plain, --no-cache and --speculate lookup alike."""
+    prompt = "abcdefghijklm" * 3 + "a"  # 40 tokens
+    for extra in ([], ["--no-cache"], ["--speculate", "lookup"]):
+        assert cli.main(["generate", "--model", tiny_checkpoint, "--prompt", prompt, "--max-new-tokens", "4",
+                         "--temperature", "0", *extra]) == 0
+        err = capsys.readouterr().err
+        notes = [line for line in err.splitlines() if line.startswith("note:")]
+        dropped = 8 if extra == ["--no-cache"] else 24  # no cache: the context's 32 tokens; else half of it
+        assert notes == [f"note: the prompt's first {dropped} of 40 tokens were dropped: they do not fit the "
+                         f"context; the model saw its last {40 - dropped}"], err
+        assert cli.main(["generate", "--model", tiny_checkpoint, "--prompt", prompt[:20], "--max-new-tokens", "4",
+                         *extra]) == 0
+        assert "note:" not in capsys.readouterr().err
+
+
 @pytest.mark.skipif(not shipped_path("target").is_file(), reason="shipped target not trained yet")
 def test_generate_uses_the_shipped_target_by_default():
     r = run_cli("generate", "--prompt", "ROMEO:", "--max-new-tokens", "30", "--seed", "1")
