@@ -481,7 +481,7 @@ def test_engine_refuses_ids_outside_the_vocabulary_changing_nothing():
     assert not engine.has_unfinished and not engine.pool.block_tables
 
 
-def test_engine_refuses_a_negative_id_and_the_request_beside_it_finishes():
+def test_serve_refuses_a_negative_id_and_the_request_beside_it_finishes():
     """A prompt with a negative id (or one past the vocabulary, as numpy ints) never reaches the
     queue: with only the largest id checked, it was admitted and every later step failed in the
     forward, so the valid request beside it never finished and kept its blocks."""
@@ -497,8 +497,7 @@ def test_engine_refuses_a_negative_id_and_the_request_beside_it_finishes():
     assert not engine.pool.block_tables and engine.pool.allocator.num_free == engine.pool.num_blocks
 
 
-@pytest.mark.parametrize("prefix_caching", [False, True])
-def test_engine_abort_returns_every_block(prefix_caching):
+def check_abort_returns_every_block(prefix_caching: bool) -> None:
     """abort(id) removes a waiting, running (mid-prefill or decoding) or preempted request and gives
     its blocks back: after aborting 24 requests at every stage the pool checks clean and holds no
     block (a leak, or a double free, fails ``pool.check``); the request left alone still produces
@@ -532,6 +531,16 @@ def test_engine_abort_returns_every_block(prefix_caching):
     if engine.prefix is not None:
         engine.prefix.clear()
     assert engine.pool.allocator.num_free == engine.pool.num_blocks, "blocks leaked"
+
+
+def test_serve_abort_returns_every_block():
+    """``check_abort_returns_every_block``: 24 requests aborted at every stage, none leaks a block."""
+    check_abort_returns_every_block(prefix_caching=False)
+
+
+def test_serve_prefix_caching_abort_returns_every_block():
+    """The same with prefix caching: an aborted request's shared prefix blocks stay the cache's, once."""
+    check_abort_returns_every_block(prefix_caching=True)
 
 
 # --- traces --------------------------------------------------------------------------------------
