@@ -50,7 +50,7 @@ import numpy as np
 
 from .backend import synchronize
 from .batch_speculative import forward_ragged, last_logits
-from .config import check_count
+from .config import check_count, is_int
 from .paged_kv import OutOfBlocksError, PagedKVCache, num_blocks_for
 from .prefix_blocks import PrefixBlockCache
 from .sampling import SamplingSettings, next_tokens
@@ -134,7 +134,7 @@ def check_stop(stop) -> tuple:
     for s in stop:
         if isinstance(s, (str, bytes)) or not isinstance(s, (list, tuple)) or not s:
             raise TypeError(f"unknown stop condition {s!r}: a stop sequence is a non-empty list of token ids")
-        if not all(isinstance(t, (int, np.integer)) and t >= 0 for t in s):
+        if not all(is_int(t) and t >= 0 for t in s):
             raise TypeError(f"unknown stop condition {s!r}: a stop sequence holds token ids (ints >= 0)")
         out.append(tuple(int(t) for t in s))
     return tuple(out)
@@ -336,7 +336,8 @@ class Engine:
         """Raise ValueError if the request could never run, even alone: ids outside the vocabulary,
         more tokens than the context or the pool holds, or (no chunking) a prefill over the budget."""
         V, n = self.model.config.vocab_size, request.max_cached_tokens
-        check_ids([*request.prompt, *([] if request.eos_id is None else [request.eos_id])], V)  # every id
+        eos = [] if request.eos_id is None else [request.eos_id]
+        check_ids([*request.prompt, *eos, *(t for s in request.stop for t in s)], V)  # every id the request holds
         if n > self.pool.max_len:
             raise ValueError(
                 f"request too long: {len(request.prompt)} prompt + {request.max_new_tokens} new "

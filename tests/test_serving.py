@@ -441,6 +441,7 @@ def test_serve_rejects_a_request_that_can_never_fit_without_disturbing_others():
         (dict(prompt=(1,), max_new_tokens=3, stop=["END"]), TypeError, "unknown stop condition 'END'"),
         (dict(prompt=(1,), max_new_tokens=3, stop=[[]]), TypeError, "unknown stop condition"),
         (dict(prompt=(1,), max_new_tokens=3, stop=[[1, -1]]), TypeError, "unknown stop condition"),
+        (dict(prompt=(1,), max_new_tokens=3, stop=[[1, True]]), TypeError, "unknown stop condition"),
         (dict(prompt=(1,), max_new_tokens=3, temperature=-1), ValueError, "temperature"),
         (dict(prompt=(1,), max_new_tokens=3, top_p=0), ValueError, "top_p"),
     ],
@@ -474,8 +475,10 @@ def test_engine_bad_budgets_are_clear_errors(kwargs, message):
 
 
 def test_engine_refuses_ids_outside_the_vocabulary_changing_nothing():
+    """An id past the vocabulary in the prompt, the eos id or a stop sequence is refused by add_request
+    (a stop sequence of such ids could never match), and the engine is as it was."""
     engine = Engine(MODEL, num_blocks=8, page_size=BS)
-    for request in (Request((1, 13), 2), Request((1,), 2, eos_id=13)):
+    for request in (Request((1, 13), 2), Request((1,), 2, eos_id=13), Request((1,), 2, stop=[[2, 13]])):
         with pytest.raises(ValueError, match="token ids must lie in 0..12"):
             engine.add_request(request)
     assert not engine.has_unfinished and not engine.pool.block_tables
