@@ -100,8 +100,8 @@ def test_truncate_reset_and_bytes(model, make):
 
 @each_cache
 @pytest.mark.parametrize("bad", [2.5, True, 4.0, "4", None])
-def test_truncate_refuses_what_is_not_an_int(model, make, bad):
-    """truncate(n) takes an int: 2.5 (a float in range), True (a bool, 1 to Python) or 4.0 set the
+def test_rollback_refuses_what_is_not_an_int(model, make, bad):
+    """truncate(n) (the rollback) takes an int: 2.5 (a float in range), True (a bool, 1 to Python) or 4.0 set the
     length to a non-integer or slipped through as a count before; each is a ValueError naming n,
     and the cache is unchanged."""
     cache = make(model.config)
