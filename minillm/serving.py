@@ -33,10 +33,11 @@ Chunked prefill (Sarathi-Serve, Agrawal et al., OSDI 2024): a long prompt fed in
 running request wait for that whole prefill (a long gap between two of their tokens); fed C tokens
 at a time, each chunk rides along with the decodes.
 
-The prefix-block cache and the sampler are reached through the functions of the section "touch
-points" below. The engine calls the pool (chapter 6) itself in four places: ``add_sequence`` and
-``reserve`` in ``_admit``, ``reserve`` in ``_reserve``, ``free`` in ``release``; every block a request
-holds goes back through ``release`` (when it finishes, is preempted or is aborted).
+The pool is made, and the prefix-block cache and the sampler are reached, through the functions of
+the section "touch points" below. The engine changes the pool (chapter 6) itself with four calls:
+``add_sequence`` and ``reserve`` in ``_admit``, ``reserve`` in ``_reserve``, ``free`` in ``release``;
+it also reads the pool's sizes and hands it to ``forward_ragged``. Every block a request holds goes
+back through ``release``: when it finishes, is preempted or is aborted.
 """
 
 from __future__ import annotations
