@@ -340,7 +340,7 @@ def tree_generate(model, prompt_ids, max_new_tokens, proposer: Proposer, tempera
     if rule not in ("exact", "typical"):
         raise ValueError(f"acceptance rule must be 'exact' or 'typical', got {rule!r}")
     if model.attention_name.startswith("cuda"):  # the kernels know the causal mask only
-        raise ValueError("tree verification needs an attention with explicit masks: use 'naive' or 'flash'")
+        raise ValueError("tree verification needs an attention with explicit masks: use 'auto', 'naive' or 'flash'")
     rng = np.random.default_rng(seed)
     cache = KVCache(model.config) if cache is None else cache
     cache.reset()
