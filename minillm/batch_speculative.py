@@ -220,7 +220,7 @@ def generate_batch(model, prompts, max_new_tokens, temperature=1.0, top_k=None, 
     rngs = [np.random.default_rng(s) for s in sequence_seeds(seed, B)]
     seqs = [list(p) for p in prompts]
     pending = [list(p) for p in prompts]  # what each row's cache has not seen yet
-    reprefills = [0] * B
+    reprefills, dropped = [0] * B, [0] * B
     stats = BatchStats(batch_size=B)
     times = []
     t0 = time.perf_counter()
@@ -228,6 +228,8 @@ def generate_batch(model, prompts, max_new_tokens, temperature=1.0, top_k=None, 
         for b, view in enumerate(views):  # the context policy, row by row
             pending[b], reprefilled = fit_context(view, seqs[b], pending[b])
             reprefills[b] += reprefilled
+            if not times:  # the first step feeds the prompt, cropped to the window if too long
+                dropped[b] = len(prompts[b]) - len(pending[b])
         rows = forward_ragged(model, pool, [v.seq_id for v in views], pending)
         stats.target_calls += 1
         for b, token in enumerate(next_tokens(last_logits(rows), [settings] * B, rngs)):  # one transfer
@@ -240,9 +242,10 @@ def generate_batch(model, prompts, max_new_tokens, temperature=1.0, top_k=None, 
     stats.total_s = float(sum(times))
     stats.new_tokens = B * max_new_tokens
     results = []
-    for p, seq, view, n in zip(prompts, seqs, views, reprefills):
+    for p, seq, view, n, d in zip(prompts, seqs, views, reprefills, dropped):
         tokens = seq[len(p) :]
-        row = step_stats(p, tokens, times, kv_bytes=view.nbytes, kv_bytes_used=view.bytes_used, reprefills=n)
+        row = step_stats(p, tokens, times, kv_bytes=view.nbytes, kv_bytes_used=view.bytes_used, reprefills=n,
+                         dropped_prompt_tokens=d)
         results.append(GenerationResult(tokens, row))
     return BatchResult(results, stats)
 

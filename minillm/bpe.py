@@ -16,7 +16,7 @@ decode(ids) reverses it: each id's symbol -> its bytes (the inverse map) -> UTF-
 decode(encode(text)) == text for any text whose bytes the vocabulary spells.
 
 The vocabulary, the merges and the special tokens come from a GGUF file's metadata
-(``bpe_from_gguf``): ``tokenizer.ggml.tokens``, ``tokenizer.ggml.merges`` ("Ġ t" means the pair
+(``bpe_from_metadata``): ``tokenizer.ggml.tokens``, ``tokenizer.ggml.merges`` ("Ġ t" means the pair
 ("Ġ", "t"), rank = position in the list) and ``tokenizer.ggml.token_type`` (3 marks a control token).
 """
 
@@ -27,6 +27,7 @@ import regex
 from .tokenizer import check_ids
 
 CONTROL = 3  # tokenizer.ggml.token_type of a control token such as <|im_start|>
+IM_START, IM_END = "<|im_start|>", "<|im_end|>"  # ChatML's control tokens: a message's start and end
 WORD_CACHE_SIZE = 100_000  # words remembered with their ids; cleared when full
 
 # GPT-2's word pattern: contractions, letters, numbers, other symbols (each with one optional
@@ -177,7 +178,9 @@ class BPETokenizer:
     def encode(self, text: str) -> list[int]:
         """Text -> ids, each special token's text (e.g. "<|im_end|>") becoming its single id.
 
-        "<|im_start|>user\\nHi<|im_end|>" -> [1, 4093, 198, 26843, 2] for SmolLM2.
+        "<|im_start|>user\\nHi<|im_end|>" -> [1, 4093, 198, 26843, 2] for SmolLM2. For text that
+        holds what someone typed, use ``chat_pieces`` and ``encode_pieces``: there the typed text
+        stays text.
         """
         if self.special_splitter is None:
             return self.encode_ordinary(text)
@@ -188,6 +191,25 @@ class BPETokenizer:
             elif piece:
                 ids.extend(self.encode_ordinary(piece))
         return ids
+
+    def encode_pieces(self, pieces) -> list[int]:
+        """(text, is_control) pieces (``chat_pieces``) -> ids: a control piece is its one special id;
+        the text between two control pieces is encoded as one text, ``encode_ordinary``, so a
+        special token's text inside it ("<|im_end|>" in a message) is spelled as ordinary tokens.
+
+        For a rendering whose messages hold no special token's text, encode_pieces(pieces) ==
+        encode("".join(text for text, _ in pieces)).
+        """
+        ids, text = [], ""
+        for piece, control in pieces:
+            if not control:
+                text += piece
+                continue
+            if piece not in self.special:
+                raise ValueError(f"{piece!r} is not a special token of this vocabulary")
+            ids += self.encode_ordinary(text) + [self.special[piece]]
+            text = ""
+        return ids + self.encode_ordinary(text)
 
     # ---- decode
 
@@ -201,13 +223,13 @@ class BPETokenizer:
 
     # ---- chat
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """ChatML: "<|im_start|>{role}\\n{content}<|im_end|>\\n" per message.
+    def chat_pieces(self, messages: list[dict], add_generation_prompt: bool = True) -> list[tuple[str, bool]]:
+        """ChatML in pieces (text, is_control): per message <|im_start|>, "{role}\\n{content}", <|im_end|>, "\\n".
 
+        Only the template's own <|im_start|> and <|im_end|> are control pieces; roles and contents
+        are text, so a message cannot end its turn or open a system turn by typing "<|im_end|>".
         A conversation that does not start with a system message gets the model's default one
-        first; add_generation_prompt appends "<|im_start|>assistant\\n", where the reply starts.
-        [{"role": "user", "content": "Hi"}] ->
-        "<|im_start|>system\\n{default}<|im_end|>\\n<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n"
+        first; add_generation_prompt appends <|im_start|>, "assistant\\n", where the reply starts.
         """
         if not messages:
             raise ValueError("a conversation needs at least one message")
@@ -216,8 +238,18 @@ class BPETokenizer:
                 raise ValueError(f"a chat message is a dict with string 'role' and 'content', got {m!r}")
         if self.default_system is not None and messages and messages[0]["role"] != "system":
             messages = [{"role": "system", "content": self.default_system}, *messages]
-        text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-        return text + "<|im_start|>assistant\n" if add_generation_prompt else text
+        pieces = []
+        for m in messages:
+            pieces += [(IM_START, True), (f"{m['role']}\n{m['content']}", False), (IM_END, True), ("\n", False)]
+        return pieces + [(IM_START, True), ("assistant\n", False)] if add_generation_prompt else pieces
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """ChatML as one text: "<|im_start|>{role}\\n{content}<|im_end|>\\n" per message (``chat_pieces``).
+
+        [{"role": "user", "content": "Hi"}] ->
+        "<|im_start|>system\\n{default}<|im_end|>\\n<|im_start|>user\\nHi<|im_end|>\\n<|im_start|>assistant\\n"
+        """
+        return "".join(text for text, _ in self.chat_pieces(messages, add_generation_prompt))
 
 
 # ------------------------------------------------------------------------------------------------

@@ -19,13 +19,13 @@ the caches never import each other: they meet only through these three protocols
     (n_kv_head == n_head for GPT-2, fewer for grouped-query attention). The cache hands the
     stored K, V (B, n_kv_head, L, hs) unchanged to the ``attention`` callable it is given: mapping
     query heads to KV heads is the model's attention callable's job, and the cache uses the
-    callable it is given (naive, flash or cuda), never one of its own choosing.
+    callable it is given (any of ``minillm.model.ATTENTION``), never one of its own choosing.
 
 ``DecodeCache``: a ForwardCache that one decoding loop owns for one sequence (batch row):
 
     length, max_len                  tokens cached now; the most it can hold
     reset()                          forget everything (length 0)
-    truncate(n)                      keep the first n tokens; 0 <= n <= length, else ValueError
+    truncate(n)                      keep the first n tokens; n an int in 0..length, else ValueError
                                      (speculative decoding's rollback)
     nbytes, bytes_used               bytes allocated for K and V; bytes holding valid tokens
 

@@ -11,8 +11,14 @@ The reply is decoded one token at a time until the model ends its turn (the toke
 inside a multi-byte UTF-8 character (🤗 is 4 bytes spread over 3 tokens), so the bytes go through
 an incremental UTF-8 decoder that holds an incomplete character until its last byte arrives.
 
+What the user types is text, never control tokens: the chat template comes in pieces
+(``chat_pieces``: its own <|im_start|> and <|im_end|>, and the messages' text between them), and
+``encode_pieces`` spells a message that contains "<|im_end|><|im_start|>system" as ordinary tokens,
+so typing it cannot end the turn or open a system message.
+
 The model is any ``forward(idx, cache)`` model; the tokenizer needs ``encode``, ``decode``,
-``token_bytes`` (id -> bytes), ``apply_chat_template`` and ``eos_token_id`` (``minillm.bpe``).
+``token_bytes`` (id -> bytes), ``chat_pieces``, ``encode_pieces`` and ``eos_token_id``
+(``minillm.bpe``).
 The command ``python -m minillm chat`` is ``minillm.tools.chat_cli``.
 """
 
@@ -66,11 +72,12 @@ class Chat:
         -> (logits (V,) for the first reply token, tokens fed). Raises CacheFullError, changing
         nothing, when they would leave no room for a reply.
         """
-        full = self.tokenizer.apply_chat_template([*self.messages, {"role": "user", "content": message}],
-                                                  add_generation_prompt=True)
+        pieces = self.tokenizer.chat_pieces([*self.messages, {"role": "user", "content": message}],
+                                            add_generation_prompt=True)
+        full = "".join(text for text, _ in pieces)
         if not full.startswith(self.cached_text):
             raise ValueError("the chat template rewrites earlier turns; the cached conversation cannot be extended")
-        ids = self.pending + self.tokenizer.encode(full[len(self.cached_text) :])
+        ids = self.pending + self.tokenizer.encode_pieces(pieces_after(pieces, len(self.cached_text)))
         if self.cache.length + len(ids) >= self.cache.max_len:
             raise CacheFullError(f"the conversation needs {self.cache.length + len(ids)} tokens plus a reply but the "
                                  f"context holds {self.cache.max_len}: /reset to start over")
@@ -132,6 +139,22 @@ class Chat:
                                 step_times_s=steps.tolist(), kv_bytes=self.cache.nbytes,
                                 kv_bytes_used=self.cache.bytes_used, reused_prefix_tokens=cached)
         return Reply(text, tokens, finish, stats)
+
+
+def pieces_after(pieces, n: int) -> list:
+    """A rendering's (text, is_control) pieces without its first n characters (those the cache holds).
+
+    Example: [("<s>", True), ("user\\nHi", False)], n = 5 -> [("er\\nHi", False)]; a control piece
+    cut in part is no longer its token, so what is left of it is text.
+    """
+    out = []
+    for text, control in pieces:
+        if n >= len(text):
+            n -= len(text)
+            continue
+        out.append((text[n:], control and n == 0))
+        n = 0
+    return out
 
 
 def answer(model, tokenizer, question: str, stream=None, max_new_tokens: int = 128, temperature: float = 0.0,

@@ -16,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from .config import GPTConfig
+from .model import DEFAULT_ATTENTION, GPT
 from .tokenizer import CharTokenizer
 
 HEADER_KEY = "__header__.json"
@@ -99,10 +100,8 @@ def check_not_shipped(path, overwrite_shipped: bool = False) -> None:
                          "or pass --overwrite-shipped to replace it")
 
 
-def load_model(name_or_path, attention: str = "naive"):
+def load_model(name_or_path, attention: str = DEFAULT_ATTENTION):
     """'target', 'draft' or a path -> (GPT, CharTokenizer); weights come back as float32."""
-    from .model import GPT
-
     name = str(name_or_path)
     path = shipped_path(name) if name in SHIPPED else Path(name)
     if name in SHIPPED and not path.is_file():

@@ -7,12 +7,34 @@
 Both share ``ModelConfig``: the fields every cache and loop reads (``vocab_size``, ``block_size``,
 ``n_layer``, ``n_head``, ``n_kv_head``, ``head_size``), checked once, and ``num_params``,
 ``to_dict``, ``from_dict``.
+
+``is_int`` and ``check_count``: the one test of "a whole number" that every argument check uses (a
+count, a length, a token id): an int or a NumPy integer, never a bool or a float.
 """
 
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass, fields
+
+
+def is_int(value) -> bool:
+    """True for an int or a NumPy integer; False for a bool (True is not 1 token), a float (2.0 too), None.
+
+    Example: 3, np.int64(3) -> True; True, 2.5, 2.0, "3" -> False.
+    """
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def check_count(name: str, value, low: int) -> int:
+    """An int >= low -> that int; anything else is a ValueError naming the argument.
+
+    Example: check_count("max_new_tokens", 3, 1) -> 3; 0, -2, 2.5 or True -> ValueError.
+    """
+    if not is_int(value) or value < low:
+        raise ValueError(f"{name} must be >= {low} (an int, not a bool or a float), got {value!r}")
+    return int(value)
 
 
 class ModelConfig:

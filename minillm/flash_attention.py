@@ -13,7 +13,9 @@ This module holds the chapter in the order of the notebook (notebooks/04_flash_a
 
 1. ``online_softmax``        the streaming softmax of Milakov & Gimelshein (2018)
 2. ``flash_attention``       the tiled algorithm in array code (NumPy/CuPy), laid out like the kernel;
-   ``tiled_attention``       the same with the signature of ``naive_attention`` (GPT's attention="flash")
+   ``tiled_attention``       the same with the signature of ``naive_attention`` (GPT's attention="flash");
+   ``auto_attention``        naive for small score matrices, tiled for large ones (attention="auto",
+                             the models' default): the one place that decides by size
 3. ``attention_io_bytes``    the HBM traffic model of standard vs tiled attention (paper, Theorem 2)
 
 The CUDA kernel that runs the same loop, ``kernels/flash_attention.cu``, is launched by
@@ -24,10 +26,12 @@ from __future__ import annotations
 
 import math
 
-from .attention import check_mask
+from .attention import check_mask, naive_attention
 from .backend import xp
 
 FLOAT_BYTES = 4
+NAIVE_MAX_SCORES = 1 << 24  # auto_attention: up to 16M scores (64 MiB of float32) at once run naive
+AUTO_BLOCK = 256  # auto_attention's tiles: (B, nh, 256, 256) scores at a time, few enough for Python's loop
 
 
 # ------------------------------------------------------------------------------------------------
@@ -142,6 +146,29 @@ def flash_attention(q, k, v, causal=True, block_q: int = 64, block_k: int = 64, 
 def tiled_attention(q, k, v, causal=True, mask=None):
     """``flash_attention``'s output alone: (B, nh, Tq, hs) x 3 -> (B, nh, Tq, hs), like ``naive_attention``."""
     return flash_attention(q, k, v, causal, mask=mask)[0]
+
+
+def naive_fits(B: int, nh: int, Tq: int, Tk: int) -> bool:
+    """Whether the (B, nh, Tq, Tk) score matrix is small enough for the naive path: at most NAIVE_MAX_SCORES.
+
+    Example: SmolLM2 (9 heads) prefilling 1,024 tokens -> 9.4M scores: True; 7,000 tokens -> 441M
+    scores (1.8 GB of float32, several copies during the softmax): False. A decode step (Tq = 1)
+    always fits.
+    """
+    return B * nh * Tq * Tk <= NAIVE_MAX_SCORES
+
+
+def auto_attention(q, k, v, causal=True, mask=None):
+    """``naive_attention`` while ``naive_fits``, else ``flash_attention`` in AUTO_BLOCK tiles: the same
+    output (B, nh, Tq, hs), with memory bounded by one tile instead of growing as Tq x Tk.
+
+    Decode steps and short prompts keep the plain matrix code; a long prefill never builds its
+    (Tq, Tk) matrix. The models' default (attention="auto"); "naive" and "flash" stay what they say.
+    """
+    B, nh, Tq, _ = q.shape
+    if naive_fits(B, nh, Tq, k.shape[-2]):
+        return naive_attention(q, k, v, causal, mask=mask)
+    return flash_attention(q, k, v, causal, block_q=AUTO_BLOCK, block_k=AUTO_BLOCK, mask=mask)[0]
 
 
 # ------------------------------------------------------------------------------------------------

@@ -12,7 +12,9 @@ crops the context to its last ``block_size`` tokens at every step (a sliding win
 slide cheaply (every cached key was computed at its absolute position), so when the tokens to feed
 no longer fit, the cache is reset and the last ``cache.max_len // 2`` tokens are prefilled again;
 this costs one half-window prefill every ``max_len // 2`` tokens. The two agree token for token
-until the context first passes the window; after that they condition on different windows.
+until the context first passes the window; after that they condition on different windows. A prompt
+longer than the window loses its first tokens the same way: every loop's stats count them
+(``dropped_prompt_tokens``), so that a caller can say so.
 
 Every loop returns a ``GenerationResult`` (tokens, stats); the batched loops one per row plus the
 batch's stats (``minillm.batch_speculative.BatchResult``). ``Throughput`` gives every stats class
@@ -53,6 +55,7 @@ class GenerationStats(Throughput):
     kv_bytes_used: int = 0  # bytes holding valid tokens at the end
     reused_prefix_tokens: int = 0  # prompt tokens taken from a PrefixCache instead of computed
     reprefills: int = 0  # times the context overflowed and the window was prefilled again
+    dropped_prompt_tokens: int = 0  # leading prompt tokens never fed: the prompt was longer than the window
 
 
 @dataclass
@@ -149,7 +152,8 @@ def generate_naive(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=Non
     tokens, times = _decode(
         lambda: logits_after(prompt_ids), logits_after, prompt_ids, max_new_tokens, settings, seed, on_token
     )
-    return GenerationResult(tokens, step_stats(prompt_ids, tokens, times))
+    dropped = len(prompt_ids) - len(prompt_ids[-block:])
+    return GenerationResult(tokens, step_stats(prompt_ids, tokens, times, dropped_prompt_tokens=dropped))
 
 
 def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None, seed=0,
@@ -160,17 +164,19 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top
     ``prefix_cache``: a prompt cache (``PrefixCache``, or a ``PagedKVCache`` for its view); the
     longest cached prefix of the prompt is reused.
     ``on_token(token)`` is called as each token is sampled (streaming).
-    Returns the new tokens and stats (TTFT, TPOT, tokens/s, KV bytes, re-prefills).
+    Returns the new tokens and stats (TTFT, TPOT, tokens/s, KV bytes, re-prefills, prompt tokens
+    dropped because the prompt was longer than the cache).
     """
     prompt_ids = check_prompt(prompt_ids, max_new_tokens)
     settings = SamplingSettings(temperature, top_k, top_p)
     cache = KVCache(model.config) if cache is None else cache
     cache.reset()  # a cache reused from an earlier generation would otherwise leak its tokens
-    counters = {"reused": 0, "reprefills": 0}
+    counters = {"reused": 0, "reprefills": 0, "dropped": 0}
 
     def prefill(prompt):
         """Run the prompt (its window, ``fit_context``) through the empty cache -> last logits."""
         tokens, _ = fit_context(cache, prompt, prompt)
+        counters["dropped"] = len(prompt) - len(tokens)
         if prefix_cache is not None:
             logits, counters["reused"] = prefix_cache.prefill(model, tokens, cache)
             return logits
@@ -188,5 +194,6 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top
     stats = step_stats(
         prompt_ids, tokens, times, kv_bytes=cache.nbytes, kv_bytes_used=cache.bytes_used,
         reused_prefix_tokens=counters["reused"], reprefills=counters["reprefills"],
+        dropped_prompt_tokens=counters["dropped"],
     )
     return GenerationResult(tokens, stats)

@@ -27,6 +27,7 @@ import numpy as np
 
 from .backend import xp
 from .cache_contract import CacheFullError, DecodeCache, ForwardCache
+from .config import check_count
 
 
 def kv_cache_bytes(n_layer, n_kv_head, head_dim, seq_len, batch=1, bytes_per_elem=2) -> int:
@@ -88,6 +89,7 @@ class KVCache:
 
     def truncate(self, n: int) -> None:
         """Keep the first n positions (O(1): the data past n is simply no longer valid)."""
+        n = check_count("truncate's n (tokens to keep)", n, 0)  # 2.5 or True is no length
         # EXERCISE 3.2 BEGIN: roll back to n cached positions; refuse n outside 0..length
         if not 0 <= n <= self.length:
             raise ValueError(f"cannot truncate a cache of length {self.length} to {n}")

@@ -17,7 +17,8 @@ Parameters are named and laid out like Hugging Face's ``LlamaForCausalLM`` state
 ``model.`` prefix (see ``LlamaConfig.param_shapes``); linear weights are [out, in], so y = x @ w.T.
 ``forward(idx, cache=None)`` follows the same contract as ``GPT.forward`` (see ``model.py``): the
 cache stores k and v with n_kv_head heads, and the attention function it is handed maps each
-query head to its key/value head before calling the selected implementation (naive, flash, cuda).
+query head to its key/value head before calling the selected implementation (a name in
+``model.ATTENTION``; the default "auto" tiles a long prefill).
 """
 
 from __future__ import annotations
@@ -26,7 +27,16 @@ import numpy as np
 
 from .backend import to_numpy, xp
 from .config import LlamaConfig
-from .model import INIT_STD, check_layers, check_params, get_attention, merge_heads, split_heads, token_positions
+from .model import (
+    DEFAULT_ATTENTION,
+    INIT_STD,
+    check_layers,
+    check_params,
+    get_attention,
+    merge_heads,
+    split_heads,
+    token_positions,
+)
 
 
 def rms_norm(x, w, eps: float):
@@ -103,16 +113,16 @@ def swiglu(x, w_gate, w_up, w_down):
 
 
 class Llama:
-    """Llama with grouped-query attention and a selectable attention implementation ('naive', 'flash', 'cuda')."""
+    """Llama with grouped-query attention and a selectable attention implementation (``model.ATTENTION``)."""
 
-    def __init__(self, config: LlamaConfig, params: dict, attention: str = "naive"):
+    def __init__(self, config: LlamaConfig, params: dict, attention: str = DEFAULT_ATTENTION):
         self.config = config
         self.params = check_params(config, params, "Llama")
         self.lm_head = self.params["embed_tokens.weight" if config.tie_embeddings else "lm_head.weight"]  # (V, C)
         self.set_attention(attention)
 
     @classmethod
-    def init(cls, config: LlamaConfig, seed: int = 0, attention: str = "naive") -> Llama:
+    def init(cls, config: LlamaConfig, seed: int = 0, attention: str = DEFAULT_ATTENTION) -> Llama:
         """Random weights ~ N(0, 0.02) and RMSNorm gains 1 (for tests and experiments; no training here)."""
         rng = np.random.default_rng(seed)
         params = {name: np.ones(shape) if len(shape) == 1 else rng.normal(0.0, INIT_STD, shape)

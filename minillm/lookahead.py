@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backend import synchronize, to_numpy, xp
+from .config import check_count
 from .generate import GenerationResult, check_prompt, fit_context
 from .kv_cache import KVCache
 from .speculative import SpecStats
@@ -57,13 +58,6 @@ LOOKAHEAD_N = 5  # n-gram size: the window has N - 1 levels, candidates are N - 
 LOOKAHEAD_W = 7  # window columns
 LOOKAHEAD_G = 7  # candidates verified per round (and n-grams the pool keeps per first token)
 MIN_N = 3  # the window needs a level besides the causal chain (the paper's code needs LEVEL >= 3 too)
-
-
-def check_count(name: str, value, low: int) -> int:
-    """An int >= low, or ValueError naming the argument (bools are not counts)."""
-    if isinstance(value, bool) or not isinstance(value, (int, np.integer)) or value < low:
-        raise ValueError(f"{name} must be an int >= {low}, got {value!r}")
-    return int(value)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -118,6 +112,8 @@ def jacobi_generate(model, prompt_ids, max_new_tokens, m: int = JACOBI_M, cache=
         while guesses:
             pending, reprefilled = fit_context(cache, seq, pending)
             stats.reprefills += reprefilled
+            if stats.target_calls == 0:  # the first iteration feeds the prompt, cropped if too long
+                stats.dropped_prompt_tokens = len(prompt_ids) - len(pending)
             guesses = guesses[: cache.max_len - cache.length - len(pending) + 1]  # the fed ones must fit
             base, fed = cache.length, pending + guesses[:-1]
             logits = model.forward(xp.asarray([fed]), cache)[0, len(pending) - 1 :]  # (n, V)

@@ -23,7 +23,7 @@ import numpy as np
 from .attention import naive_attention
 from .backend import on_device, to_numpy, xp
 from .config import GPTConfig
-from .flash_attention import tiled_attention
+from .flash_attention import auto_attention, tiled_attention
 from .kernels.launch import kernel_attention, kernel_attention_v2
 
 LN_EPS = 1e-5  # GPT-2's LayerNorm epsilon
@@ -31,13 +31,16 @@ GELU_C = math.sqrt(2.0 / math.pi)  # a Python float: a NumPy float64 scalar woul
 GELU_A = 0.044715  # the cubic coefficient of the tanh approximation
 INIT_STD = 0.02  # GPT-2 initialization
 
-# name -> f(q, k, v, causal=True) -> (B, nh, Tq, hs); every choice gives the same logits, paged or not
+# name -> f(q, k, v, causal=True) -> (B, nh, Tq, hs); every choice gives the same logits, paged or not.
+# The one list of the choices: docstrings, errors and the command line name them from here.
 ATTENTION = {
+    "auto": auto_attention,  # chapter 4: naive for small score matrices, flash past NAIVE_MAX_SCORES
     "naive": naive_attention,  # chapter 2: the (Tq, Tk) score matrix, the reference
     "flash": tiled_attention,  # chapter 4: tiles and the online softmax in array code
     "cuda": kernel_attention,  # chapter 4: kernels/flash_attention.cu (on a CPU: the same kernel, emulated)
     "cuda_v2": kernel_attention_v2,  # chapter 4: kernels/flash_attention_v2.cu, the fast one (emulated likewise)
 }
+DEFAULT_ATTENTION = "auto"  # a long prefill never builds its (T, T) score matrix
 
 
 def get_attention(name: str):
@@ -78,7 +81,7 @@ def merge_heads(y):
 
 
 class GPT:
-    """GPT-2 with a selectable attention implementation ('naive', 'flash' or 'cuda').
+    """GPT-2 with a selectable attention implementation: a name in ``ATTENTION`` (default "auto").
 
     The forward pass calls its three elementwise building blocks through the model (``self.linear``,
     ``self.layer_norm``, ``self.gelu``), so an experiment can swap one on an instance (chapter 3
@@ -89,13 +92,13 @@ class GPT:
     gelu = staticmethod(gelu)
     linear = staticmethod(linear)
 
-    def __init__(self, config: GPTConfig, params: dict, attention: str = "naive"):
+    def __init__(self, config: GPTConfig, params: dict, attention: str = DEFAULT_ATTENTION):
         self.config = config
         self.params = check_params(config, params, "GPT")
         self.set_attention(attention)
 
     @classmethod
-    def init(cls, config: GPTConfig, seed: int = 0, attention: str = "naive") -> GPT:
+    def init(cls, config: GPTConfig, seed: int = 0, attention: str = DEFAULT_ATTENTION) -> GPT:
         """GPT-2 initialization: weights ~ N(0, 0.02), biases 0, LayerNorm gains 1, and the two
         residual projections (attn.c_proj, mlp.c_proj) scaled by 1/sqrt(2 n_layer)."""
         rng = np.random.default_rng(seed)

@@ -44,6 +44,8 @@ import numpy as np
 from .attention import naive_attention, softmax
 from .backend import xp
 from .cache_contract import CacheFullError
+from .config import check_count
+from .flash_attention import auto_attention, naive_fits
 
 
 class OutOfBlocksError(CacheFullError):
@@ -268,6 +270,7 @@ class PagedKVCache:
         it is copied first, so the other holders keep their tokens.
         """
         self.check_seq(seq_id)
+        n = check_count("truncate's n (tokens to keep)", n, 0)  # 2.5 or True is no length
         # EXERCISE 6.3 BEGIN: refuse n outside 0..length; free the blocks past ceil(n / page_size)
         if not 0 <= n <= self.lengths[seq_id]:
             raise ValueError(f"cannot truncate sequence {seq_id} of length {self.lengths[seq_id]} to {n}")
@@ -493,7 +496,8 @@ class BatchView:
         """Store k, v (B, nh, T, hs); attend q over each sequence's own keys -> (B, nh, T, hs).
 
         ``attention``: the model's implementation, f(q, k, v, causal) like ``naive_attention``. The
-        naive one (or None) runs as ``paged_attention``, the whole batch at once; any other runs once
+        naive one (or None, or "auto" while the batch's scores ``naive_fits``) runs as
+        ``paged_attention``, the whole batch at once; any other runs once
         per sequence on its keys gathered through its block table (``gather_kv``), its n real queries
         being the last n of its keys (query t at kv_len - n + t, the usual causal offset). A ragged
         batch's padding columns then get zeros: their outputs are discarded anyway.
@@ -505,6 +509,8 @@ class BatchView:
         counts = self.counts(k.shape[2])
         self.cache.write(layer, self.slots, k, v, None if self.new_tokens is None else self.valid)
         kv_lens = [n + c for n, c in zip(self.lengths, counts)]  # the new keys are written, not yet counted
+        if attention is auto_attention and naive_fits(len(counts), q.shape[1], q.shape[2], max(kv_lens)):
+            attention = naive_attention  # "auto" on a small batch: the naive math, all rows at once
         if attention is None or attention is naive_attention:
             return paged_attention(q, self.cache, self.seq_ids, layer, kv_lens, self.q_pos)
         T = q.shape[2]

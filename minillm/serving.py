@@ -33,8 +33,11 @@ Chunked prefill (Sarathi-Serve, Agrawal et al., OSDI 2024): a long prompt fed in
 running request wait for that whole prefill (a long gap between two of their tokens); fed C tokens
 at a time, each chunk rides along with the decodes.
 
-Every call into the paged cache (chapter 6) and the sampler (chapter 1) goes through the four
-functions of the section "touch points" below.
+The pool is made, and the prefix-block cache and the sampler are reached, through the functions of
+the section "touch points" below. The engine changes the pool (chapter 6) itself with four calls:
+``add_sequence`` and ``reserve`` in ``_admit``, ``reserve`` in ``_reserve``, ``free`` in ``release``;
+it also reads the pool's sizes and hands it to ``forward_ragged``. Every block a request holds goes
+back through ``release``: when it finishes, is preempted or is aborted.
 """
 
 from __future__ import annotations
@@ -48,9 +51,11 @@ import numpy as np
 
 from .backend import synchronize
 from .batch_speculative import forward_ragged, last_logits
+from .config import check_count, is_int
 from .paged_kv import OutOfBlocksError, PagedKVCache, num_blocks_for
 from .prefix_blocks import PrefixBlockCache
 from .sampling import SamplingSettings, next_tokens
+from .tokenizer import check_ids
 
 # --- touch points: the paged cache and the sampler -------------------------------------------------
 
@@ -105,11 +110,11 @@ class Request:
     def __post_init__(self):
         if isinstance(self.prompt, (str, bytes)):
             raise TypeError("the prompt must be token ids (encode text with the tokenizer first)")
-        object.__setattr__(self, "prompt", tuple(int(t) for t in self.prompt))
+        object.__setattr__(self, "prompt", tuple(check_ids(self.prompt)))  # ints >= 0; the engine knows V
         if not self.prompt:
             raise ValueError("the prompt must contain at least one token")
-        if int(self.max_new_tokens) < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        object.__setattr__(self, "max_new_tokens", check_count("max_new_tokens", self.max_new_tokens, 1))
+        check_ids([] if self.eos_id is None else [self.eos_id])
         object.__setattr__(self, "settings", SamplingSettings(self.temperature, self.top_k, self.top_p))
         object.__setattr__(self, "stop", check_stop(self.stop))
 
@@ -130,7 +135,7 @@ def check_stop(stop) -> tuple:
     for s in stop:
         if isinstance(s, (str, bytes)) or not isinstance(s, (list, tuple)) or not s:
             raise TypeError(f"unknown stop condition {s!r}: a stop sequence is a non-empty list of token ids")
-        if not all(isinstance(t, (int, np.integer)) and t >= 0 for t in s):
+        if not all(is_int(t) and t >= 0 for t in s):
             raise TypeError(f"unknown stop condition {s!r}: a stop sequence holds token ids (ints >= 0)")
         out.append(tuple(int(t) for t in s))
     return tuple(out)
@@ -332,8 +337,8 @@ class Engine:
         """Raise ValueError if the request could never run, even alone: ids outside the vocabulary,
         more tokens than the context or the pool holds, or (no chunking) a prefill over the budget."""
         V, n = self.model.config.vocab_size, request.max_cached_tokens
-        if max(request.prompt) >= V or (request.eos_id is not None and not 0 <= request.eos_id < V):
-            raise ValueError(f"token ids must lie in 0..{V - 1}")
+        eos = [] if request.eos_id is None else [request.eos_id]
+        check_ids([*request.prompt, *eos, *(t for s in request.stop for t in s)], V)  # every id the request holds
         if n > self.pool.max_len:
             raise ValueError(
                 f"request too long: {len(request.prompt)} prompt + {request.max_new_tokens} new "
@@ -353,6 +358,22 @@ class Engine:
     @property
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def abort(self, request_id: int) -> RequestState:
+        """Remove a waiting or running request (a client that went away) -> its handle, finish_reason
+        "abort". A running request's blocks go back to the pool (``release``); a waiting one holds none."""
+        for state in [*self.running, *self.waiting]:
+            if state.id == request_id:
+                break
+        else:
+            raise KeyError(f"request {request_id} is neither waiting nor running (finished, aborted or never added)")
+        if state in self.running:
+            self.running.remove(state)
+            self.release(state)
+        else:
+            self.waiting.remove(state)
+        state.finish_reason = "abort"
+        return state
 
     # -- (a) scheduling --
     def _reserve(self, state: RequestState, n: int, preempted: list) -> bool:

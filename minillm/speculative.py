@@ -206,6 +206,7 @@ class SpecStats(Throughput):
     accepted_at: list = field(default_factory=list)
     reached_at: list = field(default_factory=list)
     reprefills: int = 0  # times the target's context window was prefilled again
+    dropped_prompt_tokens: int = 0  # leading prompt tokens never fed: the prompt was longer than the window
     first_round_tokens: int = 0  # tokens the first round emitted (all available at the TTFT)
     ttft_s: float = 0.0  # prompt in -> first round's tokens out (includes both prefills)
     total_s: float = 0.0
@@ -361,6 +362,8 @@ class SequenceState:
         tcache, dcache = self.tcache, self.dcache
         self.t_pending, reprefilled = fit_context(tcache, self.seq, self.t_pending)
         stats.reprefills += reprefilled
+        if stats.target_calls == 0:  # the first round feeds the prompt, cropped to the window if too long
+            stats.dropped_prompt_tokens = self.n_prompt - len(self.t_pending)
         room = tcache.max_len - tcache.length - len(self.t_pending)  # target positions left after pending
         k_round = min(k, self.stop - len(self.seq) - 1, room)  # never draft past max_new_tokens or the room
         self.d_pending, _ = fit_context(dcache, self.seq, self.d_pending, extra=k_round - 1)  # feeds x_0..x_{k-2}

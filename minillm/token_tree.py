@@ -340,7 +340,7 @@ def tree_generate(model, prompt_ids, max_new_tokens, proposer: Proposer, tempera
     if rule not in ("exact", "typical"):
         raise ValueError(f"acceptance rule must be 'exact' or 'typical', got {rule!r}")
     if model.attention_name.startswith("cuda"):  # the kernels know the causal mask only
-        raise ValueError("tree verification needs an attention with explicit masks: use 'naive' or 'flash'")
+        raise ValueError("tree verification needs an attention with explicit masks: use 'auto', 'naive' or 'flash'")
     rng = np.random.default_rng(seed)
     cache = KVCache(model.config) if cache is None else cache
     cache.reset()
@@ -351,6 +351,8 @@ def tree_generate(model, prompt_ids, max_new_tokens, proposer: Proposer, tempera
     while len(seq) < stop:
         pending, reprefilled = fit_context(cache, seq, pending)
         stats.reprefills += reprefilled
+        if stats.target_calls == 0:  # the first round feeds the prompt, cropped to the window if too long
+            stats.dropped_prompt_tokens = len(prompt_ids) - len(pending)
         cache_room = cache.max_len - cache.length - len(pending)  # positions left after the root
         room = min(cache_room, stop - len(seq) - 1)  # a path of depth d emits d + 1 tokens
         state = Round(seq, len(pending), cache, hidden, room)

@@ -8,14 +8,22 @@ from __future__ import annotations
 
 import codecs
 
+from .config import is_int
 
-def check_ids(ids, vocab_size: int) -> list[int]:
-    """Token ids as ints, each in 0..vocab_size-1, or a ValueError naming the first one outside."""
-    ids = [int(i) for i in ids]
+
+def check_ids(ids, vocab_size: int | None = None) -> list[int]:
+    """Token ids -> a list of ints, each an int (``is_int``) in 0..vocab_size-1 (>= 0 when vocab_size
+    is None), or a ValueError naming the first one that is not.
+
+    Example: check_ids([3, np.int64(1)], 5) -> [3, 1]; [3, 5], [-1] or [2.5] -> ValueError.
+    """
+    ids = list(ids)
     for i in ids:
-        if not 0 <= i < vocab_size:
-            raise ValueError(f"token id {i} is outside the vocabulary (size {vocab_size})")
-    return ids
+        if not is_int(i) or i < 0 or (vocab_size is not None and i >= vocab_size):
+            rule = "be ints >= 0" if vocab_size is None else f"lie in 0..{vocab_size - 1}"
+            problem = "is not an int" if not is_int(i) else "is outside the vocabulary"
+            raise ValueError(f"token ids must {rule}: {i!r} {problem}")
+    return [int(i) for i in ids]
 
 
 class CharTokenizer:

@@ -227,6 +227,16 @@ def test_generate_batch_rows_are_independent_draws(pair):
     assert one[0] == generate(target, [1, 2], 20, temperature=1.0, seed=sequence_seeds(4, 1)[0]).tokens
 
 
+def test_generate_batch_rows_count_the_prompt_tokens_they_drop(pair):
+    """Row by row, a prompt longer than the 32-token context keeps its last 16 (``fit_context``) and its
+    stats count the dropped ones, as generate's do; a row whose prompt fits drops none."""
+    target, _ = pair
+    long = [int(t) % 13 for t in range(7, 47)]
+    rows = generate_batch(target, [long, [1, 2]], 3, temperature=0).rows
+    assert [r.stats.dropped_prompt_tokens for r in rows] == [24, 0]
+    assert rows[0].tokens == generate(target, long, 3, temperature=0).tokens
+
+
 def test_generate_batch_bad_input(pair):
     target, _ = pair
     with pytest.raises(ValueError, match="prompts"):

@@ -99,6 +99,19 @@ def test_truncate_reset_and_bytes(model, make):
 
 
 @each_cache
+@pytest.mark.parametrize("bad", [2.5, True, 4.0, "4", None])
+def test_rollback_refuses_what_is_not_an_int(model, make, bad):
+    """truncate(n) (the rollback) takes an int: 2.5 (a float in range), True (a bool, 1 to Python) or 4.0 set the
+    length to a non-integer or slipped through as a count before; each is a ValueError naming n,
+    and the cache is unchanged."""
+    cache = make(model.config)
+    model.forward(np.arange(9)[None] % 13, cache)
+    with pytest.raises(ValueError, match="truncate's n"):
+        cache.truncate(bad)
+    assert cache.length == 9 and type(cache.length) is int
+
+
+@each_cache
 def test_prefix_cache_replays_through_the_contract(model, make):
     """PrefixCache reaches a cache only through the contract, so a prefix hit works with every
     decode cache: the reused tokens are counted and the logits are those of a fresh prefill."""

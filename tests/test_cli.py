@@ -49,6 +49,35 @@ def test_generate_streams_text_and_stats(tiny_checkpoint):
     assert naive.stdout == r.stdout  # the KV cache changes the speed, not the text
 
 
+def check_dropped_prompt_note(checkpoint, capsys, modes) -> None:
+    """A 40-token prompt in a 32-token context: one note on stderr saying how many tokens were dropped;
+    a 20-token prompt: none."""
+    prompt = "abcdefghijklm" * 3 + "a"  # 40 tokens
+    for extra in modes:
+        assert cli.main(["generate", "--model", checkpoint, "--prompt", prompt, "--max-new-tokens", "4",
+                         "--temperature", "0", *extra]) == 0
+        err = capsys.readouterr().err
+        notes = [line for line in err.splitlines() if line.startswith("note:")]
+        dropped = 8 if extra == ["--no-cache"] else 24  # no cache: the context's 32 tokens; else half of it
+        assert notes == [f"note: the prompt's first {dropped} of 40 tokens were dropped: they do not fit the "
+                         f"context; the model saw its last {40 - dropped}"], err
+        assert cli.main(["generate", "--model", checkpoint, "--prompt", prompt[:20], "--max-new-tokens", "4",
+                         *extra]) == 0
+        assert "note:" not in capsys.readouterr().err
+
+
+def test_generate_streams_and_says_how_many_prompt_tokens_were_dropped(tiny_checkpoint, capsys):
+    """A prompt longer than the model's 32-token context keeps its last 16 tokens (its last 32 without
+    a cache): the command says so in one line on stderr; it used to print the whole prompt and say
+    nothing. A prompt that fits gets no note."""
+    check_dropped_prompt_note(tiny_checkpoint, capsys, ([], ["--no-cache"]))
+
+
+def test_generate_speculate_says_how_many_prompt_tokens_were_dropped(tiny_checkpoint, capsys):
+    """The same note with --speculate lookup (the tree loop of chapter 9 crops the prompt the same way)."""
+    check_dropped_prompt_note(tiny_checkpoint, capsys, (["--speculate", "lookup"],))
+
+
 @pytest.mark.skipif(not shipped_path("target").is_file(), reason="shipped target not trained yet")
 def test_generate_uses_the_shipped_target_by_default():
     r = run_cli("generate", "--prompt", "ROMEO:", "--max-new-tokens", "30", "--seed", "1")

@@ -283,6 +283,29 @@ def test_tiled_memory_stays_small():
     assert tiled_peak < score_bytes / 10
 
 
+def test_auto_attention_is_naive_when_small_and_tiled_when_large(monkeypatch):
+    """attention="auto" (the models' default) runs naive_attention while the (B, nh, Tq, Tk) scores
+    ``naive_fits`` (at most NAIVE_MAX_SCORES) and the tiles past it, with the same output: a long
+    prefill that built its whole score matrix by default (6 GB for a 7,000-token SmolLM2 prompt) is
+    caught here. 'naive' and 'flash' stay what they name."""
+    from minillm.model import DEFAULT_ATTENTION, get_attention
+
+    assert get_attention("auto") is fa.auto_attention and DEFAULT_ATTENTION == "auto"
+    assert get_attention("naive") is naive_attention and get_attention("flash") is fa.tiled_attention
+    limit = fa.NAIVE_MAX_SCORES
+    assert fa.naive_fits(1, 4, limit // 4, 1) and not fa.naive_fits(1, 4, limit // 4, 2)
+    assert fa.naive_fits(1, 9, 1024, 1024) and not fa.naive_fits(1, 9, 7000, 7000)  # the docstring's example
+    q, k, v = on_backend(*make_qkv((1, 2, 40, 100, 16, True)))
+    want = to_numpy(naive_attention(q, k, v, True))
+    ran, flash = [], fa.flash_attention
+    monkeypatch.setattr(fa, "flash_attention", lambda *a, **kw: ran.append(kw["block_q"]) or flash(*a, **kw))
+    np.testing.assert_allclose(to_numpy(fa.auto_attention(q, k, v)), want, atol=ARRAY_ATOL)
+    assert ran == []  # 8,000 scores: naive
+    monkeypatch.setattr(fa, "NAIVE_MAX_SCORES", 2 * 40 * 100 - 1)
+    np.testing.assert_allclose(to_numpy(fa.auto_attention(q, k, v)), want, atol=ARRAY_ATOL)
+    assert ran == [fa.AUTO_BLOCK]  # one score past the threshold: tiled
+
+
 def test_tiled_rejects_bad_shapes():
     q, k, v = make_qkv((1, 1, 8, 4, 16, True))
     with pytest.raises(ValueError, match="Tq <= Tk"):

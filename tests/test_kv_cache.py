@@ -275,6 +275,20 @@ def test_context_policy_follows_the_caches_max_len(tiny_model, monkeypatch):
     assert result.stats.reprefills == 32
 
 
+def test_context_policy_counts_the_prompt_tokens_it_drops(tiny_model):
+    """A prompt longer than the window keeps only its last tokens (``fit_context``); the stats say how
+    many were dropped, so a caller can tell its user (they were dropped silently before). generate
+    with a cache of 10 keeps 5 of 25; generate_naive keeps the context's 32 of 40; a prompt that fits
+    drops none."""
+    prompt = [int(t) for t in np.random.default_rng(4).integers(0, 13, 40)]
+    cropped = generate(tiny_model, prompt[:25], 3, temperature=0, cache=KVCache(tiny_model.config, max_len=10))
+    assert cropped.stats.dropped_prompt_tokens == 20
+    assert cropped.tokens == generate(tiny_model, prompt[20:25], 3, temperature=0).tokens
+    assert generate_naive(tiny_model, prompt, 2, temperature=0).stats.dropped_prompt_tokens == 8
+    assert generate(tiny_model, prompt[:20], 3, temperature=0).stats.dropped_prompt_tokens == 0
+    assert generate_naive(tiny_model, prompt[:20], 3, temperature=0).stats.dropped_prompt_tokens == 0
+
+
 def test_float32_throughout(tiny_model):
     cache = KVCache(tiny_model.config)
     logits = tiny_model.forward(np.array([[1, 2, 3]]), cache)

@@ -259,6 +259,33 @@ def test_tiny_llama_generate_with_and_without_cache():
     assert cached == tokens[len(prompt) :]
 
 
+@pytest.mark.skipif(xp is not np, reason="tracemalloc measures NumPy's memory; other backends allocate elsewhere")
+def test_tiny_llama_long_prefill_tiles_attention_in_bounded_memory():
+    """A 2,304-token prefill through a KVCache with the default attention ("auto") never builds the
+    (T, T) score matrix: its peak memory stays under 16 MiB, while one copy of that matrix is 81 MiB
+    (the explicit attention="naive" still builds it, and peaks above that). Its logits are the naive
+    path's within float32 tolerance. Catches a default that prefills with the full matrix: a
+    7,000-token chat message took 6 GB and minutes to its first token."""
+    import tracemalloc
+
+    T = 2304  # 4 heads x T x T = 21M scores, past NAIVE_MAX_SCORES (16M)
+    cfg = LlamaConfig(**(TINY.to_dict() | {"block_size": T, "n_layer": 1}))
+    bound, matrix = 16 * 2**20, cfg.n_head * T * T * 4
+    params = random_params(cfg, seed=3)
+    ids = np.random.default_rng(8).integers(0, cfg.vocab_size, (1, T))
+    auto, naive = Llama(cfg, params), Llama(cfg, params, attention="naive")
+    assert auto.attention_name == "auto"
+    peaks, logits = {}, {}
+    for name, model in (("auto", auto), ("naive", naive)):
+        cache = KVCache(cfg)
+        tracemalloc.start()
+        logits[name] = to_numpy(model.forward(ids, cache))
+        peaks[name] = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+    assert peaks["auto"] < bound < matrix < peaks["naive"], peaks
+    np.testing.assert_allclose(logits["auto"], logits["naive"], atol=1e-4, rtol=0)
+
+
 # ---- Hugging Face transformers as the oracle --------------------------------------------------------
 
 

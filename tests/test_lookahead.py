@@ -75,6 +75,15 @@ def test_jacobi_equals_greedy_and_converges_within_m(prompt, m, n, max_len):
     assert out.stats.new_tokens == n
 
 
+def test_jacobi_counts_the_prompt_tokens_it_drops():
+    """A 40-token prompt in a 12-token cache keeps its last 6 (``fit_context``): the stats count the
+    34 dropped; a prompt that fits drops none."""
+    prompt = [int(t) % CONFIG.vocab_size for t in range(7, 47)]
+    out = jacobi_generate(varied_model(), prompt, 5, cache=KVCache(CONFIG, max_len=12))
+    assert out.stats.dropped_prompt_tokens == 34
+    assert jacobi_generate(varied_model(), prompt[:10], 5).stats.dropped_prompt_tokens == 0
+
+
 def test_jacobi_needs_several_iterations_on_varied_text():
     """The varied model makes Jacobi work: some block takes more than one iteration (the property
     test above is not passing for the trivial reason that every guess is right)."""

@@ -429,17 +429,27 @@ def test_serve_rejects_a_request_that_can_never_fit_without_disturbing_others():
     [
         (dict(prompt=(1,), max_new_tokens=0), ValueError, "max_new_tokens must be >= 1"),
         (dict(prompt=(1,), max_new_tokens=-2), ValueError, "max_new_tokens must be >= 1"),
+        (dict(prompt=(1,), max_new_tokens=2.5), ValueError, "max_new_tokens must be >= 1 \\(an int"),
+        (dict(prompt=(1,), max_new_tokens=True), ValueError, "max_new_tokens must be >= 1 \\(an int"),
+        (dict(prompt=(1, -1), max_new_tokens=3), ValueError, "-1 is outside the vocabulary"),
+        (dict(prompt=(1, 2.5), max_new_tokens=3), ValueError, "2.5 is not an int"),
+        (dict(prompt=(True,), max_new_tokens=3), ValueError, "True is not an int"),
+        (dict(prompt=(1,), max_new_tokens=3, eos_id=-1), ValueError, "-1 is outside the vocabulary"),
         (dict(prompt=(), max_new_tokens=3), ValueError, "at least one token"),
         (dict(prompt="ROMEO", max_new_tokens=3), TypeError, "token ids"),
         (dict(prompt=(1,), max_new_tokens=3, stop="END"), TypeError, "list of token-id sequences"),
         (dict(prompt=(1,), max_new_tokens=3, stop=["END"]), TypeError, "unknown stop condition 'END'"),
         (dict(prompt=(1,), max_new_tokens=3, stop=[[]]), TypeError, "unknown stop condition"),
         (dict(prompt=(1,), max_new_tokens=3, stop=[[1, -1]]), TypeError, "unknown stop condition"),
+        (dict(prompt=(1,), max_new_tokens=3, stop=[[1, True]]), TypeError, "unknown stop condition"),
         (dict(prompt=(1,), max_new_tokens=3, temperature=-1), ValueError, "temperature"),
         (dict(prompt=(1,), max_new_tokens=3, top_p=0), ValueError, "top_p"),
     ],
 )
 def test_request_bad_input_is_a_clear_error(kwargs, error, message):
+    """Each bad argument is refused when the request is made, with a message naming it. Catches a
+    check of the largest id only (a -1 slipped through), ``int()`` rounding a float id or count
+    (2.5 -> 2), and a bool taken for a count or an id (True -> 1)."""
     with pytest.raises(error, match=message):
         Request(**kwargs)
 
@@ -465,11 +475,75 @@ def test_engine_bad_budgets_are_clear_errors(kwargs, message):
 
 
 def test_engine_refuses_ids_outside_the_vocabulary_changing_nothing():
+    """An id past the vocabulary in the prompt, the eos id or a stop sequence is refused by add_request
+    (a stop sequence of such ids could never match), and the engine is as it was."""
     engine = Engine(MODEL, num_blocks=8, page_size=BS)
-    for request in (Request((1, 13), 2), Request((1,), 2, eos_id=13)):
+    for request in (Request((1, 13), 2), Request((1,), 2, eos_id=13), Request((1,), 2, stop=[[2, 13]])):
         with pytest.raises(ValueError, match="token ids must lie in 0..12"):
             engine.add_request(request)
     assert not engine.has_unfinished and not engine.pool.block_tables
+
+
+def test_serve_refuses_a_negative_id_and_the_request_beside_it_finishes():
+    """A prompt with a negative id (or one past the vocabulary, as numpy ints) never reaches the
+    queue: with only the largest id checked, it was admitted and every later step failed in the
+    forward, so the valid request beside it never finished and kept its blocks."""
+    engine = Engine(MODEL, num_blocks=8, page_size=BS, clock=SimulatedClock())
+    ok = Request((1, 2, 3), 4, temperature=0)
+    handle = engine.add_request(ok)
+    for bad in ((5, -1, 2), np.array([4, -3]), np.array([2, 13])):
+        with pytest.raises(ValueError, match="token ids must"):
+            engine.add_request(Request(bad, 3))
+    for _ in engine.stream():
+        engine.pool.check()
+    assert handle.output == solo(ok) and handle.finish_reason == "length"
+    assert not engine.pool.block_tables and engine.pool.allocator.num_free == engine.pool.num_blocks
+
+
+def check_abort_returns_every_block(prefix_caching: bool) -> None:
+    """abort(id) removes a waiting, running (mid-prefill or decoding) or preempted request and gives
+    its blocks back: after aborting 24 requests at every stage the pool checks clean and holds no
+    block (a leak, or a double free, fails ``pool.check``); the request left alone still produces
+    exactly its solo tokens; an unknown or already aborted id is a KeyError."""
+    rng = np.random.default_rng(5)
+    engine = Engine(MODEL, num_blocks=12, page_size=BS, max_num_batched_tokens=12, max_num_seqs=6,
+                    chunk_size=5, prefix_caching=prefix_caching, clock=SimulatedClock())
+    keep = Request((7, 1, 2, 3, 4, 5), 6, temperature=0)
+    kept = engine.add_request(keep)
+    handles = [engine.add_request(Request(tuple(int(t) for t in rng.integers(0, 13, rng.integers(1, 12))),
+                                          int(rng.integers(1, 10)), seed=i)) for i in range(24)]
+    stages = set()
+    for i, state in enumerate(rng.permutation(handles)):
+        for _ in range(i % 3):
+            engine.step()
+            engine.pool.check()
+        if not state.finished:
+            stages.add("running" if state in engine.running else "preempted" if state.preemptions else "waiting")
+            assert engine.abort(state.id) is state and state.finish_reason == "abort"
+            engine.pool.check()
+            assert state not in engine.running and state not in engine.waiting and state.seq_id is None
+            with pytest.raises(KeyError, match=f"request {state.id} is neither waiting nor running"):
+                engine.abort(state.id)
+    assert {"running", "waiting"} <= stages
+    for _ in engine.stream():
+        engine.pool.check()
+    assert kept.output == solo(keep)
+    with pytest.raises(KeyError, match="request 999"):
+        engine.abort(999)
+    assert not engine.pool.block_tables
+    if engine.prefix is not None:
+        engine.prefix.clear()
+    assert engine.pool.allocator.num_free == engine.pool.num_blocks, "blocks leaked"
+
+
+def test_serve_abort_returns_every_block():
+    """``check_abort_returns_every_block``: 24 requests aborted at every stage, none leaks a block."""
+    check_abort_returns_every_block(prefix_caching=False)
+
+
+def test_serve_prefix_caching_abort_returns_every_block():
+    """The same with prefix caching: an aborted request's shared prefix blocks stay the cache's, once."""
+    check_abort_returns_every_block(prefix_caching=True)
 
 
 # --- traces --------------------------------------------------------------------------------------

@@ -550,6 +550,18 @@ def test_loop_context_policy_with_caches_smaller_than_the_context(pair, k):
         assert got.stats.reprefills == ref.stats.reprefills > 0
 
 
+def test_loop_counts_the_prompt_tokens_it_drops(pair):
+    """A 40-token prompt in a 12-token target cache keeps its last 6 (``fit_context``): the stats count
+    the 34 dropped, as generate's do, instead of dropping them silently; a prompt that fits drops none."""
+    target, draft = pair
+    prompt = [int(t) % 13 for t in range(7, 47)]
+    caches = dict(cache=KVCache(target.config, max_len=12), draft_cache=KVCache(draft.config, max_len=9))
+    got = speculative_generate(target, draft, prompt, 5, k=3, temperature=0, **caches)
+    ref = generate(target, prompt, 5, temperature=0, cache=KVCache(target.config, max_len=12))
+    assert got.stats.dropped_prompt_tokens == ref.stats.dropped_prompt_tokens == 34
+    assert speculative_generate(target, draft, prompt[:10], 5, k=3, temperature=0).stats.dropped_prompt_tokens == 0
+
+
 def test_loop_logits_stay_float32(pair):
     """The loop hands the models int token arrays and gets float32 logits (no float64 upcast)."""
     target, draft = pair

@@ -346,6 +346,15 @@ def test_loop_greedy_equals_generate(kind, max_len):
             assert out.stats.reprefills == ref.stats.reprefills, name
 
 
+def test_loop_counts_the_prompt_tokens_it_drops(gpt):
+    """A 40-token prompt in a 12-token cache keeps its last 6, as in generate: the stats count the 34
+    dropped (the command line's --speculate reports them from there); a prompt that fits drops none."""
+    prompt = [int(t) % CFG.vocab_size for t in range(7, 47)]
+    out = tree_generate(gpt, prompt, 5, PromptLookup(), cache=KVCache(CFG, max_len=12))
+    assert out.stats.dropped_prompt_tokens == 34
+    assert tree_generate(gpt, prompt[:10], 5, PromptLookup()).stats.dropped_prompt_tokens == 0
+
+
 def test_loop_greedy_on_a_paged_cache(gpt):
     paged = PagedKVCache(CFG, 64, 4)
     ref = generate(gpt, PROMPTS[1], 25, temperature=0)

@@ -335,7 +335,7 @@ def attention_by_kernel(on_gpu, emulated, q, k, v, causal, mask):
     the causal rule only: an explicit ``mask`` (a token tree's) is a ValueError."""
     if mask is not None:
         raise ValueError("the CUDA kernels apply the causal mask only; verify token trees with "
-                         "attention='naive' or 'flash'")
+                         "attention='auto', 'naive' or 'flash'")
     if is_gpu():
         return on_gpu(q, k, v, causal, check_status=False)
     return xp.asarray(emulated(q, k, v, causal))

@@ -23,10 +23,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", help="answer this one message and exit (no interactive loop)")
 
 
+def replace_bad_bytes(stream) -> None:
+    """Make ``input()`` read a byte that is not valid in the stream's encoding as U+FFFD.
+
+    With strict decoding (``PYTHONIOENCODING=utf-8``) one such byte raised UnicodeDecodeError and
+    ended the session; now the message goes to the model with a replacement character.
+    """
+    if hasattr(stream, "reconfigure"):  # a text stream over bytes (a terminal, a pipe, a file)
+        stream.reconfigure(errors="replace")
+
+
 def run(args, loader=load_model, read=input) -> int:
     """Check the options (ValueError, before loading anything), load the model, chat.
 
-    ``loader(name) -> (model, tokenizer)`` and ``read(prompt) -> str`` can be swapped in tests.
+    ``loader(name) -> (model, tokenizer)`` and ``read(prompt) -> str`` can be swapped in tests;
+    reading with ``input``, stdin's undecodable bytes become U+FFFD (``replace_bad_bytes``).
     """
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
@@ -53,6 +64,8 @@ def run(args, loader=load_model, read=input) -> int:
 
     if args.prompt is not None:
         return say(args.prompt)
+    if read is input:
+        replace_bad_bytes(sys.stdin)
     print(f"chatting with {args.model} (context {chat.cache.max_len} tokens); {COMMANDS}", file=sys.stderr)
     while True:
         try:

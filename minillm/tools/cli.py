@@ -58,6 +58,10 @@ def cmd_generate(args) -> int:
     result = gen(model, prompt, args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
                  top_p=args.top_p, seed=args.seed, on_token=show)
     s = result.stats
+    if s.dropped_prompt_tokens:
+        print(f"\n\nnote: the prompt's first {s.dropped_prompt_tokens} of {len(prompt)} tokens were dropped: "
+              f"they do not fit the context; the model saw its last {len(prompt) - s.dropped_prompt_tokens}",
+              file=sys.stderr, end="")
     kv = f"{args.speculate}: {s.tokens_per_call:.2f} tokens per target call" if args.speculate else (
         f"KV cache {s.kv_bytes / 1e6:.2f} MB")
     print(
