@@ -112,9 +112,11 @@ def test_figure_check_counts_what_it_should():
     assert OUTSIDE_THE_PACKAGE.search("from tests.fixtures import flash_mutants")
     assert not OUTSIDE_THE_PACKAGE.search("import minillm\nfrom minillm import model")
     assert IMPORTS_THE_TOOLS.search("from minillm.tools.benchmarks import kv_cache as bench")
-    assert IMPORTS_THE_TOOLS.search("    import minillm.tools.course") and IMPORTS_THE_TOOLS.search("from minillm import tools")
+    assert IMPORTS_THE_TOOLS.search("    import minillm.tools.course")
+    assert IMPORTS_THE_TOOLS.search("from minillm import tools")
     assert not IMPORTS_THE_TOOLS.search("from minillm import time_paired  # not minillm.tools\nimport minillm")
-    assert OUTSIDE_NOTEBOOKS.search('Image("../docs/figures/x.png")') and OUTSIDE_NOTEBOOKS.search("ROOT / 'docs/gpu.md'")
+    assert OUTSIDE_NOTEBOOKS.search('Image("../docs/figures/x.png")')
+    assert OUTSIDE_NOTEBOOKS.search("ROOT / 'docs/gpu.md'")
     assert not OUTSIDE_NOTEBOOKS.search("print(tok.decode(ids))  # 3/4 of the docs")
     assert images([{"output_type": "display_data", "data": {"image/png": "..."}}, {"output_type": "stream"}]) == 1
 
