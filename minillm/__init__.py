@@ -2,7 +2,7 @@
 
     >>> import minillm
     >>> model, tok = minillm.load_model("target")
-    >>> out = minillm.generate(model, tok.encode("ROMEO:"), max_new_tokens=50, temperature=0)
+    >>> out = minillm.generate(model, tok.encode("HAMLET."), max_new_tokens=200, temperature=0.6, seed=1)
     >>> print(tok.decode(out.tokens))
 
     >>> model, tok = minillm.load_model("smollm2-135m")   # a real pretrained chat model (chapter 8)
