@@ -84,6 +84,7 @@ def test_first_code_cell_skips_unsolved_exercises():
 
 # A path out of notebooks/ (the checkout's docs/, ../anything): absent where a student opens one notebook alone.
 OUTSIDE_NOTEBOOKS = re.compile(r"\.\./|\.\.\\|[\"'(/]docs/|__file__")
+IMAGE_OUTSIDE = re.compile(r"!\[[^\]]*\]\((\.\./|/|docs/)|<img[^>]+src=[\"'](\.\./|/|docs/)")
 
 
 @pytest.mark.host_only
@@ -100,6 +101,11 @@ def test_notebooks_run_from_a_copy_of_the_folder(tmp_path):
     outside = {p.name: [i for i, src, _ in committed_outputs(p) if OUTSIDE_NOTEBOOKS.search(src)] for p in copied}
     outside = {name: cells for name, cells in outside.items() if cells}
     assert not outside, f"cells reading outside notebooks/: {outside}"
+    # A figure in the text travels with the notebook too (a cell attachment), not as a path into the checkout.
+    pictures = {p.name: [i for i, c in enumerate(json.loads(p.read_text())["cells"])
+                         if c["cell_type"] == "markdown" and IMAGE_OUTSIDE.search("".join(c["source"]))] for p in copied}
+    pictures = {name: cells for name, cells in pictures.items() if cells}
+    assert not pictures, f"markdown cells showing an image from outside notebooks/: {pictures}"
 
 
 @pytest.mark.host_only
@@ -118,6 +124,8 @@ def test_figure_check_counts_what_it_should():
     assert OUTSIDE_NOTEBOOKS.search('Image("../docs/figures/x.png")')
     assert OUTSIDE_NOTEBOOKS.search("ROOT / 'docs/gpu.md'")
     assert not OUTSIDE_NOTEBOOKS.search("print(tok.decode(ids))  # 3/4 of the docs")
+    assert IMAGE_OUTSIDE.search("![plot](../docs/figures/a.png)")
+    assert not IMAGE_OUTSIDE.search("![plot](attachment:a.png)")
     assert images([{"output_type": "display_data", "data": {"image/png": "..."}}, {"output_type": "stream"}]) == 1
 
 
