@@ -102,8 +102,11 @@ def test_notebooks_run_from_a_copy_of_the_folder(tmp_path):
     outside = {name: cells for name, cells in outside.items() if cells}
     assert not outside, f"cells reading outside notebooks/: {outside}"
     # A figure in the text travels with the notebook too (a cell attachment), not as a path into the checkout.
-    pictures = {p.name: [i for i, c in enumerate(json.loads(p.read_text())["cells"])
-                         if c["cell_type"] == "markdown" and IMAGE_OUTSIDE.search("".join(c["source"]))] for p in copied}
+    def markdown(path):
+        return [(i, "".join(c["source"])) for i, c in enumerate(json.loads(path.read_text())["cells"])
+                if c["cell_type"] == "markdown"]
+
+    pictures = {p.name: [i for i, text in markdown(p) if IMAGE_OUTSIDE.search(text)] for p in copied}
     pictures = {name: cells for name, cells in pictures.items() if cells}
     assert not pictures, f"markdown cells showing an image from outside notebooks/: {pictures}"
 
