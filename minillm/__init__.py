@@ -2,7 +2,7 @@
 
     >>> import minillm
     >>> model, tok = minillm.load_model("target")
-    >>> out = minillm.generate(model, tok.encode("ROMEO:"), max_new_tokens=50, temperature=0)
+    >>> out = minillm.generate(model, tok.encode("HAMLET."), max_new_tokens=200, temperature=0.6, seed=1)
     >>> print(tok.decode(out.tokens))
 
     >>> model, tok = minillm.load_model("smollm2-135m")   # a real pretrained chat model (chapter 8)
@@ -17,8 +17,9 @@ from .generate import GenerationResult, GenerationStats, fit_context, generate, 
 from .gguf import GGUFError
 from .kv_cache import GrowingKVCache, KVCache, PrefixCache, kv_cache_bytes
 from .llama import Llama
+from .measure import step_ratio, step_time, time_fn, time_paired, time_pairs, timed
 from .model import GPT
-from .notebook import format_table, show
+from .notebook import format_table, show, skip_unsolved_exercises
 from .paged_kv import BlockAllocator, OutOfBlocksError, PagedKVCache, paged_attention
 from .prefix_blocks import PrefixBlockCache
 from .registry import load_model
@@ -44,5 +45,6 @@ __all__ = [
     "BlockAllocator", "OutOfBlocksError", "PagedKVCache", "paged_attention",
     "SpecStats", "expected_speedup", "expected_tokens_per_call", "speculative_generate", "verify", "verify_greedy",
     "BatchResult", "BatchStats", "generate_batch", "speculative_generate_batch",
-    "format_table", "show",
+    "format_table", "show", "skip_unsolved_exercises",
+    "timed", "time_fn", "time_pairs", "time_paired", "step_time", "step_ratio",
 ]

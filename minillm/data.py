@@ -27,3 +27,15 @@ def train_val_split(tokenizer: CharTokenizer | None = None):
     ids = np.array(tokenizer.encode(text), dtype=np.uint8)
     n = int(len(ids) * TRAIN_FRACTION)
     return ids[:n], ids[n:]
+
+
+def validation_prompts(tokenizer: CharTokenizer, n: int, length: int) -> list[list[int]]:
+    """n prompts of ``length`` characters from the validation split (text the models never trained
+    on), each starting at a line start, spread evenly over the split."""
+    _, val = train_val_split(tokenizer)
+    text = tokenizer.decode(val)
+    prompts = []
+    for i in range(n):
+        start = text.index("\n", (i + 1) * len(text) // (n + 1)) + 1
+        prompts.append(tokenizer.encode(text[start : start + length]))
+    return prompts

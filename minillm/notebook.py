@@ -5,7 +5,8 @@ replaced by one line naming the exercise, so the code on the page is the code th
 student edition's page shows the stub. An exercise region is marked in the source by a line
 ``# EXERCISE 3.1 BEGIN: <what to implement>`` before the reference solution and a line
 ``# EXERCISE 3.1 END`` after it (the course kit, ``minillm.tools.course``, reads the same markers).
-``format_table(rows)`` aligns rows of dicts, as the benchmarks print them.
+``format_table(rows)`` aligns rows of dicts, as the benchmarks print them. ``draw_block_tables(cache)``
+draws a paged KV cache's block tables and its block pool (chapter 6).
 """
 
 from __future__ import annotations
@@ -55,6 +56,60 @@ def format_table(rows: list[dict], columns: list[str] | None = None) -> str:
     lines.append("  ".join("-" * w for w in widths))
     lines += ["  ".join(v.rjust(w) for v, w in zip(row, widths)) for row in cells]
     return "\n".join(lines)
+
+
+# ---- figures a page draws ----
+
+
+def draw_block_tables(cache, ax=None, title: str | None = None):
+    """Draw each sequence's block table (top) pointing into the physical block pool (bottom) of a
+    ``PagedKVCache`` (chapter 6; read through its attributes, so this module imports no cache).
+
+    A physical block is colored like the sequence holding it, grey when several hold it (the number
+    is its reference count), outlined dashed when only the prefix cache holds it; shading shows the
+    slots holding tokens.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyArrowPatch, Rectangle
+
+    if ax is None:
+        _, ax = plt.subplots(figsize=(max(6, 0.75 * cache.num_blocks), 1.6 + 0.8 * len(cache.block_tables)))
+    bs, colors = cache.page_size, {}
+    owner, filled = {}, [0] * cache.num_blocks
+    for n, (seq, table) in enumerate(cache.block_tables.items()):
+        colors[seq] = f"C{n % 10}"
+        for i, b in enumerate(table):
+            owner[b] = seq
+            filled[b] = max(filled[b], min(bs, cache.lengths[seq] - i * bs))
+    for b in [] if cache.prefix_blocks is None else cache.prefix_blocks.held_blocks():
+        filled[b] = bs  # only full blocks are cached
+    for b in range(cache.num_blocks):  # the pool, y = 0
+        count = cache.allocator.ref_counts[b]
+        shared = count > 1 or (count == 1 and b not in owner)
+        color = "white" if count == 0 else ("0.6" if shared else colors[owner[b]])
+        color = "0.85" if count == 1 and b not in owner else color
+        ls = "--" if count == 1 and b not in owner else "-"
+        ax.add_patch(Rectangle((b, 0), 0.9, 0.6, fc="white", ec="k", ls=ls))
+        ax.add_patch(Rectangle((b, 0), 0.9 * filled[b] / bs, 0.6, fc=color, alpha=0.8, ec="none"))
+        ax.text(b + 0.45, -0.25, str(b), ha="center", va="top", fontsize=8)
+        if count > 1:
+            ax.text(b + 0.45, 0.3, f"x{count}", ha="center", va="center", fontsize=8)
+        elif count == 1 and b not in owner:
+            ax.text(b + 0.45, 0.3, "cached", ha="center", va="center", fontsize=6)
+    for row, (seq, table) in enumerate(cache.block_tables.items()):  # the tables, above
+        y = 1.6 + 0.9 * row
+        ax.text(-0.2, y + 0.3, f"seq {seq} (len {cache.lengths[seq]})", ha="right", va="center", fontsize=8)
+        for i, b in enumerate(table):
+            ax.add_patch(Rectangle((i, y), 0.9, 0.6, fc=colors[seq], alpha=0.35, ec="k"))
+            ax.text(i + 0.45, y + 0.3, str(b), ha="center", va="center", fontsize=8)
+            ax.add_artist(FancyArrowPatch((i + 0.45, y), (b + 0.45, 0.62), arrowstyle="->", color=colors[seq],
+                                          lw=0.8, alpha=0.7, mutation_scale=8))
+    ax.text(-0.2, 0.3, "physical\nblocks", ha="right", va="center", fontsize=8)
+    ax.set_xlim(-2.2, cache.num_blocks + 0.2)
+    ax.set_ylim(-0.7, 1.6 + 0.9 * max(1, len(cache.block_tables)))
+    ax.axis("off")
+    ax.set_title(title or f"block tables (page size {bs})", fontsize=10)
+    return ax
 
 
 # ---- a student edition's notebook: a cell that needs an unsolved exercise says so and the page goes on ----

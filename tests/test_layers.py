@@ -15,7 +15,7 @@ LAYERS = [  # lowest first; a module may import from its own layer and the ones 
     {"attention", "flash_attention", "kernels.launch", "data", "sampling"},
     {"model", "kv_cache", "paged_kv", "prefix_blocks"},
     {"llama", "checkpoint", "gguf", "registry", "drafts"},
-    {"generate", "speculative"},
+    {"generate", "speculative", "measure"},
     {"token_tree"},
     {"draft_free", "lookahead", "medusa"},
     {"batch_speculative"},

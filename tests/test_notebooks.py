@@ -59,6 +59,58 @@ def test_notebooks_need_only_minillm():
     assert not outside, f"reach outside the minillm package: {outside}"
 
 
+# A notebook imports the chapters, never the tools (DESIGN: the tools sit below the chapters; what a page
+# needs from them is re-exported from minillm itself).
+IMPORTS_THE_TOOLS = re.compile(r"^\s*(from|import)\s+minillm\.tools\b|^\s*from\s+minillm\s+import\s+[^#\n]*\btools\b",
+                               re.MULTILINE)
+
+
+@pytest.mark.host_only
+def test_notebooks_import_the_chapters_not_the_tools():
+    """No notebook's code imports ``minillm.tools`` (CLI, benchmarks, course kit): a page teaches with the
+    chapters' own API, and the tools can change without breaking a page."""
+    reaching = {p.name: [i for i, src, _ in committed_outputs(p) if IMPORTS_THE_TOOLS.search(src)] for p in NOTEBOOKS}
+    reaching = {name: cells for name, cells in reaching.items() if cells}
+    assert not reaching, f"cells importing minillm.tools: {reaching}"
+
+
+@pytest.mark.host_only
+def test_first_code_cell_skips_unsolved_exercises():
+    """In a student edition a cell that calls an unsolved exercise prints one line and the page goes on:
+    every notebook's first code cell calls ``skip_unsolved_exercises()`` (before any exercise can run)."""
+    missing = [p.name for p in NOTEBOOKS if "skip_unsolved_exercises()" not in committed_outputs(p)[0][1]]
+    assert not missing, f"first code cell does not call skip_unsolved_exercises(): {missing}"
+
+
+# A path out of notebooks/ (the checkout's docs/, ../anything): absent where a student opens one notebook alone.
+OUTSIDE_NOTEBOOKS = re.compile(r"\.\./|\.\.\\|[\"'(/]docs/|__file__")
+IMAGE_OUTSIDE = re.compile(r"!\[[^\]]*\]\((\.\./|/|docs/)|<img[^>]+src=[\"'](\.\./|/|docs/)")
+
+
+@pytest.mark.host_only
+def test_notebooks_run_from_a_copy_of_the_folder(tmp_path):
+    """A copy of notebooks/ alone (a student's Colab, the student edition) holds every file a notebook reads:
+    no notebook's code reads ``../`` or the checkout's docs/ (the figures a page shows are drawn on the page
+    or come from the package)."""
+    import shutil
+
+    copy = tmp_path / "notebooks"
+    shutil.copytree(NOTEBOOKS[0].parent, copy)
+    copied = sorted(copy.glob("*.ipynb"))
+    assert [p.name for p in copied] == [p.name for p in NOTEBOOKS]
+    outside = {p.name: [i for i, src, _ in committed_outputs(p) if OUTSIDE_NOTEBOOKS.search(src)] for p in copied}
+    outside = {name: cells for name, cells in outside.items() if cells}
+    assert not outside, f"cells reading outside notebooks/: {outside}"
+    # A figure in the text travels with the notebook too (a cell attachment), not as a path into the checkout.
+    def markdown(path):
+        return [(i, "".join(c["source"])) for i, c in enumerate(json.loads(path.read_text())["cells"])
+                if c["cell_type"] == "markdown"]
+
+    pictures = {p.name: [i for i, text in markdown(p) if IMAGE_OUTSIDE.search(text)] for p in copied}
+    pictures = {name: cells for name, cells in pictures.items() if cells}
+    assert not pictures, f"markdown cells showing an image from outside notebooks/: {pictures}"
+
+
 @pytest.mark.host_only
 def test_figure_check_counts_what_it_should():
     """The drawing-cell pattern catches pyplot and the library's figure helpers, not an import."""
@@ -68,6 +120,15 @@ def test_figure_check_counts_what_it_should():
     assert OUTSIDE_THE_PACKAGE.search("sys.path.insert(0, str(Path.cwd().parent))")
     assert OUTSIDE_THE_PACKAGE.search("from tests.fixtures import flash_mutants")
     assert not OUTSIDE_THE_PACKAGE.search("import minillm\nfrom minillm import model")
+    assert IMPORTS_THE_TOOLS.search("from minillm.tools.benchmarks import kv_cache as bench")
+    assert IMPORTS_THE_TOOLS.search("    import minillm.tools.course")
+    assert IMPORTS_THE_TOOLS.search("from minillm import tools")
+    assert not IMPORTS_THE_TOOLS.search("from minillm import time_paired  # not minillm.tools\nimport minillm")
+    assert OUTSIDE_NOTEBOOKS.search('Image("../docs/figures/x.png")')
+    assert OUTSIDE_NOTEBOOKS.search("ROOT / 'docs/gpu.md'")
+    assert not OUTSIDE_NOTEBOOKS.search("print(tok.decode(ids))  # 3/4 of the docs")
+    assert IMAGE_OUTSIDE.search("![plot](../docs/figures/a.png)")
+    assert not IMAGE_OUTSIDE.search("![plot](attachment:a.png)")
     assert images([{"output_type": "display_data", "data": {"image/png": "..."}}, {"output_type": "stream"}]) == 1
 
 

@@ -24,13 +24,14 @@ import numpy as np
 
 from ...batch_speculative import POLICIES, forward_ragged, generate_batch, speculative_generate_batch
 from ...checkpoint import load_model
+from ...data import validation_prompts
 from ...generate import generate
+from ...measure import STEP_CONTEXT
 from ...notebook import format_table
 from ...paged_kv import PagedKVCache, num_blocks_for
 from ..options import positive_int_list
 from .common import BenchmarkError, add_output_args, figure_dir, save_figure, time_fn, time_paired
 from .common import parse_args as common_parse_args
-from .speculative import STEP_CONTEXT, validation_prompts
 
 PROMPT_STEP = 8  # prompt i is PROMPT_STEP * (i % 4) characters shorter than --prompt-len: ragged rows
 

@@ -1,4 +1,5 @@
-"""What every benchmark shares: timing, the aligned table, where figures go, progress, the error.
+"""What every benchmark shares: timing (``minillm.measure``, which the notebooks use too), where
+figures go, progress, the error.
 
 Every benchmark follows the same discipline (see llm.c's dev/cuda): validate the fast path against
 its reference first (``BenchmarkError`` when it disagrees), warm up, then time (synchronizing the GPU
@@ -12,12 +13,11 @@ A benchmark never writes into the package or the checkout unless asked to.
 
 from __future__ import annotations
 
-import statistics
 import tempfile
-import time
 from pathlib import Path
 
-from ...backend import runtime_summary, synchronize
+from ...backend import runtime_summary
+from ...measure import time_fn, time_paired, time_pairs, timed  # noqa: F401  (the benchmarks' timing)
 from ..project import project_root
 
 DEFAULT_FIG_DIR = Path(tempfile.gettempdir()) / "minillm-figures"
@@ -26,46 +26,6 @@ DOCS_FIG_DIR = Path("docs") / "figures"  # relative to the project root
 
 class BenchmarkError(RuntimeError):
     """A benchmark's validation failed: a fast path disagrees with its reference, so nothing is timed."""
-
-
-def timed(fn):
-    """Run ``fn()`` once -> (wall seconds, its result), the GPU synchronized before both clock reads."""
-    synchronize()
-    t0 = time.perf_counter()
-    value = fn()
-    synchronize()
-    return time.perf_counter() - t0, value
-
-
-def time_fn(fn, warmup: int = 1, repeat: int = 3) -> float:
-    """Median wall time of ``fn()`` in seconds after ``warmup`` untimed calls."""
-    for _ in range(warmup):
-        fn()
-    return statistics.median(timed(fn)[0] for _ in range(repeat))
-
-
-def time_pairs(baseline, candidate, repeat: int = 3):
-    """Time two ways of doing the same work in alternation -> (baseline times, candidate times,
-    candidate's last result), ``repeat`` wall times each in seconds, after one warm-up call each.
-
-    Alternating the runs puts both of a pair under the same machine conditions, so their ratio does
-    not drift with background load the way two medians timed minutes apart do (on a shared 2-core
-    machine that drift reached 20 %).
-    """
-    baseline()
-    result = candidate()
-    base_times, cand_times = [], []
-    for _ in range(repeat):
-        base_times.append(timed(baseline)[0])
-        seconds, result = timed(candidate)
-        cand_times.append(seconds)
-    return base_times, cand_times, result
-
-
-def time_paired(baseline, candidate, repeat: int = 3):
-    """``time_pairs`` reduced to medians -> (baseline s, candidate s, candidate's last result)."""
-    base_times, cand_times, result = time_pairs(baseline, candidate, repeat)
-    return statistics.median(base_times), statistics.median(cand_times), result
 
 
 def progress(iterable, desc: str, total: int | None = None):

@@ -15,16 +15,14 @@ Every timed configuration is validated first: cached tokens must equal naive tok
 from __future__ import annotations
 
 import argparse
-import contextlib
-from functools import partial
 
 import numpy as np
 
-from ...backend import xp
 from ...checkpoint import load_model
 from ...data import load_corpus
 from ...generate import generate, generate_naive
 from ...kv_cache import GrowingKVCache, KVCache, PrefixCache, kv_cache_bytes
+from ...measure import STAND_INS, decode_step_parts, swapped  # noqa: F401  (7.; the tests use them from here)
 from ...notebook import format_table
 from ..options import positive_int
 from .common import (
@@ -142,61 +140,6 @@ def prefix_cache_rows(model, tokenizer, repeat) -> list[dict]:
     for r in rows:
         del r["_outputs"]
     rows[1]["TTFT speed-up"] = rows[0]["mean TTFT ms"] / rows[1]["mean TTFT ms"]
-    return rows
-
-
-STAND_INS = {  # a part of the decode step -> (the model's attribute, a stand-in that costs ~nothing)
-    "weight matmuls": ("linear", lambda x, w, b: xp.zeros(x.shape[:-1] + w.shape[-1:], dtype=x.dtype)),
-    "LayerNorms": ("layer_norm", lambda x, w, b: x),
-    "GELU": ("gelu", lambda x: x),
-    "attention math": ("attention", lambda q, k, v, causal=True: q),  # left: writing the new k, v into the cache
-}
-
-
-@contextlib.contextmanager
-def swapped(model, name: str, stand_in):
-    """Inside the block, ``model.<name>`` is ``stand_in`` (set on this instance only); then as before."""
-    had_own = name in vars(model)
-    before = vars(model).get(name)
-    setattr(model, name, stand_in)
-    try:
-        yield
-    finally:
-        if had_own:
-            setattr(model, name, before)
-        else:
-            delattr(model, name)
-
-
-def decode_step_parts(model, context: int, steps: int, rounds: int, tokens: int = 1) -> list[dict]:
-    """Where one decode step's time goes, by ablation: time the step with ``context`` tokens cached,
-    then with one part swapped for a stand-in that returns its input (or zeros of the right shape);
-    the difference is that part's cost *inside the loop*. Timing a part on its own would miss that
-    every step streams all weights through the CPU caches and so evicts everything else. Variants
-    are timed in alternation, ``steps`` decode steps per timing, medians over ``rounds``. ``tokens``
-    > 1 times a forward over that many new tokens instead (a speculative verification).
-    """
-    cache = KVCache(model.config, max_len=context + tokens)
-    model.forward(xp.asarray([[t % model.config.vocab_size for t in range(context)]]), cache)
-    token = xp.asarray([[(t + 1) % model.config.vocab_size for t in range(tokens)]])
-
-    def step():
-        for _ in range(steps):
-            cache.truncate(context)
-            model.forward(token, cache)
-
-    variants = {"whole step": contextlib.nullcontext}  # part -> a function making its context
-    variants |= {part: partial(swapped, model, name, fn) for part, (name, fn) in STAND_INS.items()}
-    times = {part: [] for part in variants}
-    for r in progress(range(rounds), "decode step parts"):
-        for part in list(variants)[:: 1 if r % 2 else -1]:
-            with variants[part]():
-                times[part].append(1e6 * time_fn(step, warmup=1, repeat=1) / steps)
-    whole = np.median(times["whole step"])
-    rows = [{"part": "whole step", "step us": whole, "part us": whole, "share": 1.0}]
-    for part in list(variants)[1:]:
-        cost = float(np.median(np.subtract(times["whole step"], times[part])))  # paired by round
-        rows.append({"part": part, "step us": float(np.median(times[part])), "part us": cost, "share": cost / whole})
     return rows
 
 

@@ -15,14 +15,15 @@ import argparse
 import statistics
 
 from ...backend import xp
+from ...data import validation_prompts
 from ...generate import generate
 from ...kv_cache import KVCache
 from ...lookahead import LOOKAHEAD_G, LOOKAHEAD_N, LOOKAHEAD_W, Lookahead, jacobi_generate
+from ...measure import STEP_CONTEXT
 from ...notebook import format_table
 from ...registry import SMOLLM2, load_model
 from ...token_tree import tree_generate
 from .common import BenchmarkError, parse_args, time_pairs
-from .speculative import STEP_CONTEXT, validation_prompts
 
 FORWARD_PAIRS = 15  # alternating (1-token, n-token) forward pairs per cost measurement
 

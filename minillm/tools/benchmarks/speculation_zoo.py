@@ -40,11 +40,13 @@ import numpy as np
 
 from ...backend import to_numpy, xp
 from ...checkpoint import load_model
+from ...data import validation_prompts
 from ...draft_free import LayerSkip, PromptLookup
 from ...drafts import quantize_weights
 from ...generate import GenerationResult, generate
 from ...kv_cache import KVCache, MaskedView
 from ...lookahead import Lookahead
+from ...measure import STEP_CONTEXT
 from ...medusa import MedusaHeads, MedusaProposer, shipped_heads_path
 from ...notebook import format_table
 from ...speculative import speculative_generate
@@ -59,7 +61,6 @@ from .common import (
     time_paired,
 )
 from .common import parse_args as common_parse_args
-from .speculative import STEP_CONTEXT, validation_prompts
 from .verify_cost import check_cached_forward, forward_seconds, prefix_ids
 
 DRAFT_KS = (2, 4, 6)  # chapter 5's draft and the int8 target: K tried (the fastest is timed)

@@ -25,12 +25,11 @@ import statistics
 
 import numpy as np
 
-from ...backend import xp
 from ...checkpoint import load_model
-from ...data import train_val_split
+from ...data import validation_prompts
 from ...drafts import BigramDraft, quantize_weights
 from ...generate import generate
-from ...kv_cache import KVCache
+from ...measure import STEP_CONTEXT, step_ratio, step_time  # noqa: F401
 from ...notebook import format_table
 from ...speculative import expected_speedup, expected_tokens_per_call, speculative_generate
 from ..options import positive_int_list
@@ -40,16 +39,13 @@ from .common import (
     figure_dir,
     progress,
     save_figure,
-    time_fn,
     time_paired,
-    time_pairs,
 )
 from .common import (
     parse_args as common_parse_args,
 )
 
 DRAFT_NAMES = ("draft", "int8", "bigram")
-STEP_CONTEXT = 128  # cached tokens when timing one decode step (mid-way through a generation)
 
 
 def parse_args(argv):
@@ -77,43 +73,6 @@ def parse_args(argv):
     if unknown or args.tokens < 2 or args.repeat < 1:
         p.error(f"bad options (unknown drafts {sorted(unknown)}; --tokens >= 2; --repeat >= 1)")
     return args
-
-
-def validation_prompts(tok, n, length):
-    """n prompts of ``length`` characters, each starting at a line start, spread over the val split."""
-    _, val = train_val_split(tok)
-    text = tok.decode(val)
-    prompts = []
-    for i in range(n):
-        start = text.index("\n", (i + 1) * len(text) // (n + 1)) + 1
-        prompts.append(tok.encode(text[start : start + length]))
-    return prompts
-
-
-def cached_step(model, n_tokens, context=STEP_CONTEXT):
-    """A function that runs one cached forward over ``n_tokens`` new tokens after ``context`` cached."""
-    cache = KVCache(model.config)
-    model.forward(xp.zeros((1, context), dtype=xp.int64), cache)
-    new = xp.ones((1, n_tokens), dtype=xp.int64)
-
-    def step():
-        cache.truncate(context)
-        model.forward(new, cache)
-
-    return step
-
-
-def step_time(model, n_tokens, context=STEP_CONTEXT, repeat=30):
-    """Median seconds of one cached forward over ``n_tokens`` new tokens after ``context`` cached."""
-    return time_fn(cached_step(model, n_tokens, context), warmup=3, repeat=repeat)
-
-
-def step_ratio(model, n_tokens, ref_model, ref_tokens=1, repeat=30) -> float:
-    """Cost of ``model``'s cached step over n_tokens in units of ``ref_model``'s over ref_tokens: the
-    median of the ratios of ``repeat`` alternating pairs. Background load slows both steps of a pair
-    alike, so the ratio holds on a busy machine where two medians timed apart do not (c, v(K))."""
-    ref_times, times, _ = time_pairs(cached_step(ref_model, ref_tokens), cached_step(model, n_tokens), repeat)
-    return statistics.median(t / r for t, r in zip(times, ref_times))
 
 
 def run_speculative(target, draft, prompts, n_new, k, temperature):

@@ -1,0 +1,153 @@
+"""Measuring on a shared machine: wall times taken in alternating pairs, and the cost of a decode step.
+
+A speed-up is a ratio of two wall times. Timed minutes apart, the two drift with whatever else the
+machine runs (on a shared 2-core machine the drift reached 20 %); timed in alternation, both of a pair
+run under the same conditions, so their ratio holds. Every chapter that reports a speed-up, and every
+benchmark, times with these functions (the GPU synchronized before each clock read).
+
+    time_paired(lambda: generate(model, p, 64), lambda: speculative_generate(model, draft, p, 64))
+        -> (plain s, speculative s, the speculative result)
+    step_ratio(draft, 1, target)    # c: a draft step in target decode steps (chapter 5)
+    decode_step_parts(model, 144)   # where a cached decode step's time goes (chapter 3)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import statistics
+import time
+from functools import partial
+
+from .backend import synchronize, xp
+from .kv_cache import KVCache
+
+STEP_CONTEXT = 128  # cached tokens when timing one decode step (mid-way through a generation)
+
+
+# ---- wall times, in alternating pairs ------------------------------------------------------------
+
+
+def timed(fn):
+    """Run ``fn()`` once -> (wall seconds, its result), the GPU synchronized before both clock reads."""
+    synchronize()
+    t0 = time.perf_counter()
+    value = fn()
+    synchronize()
+    return time.perf_counter() - t0, value
+
+
+def time_fn(fn, warmup: int = 1, repeat: int = 3) -> float:
+    """Median wall time of ``fn()`` in seconds after ``warmup`` untimed calls."""
+    for _ in range(warmup):
+        fn()
+    return statistics.median(timed(fn)[0] for _ in range(repeat))
+
+
+def time_pairs(baseline, candidate, repeat: int = 3):
+    """Time two ways of doing the same work in alternation -> (baseline times, candidate times,
+    candidate's last result), ``repeat`` wall times each in seconds, after one warm-up call each.
+
+    Alternating the runs puts both of a pair under the same machine conditions, so their ratio does
+    not drift with background load the way two medians timed minutes apart do (on a shared 2-core
+    machine that drift reached 20 %).
+    """
+    baseline()
+    result = candidate()
+    base_times, cand_times = [], []
+    for _ in range(repeat):
+        base_times.append(timed(baseline)[0])
+        seconds, result = timed(candidate)
+        cand_times.append(seconds)
+    return base_times, cand_times, result
+
+
+def time_paired(baseline, candidate, repeat: int = 3):
+    """``time_pairs`` reduced to medians -> (baseline s, candidate s, candidate's last result)."""
+    base_times, cand_times, result = time_pairs(baseline, candidate, repeat)
+    return statistics.median(base_times), statistics.median(cand_times), result
+
+
+# ---- one cached forward: its cost in decode steps ------------------------------------------------
+
+
+def cached_step(model, n_tokens, context=STEP_CONTEXT):
+    """A function that runs one cached forward over ``n_tokens`` new tokens after ``context`` cached."""
+    cache = KVCache(model.config)
+    model.forward(xp.zeros((1, context), dtype=xp.int64), cache)
+    new = xp.ones((1, n_tokens), dtype=xp.int64)
+
+    def step():
+        cache.truncate(context)
+        model.forward(new, cache)
+
+    return step
+
+
+def step_time(model, n_tokens, context=STEP_CONTEXT, repeat=30):
+    """Median seconds of one cached forward over ``n_tokens`` new tokens after ``context`` cached."""
+    return time_fn(cached_step(model, n_tokens, context), warmup=3, repeat=repeat)
+
+
+def step_ratio(model, n_tokens, ref_model, ref_tokens=1, repeat=30) -> float:
+    """Cost of ``model``'s cached step over n_tokens in units of ``ref_model``'s over ref_tokens: the
+    median of the ratios of ``repeat`` alternating pairs. Background load slows both steps of a pair
+    alike, so the ratio holds on a busy machine where two medians timed apart do not (c, v(K))."""
+    ref_times, times, _ = time_pairs(cached_step(ref_model, ref_tokens), cached_step(model, n_tokens), repeat)
+    return statistics.median(t / r for t, r in zip(times, ref_times))
+
+
+# ---- where a decode step's time goes: each part swapped for a free stand-in ----------------------
+
+STAND_INS = {  # a part of the decode step -> (the model's attribute, a stand-in that costs ~nothing)
+    "weight matmuls": ("linear", lambda x, w, b: xp.zeros(x.shape[:-1] + w.shape[-1:], dtype=x.dtype)),
+    "LayerNorms": ("layer_norm", lambda x, w, b: x),
+    "GELU": ("gelu", lambda x: x),
+    "attention math": ("attention", lambda q, k, v, causal=True: q),  # left: writing the new k, v into the cache
+}
+
+
+@contextlib.contextmanager
+def swapped(model, name: str, stand_in):
+    """Inside the block, ``model.<name>`` is ``stand_in`` (set on this instance only); then as before."""
+    had_own = name in vars(model)
+    before = vars(model).get(name)
+    setattr(model, name, stand_in)
+    try:
+        yield
+    finally:
+        if had_own:
+            setattr(model, name, before)
+        else:
+            delattr(model, name)
+
+
+def decode_step_parts(model, context: int, steps: int = 10, rounds: int = 10, tokens: int = 1) -> list[dict]:
+    """Where one decode step's time goes, by ablation: time the step with ``context`` tokens cached,
+    then with one part swapped for a stand-in that returns its input (or zeros of the right shape);
+    the difference is that part's cost *inside the loop*. Timing a part on its own would miss that
+    every step streams all weights through the CPU caches and so evicts everything else. Variants
+    are timed in alternation, ``steps`` decode steps per timing, medians over ``rounds``. ``tokens``
+    > 1 times a forward over that many new tokens instead (a speculative verification).
+    """
+    cache = KVCache(model.config, max_len=context + tokens)
+    model.forward(xp.asarray([[t % model.config.vocab_size for t in range(context)]]), cache)
+    token = xp.asarray([[(t + 1) % model.config.vocab_size for t in range(tokens)]])
+
+    def step():
+        for _ in range(steps):
+            cache.truncate(context)
+            model.forward(token, cache)
+
+    variants = {"whole step": contextlib.nullcontext}  # part -> a function making its context
+    variants |= {part: partial(swapped, model, name, fn) for part, (name, fn) in STAND_INS.items()}
+    times = {part: [] for part in variants}
+    for r in range(rounds):
+        for part in list(variants)[:: 1 if r % 2 else -1]:
+            with variants[part]():
+                times[part].append(1e6 * time_fn(step, warmup=1, repeat=1) / steps)
+    whole = statistics.median(times["whole step"])
+    rows = [{"part": "whole step", "step us": whole, "part us": whole, "share": 1.0}]
+    for part in list(variants)[1:]:
+        cost = statistics.median(w - t for w, t in zip(times["whole step"], times[part]))  # paired by round
+        rows.append({"part": part, "step us": statistics.median(times[part]), "part us": cost, "share": cost / whole})
+    return rows
