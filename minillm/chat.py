@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from .backend import xp
-from .generate import GenerationStats
+from .generate import GenerationStats, prefill
 from .kv_cache import CacheFullError, KVCache
 from .sampling import SamplingSettings
 from .tokenizer import TextStream
@@ -81,7 +81,7 @@ class Chat:
         if self.cache.length + len(ids) >= self.cache.max_len:
             raise CacheFullError(f"the conversation needs {self.cache.length + len(ids)} tokens plus a reply but the "
                                  f"context holds {self.cache.max_len}: /reset to start over")
-        logits = self.model.forward(xp.asarray([ids]), self.cache)[0, -1]  # (V,)
+        logits = prefill(self.model, ids, self.cache)  # (V,)
         self.messages.append({"role": "user", "content": message})
         self.cached_text, self.pending = full, []
         return logits, len(ids)

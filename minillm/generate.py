@@ -136,6 +136,24 @@ def step_stats(prompt_ids, tokens, times, **kw) -> GenerationStats:
     )
 
 
+PREFILL_CHUNK = 512  # prompt tokens per forward in ``prefill``: bounds the (chunk, V) logits it returns
+
+
+def prefill(model, tokens, cache, chunk: int = PREFILL_CHUNK):
+    """Feed a prompt to ``cache`` in pieces of at most ``chunk`` tokens -> the last position's logits (V,).
+
+    The logits equal one forward over the whole prompt: each piece is a prefill after a cache, its
+    query i at position Tk - Tq + i, seeing everything before it. What changes is memory: a forward
+    returns logits for every position it is given, (T, V) floats -- for a 7,000-token message and
+    SmolLM2's 49,152-token vocabulary, 1.4 GB -- and pieces bound that to (chunk, V).
+    Example: 1,200 tokens, chunk 512 -> forwards over 512, 512 and 176 tokens.
+    """
+    *pieces, last = range(0, len(tokens), chunk)  # the start of each piece
+    for start in pieces:
+        model.forward(xp.asarray([tokens[start : start + chunk]]), cache)
+    return model.forward(xp.asarray([tokens[last:]]), cache)[0, -1]
+
+
 def generate_naive(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top_p=None,
                    seed=0, on_token=None) -> GenerationResult:
     """Generate by running the whole context (cropped to block_size) through the model each step.
@@ -173,14 +191,14 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top
     cache.reset()  # a cache reused from an earlier generation would otherwise leak its tokens
     counters = {"reused": 0, "reprefills": 0, "dropped": 0}
 
-    def prefill(prompt):
+    def prefill_window(prompt):
         """Run the prompt (its window, ``fit_context``) through the empty cache -> last logits."""
         tokens, _ = fit_context(cache, prompt, prompt)
         counters["dropped"] = len(prompt) - len(tokens)
         if prefix_cache is not None:
             logits, counters["reused"] = prefix_cache.prefill(model, tokens, cache)
             return logits
-        return model.forward(xp.asarray([tokens]), cache)[0, -1]
+        return prefill(model, tokens, cache)
 
     def next_logits(tokens):
         """Feed only the newest token (after a re-prefill of a half window when the cache is full)."""
@@ -189,7 +207,7 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top
         return model.forward(xp.asarray([feed]), cache)[0, -1]
 
     tokens, times = _decode(
-        lambda: prefill(prompt_ids), next_logits, prompt_ids, max_new_tokens, settings, seed, on_token
+        lambda: prefill_window(prompt_ids), next_logits, prompt_ids, max_new_tokens, settings, seed, on_token
     )
     stats = step_stats(
         prompt_ids, tokens, times, kv_bytes=cache.nbytes, kv_bytes_used=cache.bytes_used,

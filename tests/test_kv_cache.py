@@ -302,3 +302,25 @@ def test_bigger_head_count_config():
     idx = np.random.default_rng(0).integers(0, 7, (1, 12))
     got = chunks_logits(m, idx, [5, 1, 6], KVCache(cfg))
     np.testing.assert_allclose(got, to_numpy(m.forward(idx)), atol=1e-4)
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 8, 20])
+def test_prefill_in_pieces_equals_one_forward_and_feeds_at_most_chunk_tokens(tiny_model, monkeypatch, chunk):
+    """A prompt fed in pieces of at most ``chunk`` tokens (a piece is a prefill after a cache) gives the
+    last logits of one forward over it, and no forward sees more than ``chunk`` tokens, so the (T, V)
+    logits a long prompt would return stay (chunk, V). Fails for a piece that skips or repeats tokens
+    (20 = the prompt: one piece; 8 divides it; 5 and 1 leave none or a short last piece)."""
+    from minillm.generate import prefill
+
+    prompt = np.random.default_rng(0).integers(0, 13, 20).tolist()
+    one = to_numpy(tiny_model.forward(np.asarray([prompt]))[0, -1])
+    sizes, forward = [], tiny_model.forward
+
+    def counting(idx, cache=None):
+        sizes.append(idx.shape[1])
+        return forward(idx, cache)
+
+    monkeypatch.setattr(tiny_model, "forward", counting)
+    cache = GrowingKVCache(tiny_model.config)
+    np.testing.assert_allclose(to_numpy(prefill(tiny_model, prompt, cache, chunk=chunk)), one, atol=1e-4)
+    assert sum(sizes) == len(prompt) == cache.length and max(sizes) <= chunk
