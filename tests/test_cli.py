@@ -169,3 +169,81 @@ def test_generate_speculate_prints_the_models_own_text(capsys):
 def test_generate_medusa_without_shipped_heads_is_one_line(capsys):
     assert cli.main(["generate", "--model", "draft", "--speculate", "medusa", "--max-new-tokens", "3"]) == 1
     assert "no Medusa heads ship for model 'draft'" in capsys.readouterr().err
+
+
+class ParserBuilt(Exception):
+    """Raised instead of parsing: carries the parser a command built."""
+
+
+def every_parser(monkeypatch) -> list:
+    """The parsers of every command: the CLI's (with its subcommands), each benchmark's, the GPU check's,
+    the chat's, the demo's and the serve-demo's, each caught when its command starts to parse."""
+    import argparse
+    import importlib
+
+    from minillm.tools import chat_cli, demo, gpu_check
+    from minillm.tools.benchmarks import TOPICS
+    from minillm.tools.benchmarks import serving as serving_bench
+
+    def caught(self, args=None, namespace=None):
+        raise ParserBuilt(self)
+
+    parsers = [cli.build_parser()]
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", caught)
+    mains = [importlib.import_module(m).main for m in TOPICS.values()]
+    for main in [*mains, gpu_check.main, chat_cli.main, demo.main, serving_bench.demo]:
+        with pytest.raises(ParserBuilt) as built:
+            main([])
+        parsers.append(built.value.args[0])
+    found, todo = [], list(parsers)
+    while todo:
+        parser = todo.pop()
+        found.append(parser)
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                todo.extend(action.choices.values())
+    return found
+
+
+@pytest.mark.host_only
+def test_every_numeric_option_is_checked_when_parsed(monkeypatch):
+    """No option of any command takes a raw int or float (`--rate nan` spun forever, `--timeout nan`
+    passed, `--temperature nan` reached the model, `--num-blocks 1e11` built a 7.6 GB free list): each
+    numeric option has a checked type from minillm.tools.options, which refuses nan."""
+    import argparse
+
+    parsers = every_parser(monkeypatch)
+    assert len(parsers) > 20
+    raw = []
+    for parser in parsers:
+        for action in parser._actions:
+            name = f"{parser.prog} {'/'.join(action.option_strings) or action.dest}"
+            numeric = isinstance(action.default, (int, float)) and not isinstance(action.default, bool)
+            if action.type in (int, float) or (numeric and action.type is None and action.nargs != 0):
+                raw.append(name)
+            elif numeric:
+                with pytest.raises(argparse.ArgumentTypeError):
+                    action.type("nan")
+    assert raw == [], f"numeric options without a checked type: {raw}"
+
+
+@pytest.mark.host_only
+@pytest.mark.parametrize("args,message", [
+    (["serve-demo", "--rate", "nan"], "argument --rate: must be a finite number"),
+    (["serve-demo", "--num-blocks", "100000000000"], "argument --num-blocks: must be <= 65536"),
+    (["chat", "--temperature", "nan"], "argument --temperature: must be a finite number"),
+    (["chat", "--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+    (["bench", "serving", "--rate", "nan"], "argument --rate: must be a finite number"),
+    (["bench", "threads", "--timeout", "nan"], "argument --timeout: must be a finite number"),
+    (["bench", "speculative", "--prompts", "0"], "argument --prompts: must be >= 1, got 0"),
+    (["bench", "lookahead", "--tokens", "0"], "argument --tokens: must be >= 1, got 0"),
+    (["bench", "speculative", "--temperatures", "0,nan"], "argument --temperatures: must be a finite number"),
+])
+def test_numeric_options_out_of_range_are_usage_errors(args, message, capsys):
+    """Values that spun forever, grew memory without end or divided by zero: a usage error (exit 2)
+    before anything runs."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(args)
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert message in captured.err.strip().splitlines()[-1] and captured.out == ""

@@ -21,16 +21,19 @@ from ..registry import SMOLLM2, SMOLLM2_SHA256, load_model
 from ..train import (
     run_file,
 )
+from .options import nonnegative_count, nonnegative_float
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The medusa-train options (for a ``medusa-train`` subcommand of the CLI)."""
     p.add_argument("--model", default="target", help="'target', 'smollm2-135m' or a model path (default target)")
     p.add_argument("--out", required=True, help="heads file to write (.npz)")
-    p.add_argument("--heads", type=int, default=4, help=f"number of heads, 1..{MAX_HEADS} (default 4)")
-    p.add_argument("--steps", type=int, default=HEADS_TRAIN.max_steps, help="optimizer steps")
-    p.add_argument("--lr", type=float, default=HEADS_TRAIN.lr, help="peak learning rate (cosine decay to lr / 10)")
-    p.add_argument("--batch-size", type=int, default=HEADS_TRAIN.batch_size, help="hidden states per step")
+    p.add_argument("--heads", type=nonnegative_count, default=4, help=f"number of heads, 1..{MAX_HEADS} (default 4)")
+    p.add_argument("--steps", type=nonnegative_count, default=HEADS_TRAIN.max_steps, help="optimizer steps")
+    p.add_argument("--lr", type=nonnegative_float, default=HEADS_TRAIN.lr,
+                   help="peak learning rate (cosine decay to lr / 10)")
+    p.add_argument("--batch-size", type=nonnegative_count, default=HEADS_TRAIN.batch_size,
+                   help="hidden states per step")
     p.add_argument("--resume", action="store_true",
                    help="reuse the training text of <out>.medusa-text.npz, continue from <out>.medusa-train.npz")
     p.add_argument("--overwrite-shipped", action="store_true", help="allow --out to replace a shipped heads file")

@@ -39,7 +39,7 @@ from ...kv_cache import KVCache
 from ...notebook import format_table
 from ...paged_kv import OutOfBlocksError, PagedKVCache, num_blocks_for
 from ...prefix_blocks import PrefixBlockCache
-from ..options import positive_int, positive_int_list
+from ..options import nonnegative_int, positive_float, positive_int, positive_int_list
 from .common import BenchmarkError, add_output_args, figure_dir, parse_args, progress, save_figure
 
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # tokens per KV block
@@ -348,10 +348,10 @@ def draw_block_tables(cache: PagedKVCache, ax=None, title: str | None = None):
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m minillm bench paged", description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=positive_int, default=200, help="requests in the workload")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=nonnegative_int, default=0)
     ap.add_argument("--max-len", type=positive_int, default=256, help="context length (contiguous reservation)")
-    ap.add_argument("--mean-prompt", type=float, default=32.0, help="mean prompt length (tokens)")
-    ap.add_argument("--mean-output", type=float, default=64.0, help="mean output length (tokens)")
+    ap.add_argument("--mean-prompt", type=positive_float, default=32.0, help="mean prompt length (tokens)")
+    ap.add_argument("--mean-output", type=positive_float, default=64.0, help="mean output length (tokens)")
     ap.add_argument("--budget", type=positive_int, default=4096, help="KV budget in token slots (16 x 256)")
     ap.add_argument("--page-sizes", type=positive_int_list, default=list(PAGE_SIZES),
                     help="tokens per KV block, comma-separated")

@@ -29,6 +29,7 @@ from ...backend import BLAS_THREADS_ENV, xp
 from ...kv_cache import KVCache
 from ...notebook import format_table
 from ...registry import load_model
+from ..options import count, int_in, list_of, positive_float
 from .common import parse_args as common_parse_args
 
 POLICIES = ("1", "all")  # MINILLM_BLAS_THREADS values compared
@@ -41,6 +42,7 @@ WORKLOADS = {  # name -> arguments after `python`
     "pytest tests/test_speculative.py": ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_speculative.py"],
 }
 BUSY_LOOP = "while True: pass"
+MAX_LOAD = 256  # busy processes --load may start
 FORWARD_TOKENS = (1, 5, 17, 64, 256)  # a decode step, verifications of K = 4 and 16, prefills
 FORWARD_CONTEXT = 100  # tokens already cached when a decode step or a verification is timed
 
@@ -112,16 +114,15 @@ def fmt_seconds(s: float, timeout: float) -> str:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m minillm bench threads", description=__doc__.splitlines()[0])
-    p.add_argument("--repeat", type=int, default=2, help="pairs per workload and load (default 2)")
-    p.add_argument("--load", type=int, default=2, help="busy processes in the loaded runs (default 2)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a run is stopped (default 300)")
+    p.add_argument("--repeat", type=count, default=2, help="pairs per workload and load (default 2)")
+    p.add_argument("--load", type=int_in(0, MAX_LOAD), default=2, help="busy processes in the loaded runs (default 2)")
+    p.add_argument("--timeout", type=positive_float, default=300.0,
+                   help="seconds before a run is stopped (default 300)")
     p.add_argument("--forwards-only", action="store_true", help="part 1 only (the forwards, in this process)")
-    p.add_argument("--workloads", default=",".join(str(i) for i in range(len(WORKLOADS))),
+    p.add_argument("--workloads", type=list_of(int_in(0, len(WORKLOADS) - 1)),
+                   default=",".join(str(i) for i in range(len(WORKLOADS))),
                    help="indices of the workloads to run: " + "; ".join(f"{i} {n}" for i, n in enumerate(WORKLOADS)))
-    args = common_parse_args(p, argv)
-    if args.repeat < 1 or args.load < 0 or args.timeout <= 0:
-        p.error("--repeat must be >= 1, --load >= 0 and --timeout > 0")
-    return args
+    return common_parse_args(p, argv)
 
 
 def main(argv=None) -> int:
@@ -131,7 +132,7 @@ def main(argv=None) -> int:
     if args.forwards_only:
         return 0
     names = list(WORKLOADS)
-    chosen = [names[int(i)] for i in args.workloads.split(",")]
+    chosen = [names[i] for i in args.workloads]
     print("\n2. the commands users run, each a new process")
     print(f"pairs of runs ({BLAS_THREADS_ENV}=1 then =all), {args.repeat} per row; seconds, median of the pairs\n")
     header = f"{'workload':36s} {'load':>5s} {'1 thread':>9s} {'all':>9s} {'all / 1':>8s}  pairs (1 | all)"
