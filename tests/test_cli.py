@@ -247,3 +247,13 @@ def test_numeric_options_out_of_range_are_usage_errors(args, message, capsys):
     assert exit_.value.code == 2
     captured = capsys.readouterr()
     assert message in captured.err.strip().splitlines()[-1] and captured.out == ""
+
+
+def test_train_refuses_an_existing_out_file_before_any_work(tmp_path, capsys):
+    """`train --out notes.txt` replaced the text file with a model: one line naming --overwrite, exit 1,
+    the file untouched."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes")
+    assert cli.main(["train", "--preset", "draft", "--steps", "2", "--out", str(notes), "--quiet"]) == 1
+    assert "notes.txt already exists: pass --overwrite" in capsys.readouterr().err
+    assert notes.read_text() == "my notes" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]

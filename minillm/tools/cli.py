@@ -22,7 +22,7 @@ def cmd_train(args) -> int:
 
     out = args.out or f"{args.preset}.npz"
     summary = train(args.preset, out, steps=args.steps, resume=args.resume, progress=not args.quiet,
-                    overwrite_shipped=args.overwrite_shipped)
+                    overwrite_shipped=args.overwrite_shipped, overwrite=args.overwrite)
     print(
         f"{args.preset}: {summary['params']:,} params, {summary['steps']} steps, "
         f"val loss {summary['val_loss']:.4f} nats/char, "
@@ -227,7 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=["target", "draft"], required=True)
     p.add_argument("--out", help="model file to write (default: <preset>.npz in the working directory)")
     p.add_argument("--steps", type=positive_int, help="total optimizer steps (default: the preset's)")
-    p.add_argument("--resume", action="store_true", help="continue from <out>.train.npz")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from <out>.train.npz (or write the model of a run that finished training)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace <out> and its <out>.train.npz, <out>.log.json if they exist")
     p.add_argument("--overwrite-shipped", action="store_true",
                    help="allow --out to be a model shipped in the package (replaces it)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
