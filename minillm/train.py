@@ -342,12 +342,13 @@ def check_run_files(files: list, overwrite: bool, resume: bool) -> None:
         check_destination(path, overwrite or resume)
 
 
-def load_state_file(path) -> tuple[dict, dict]:
-    """``read_npz`` of a training state, refused (one line) when the file is something else (a model)."""
+def read_state(path, fmt: str = "minillm-train-state-1") -> tuple[dict, dict]:
+    """``read_npz`` of a run's state file of format ``fmt``, refused (one line) when the file is
+    something else (a model, another run's file)."""
     header, arrays = read_npz(path)
-    if header.get("format") != "minillm-train-state-1":
-        raise CheckpointError(f"{path} is not a training state (format {header.get('format')!r}); --resume "
-                              "continues from the <out>.train.npz that an interrupted run left")
+    if header.get("format") != fmt:
+        raise CheckpointError(f"{path} is not a training state ({fmt}, found {header.get('format')!r}); "
+                              "--resume continues from the files an interrupted run left beside --out")
     return header, arrays
 
 
@@ -406,7 +407,7 @@ def train(
     cfg, tc = preset(preset_name, tokenizer.vocab_size)
     cfg, tc = model_config or cfg, train_config or tc
     if resume:
-        header, arrays = load_state_file(spath)
+        header, arrays = read_state(spath)
         cfg, tc = GPTConfig.from_dict(header["config"]), TrainConfig(**header["train_config"])
         model = GPT(cfg, {k[6:]: v for k, v in arrays.items() if k.startswith("param/")})
         opt = AdamW(model.params, (tc.beta1, tc.beta2), weight_decay=tc.weight_decay)

@@ -257,3 +257,55 @@ def test_train_refuses_an_existing_out_file_before_any_work(tmp_path, capsys):
     assert cli.main(["train", "--preset", "draft", "--steps", "2", "--out", str(notes), "--quiet"]) == 1
     assert "notes.txt already exists: pass --overwrite" in capsys.readouterr().err
     assert notes.read_text() == "my notes" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def start_generate(checkpoint_path, tokens="3000"):
+    """`python -m minillm generate` streaming a long text to a pipe; -> the process, once it has printed."""
+    import os
+
+    proc = subprocess.Popen([sys.executable, "-m", "minillm", "generate", "--model", checkpoint_path, "--prompt",
+                             "abc", "--max-new-tokens", tokens, "--no-cache"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    assert proc.stdout.read(5)  # the prompt and the first tokens: generation is under way
+    return proc
+
+
+@pytest.mark.host_only
+def test_ctrl_c_during_generate_is_one_line_and_exit_130(tiny_checkpoint):
+    """Ctrl-C during generate printed a KeyboardInterrupt traceback: one line, exit 130 (what the shell
+    reports for SIGINT); the text printed so far stays."""
+    import signal
+
+    proc = start_generate(tiny_checkpoint)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err.decode() and err.decode().strip().splitlines()[-1] == "interrupted"
+
+
+@pytest.mark.host_only
+def test_output_into_a_closed_pipe_ends_quietly(tiny_checkpoint):
+    """`generate | head` ended with "error: [Errno 32] Broken pipe" (exit 1): it stops quietly, with
+    the status a shell gives `yes | head` (141), and nothing on stderr."""
+    proc = start_generate(tiny_checkpoint)
+    proc.stdout.close()  # the reader goes, as head does after its lines
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=60)
+    assert proc.returncode == 141 and err == ""
+
+
+def test_generate_medusa_loads_heads_from_the_file_the_hint_names(tmp_path, capsys):
+    """The hint for a model without shipped heads named `--out HEADS.npz`, which generate could not load:
+    `--medusa-heads HEADS.npz` loads them, and greedy output is the model's own."""
+    from minillm.medusa import MedusaHeads
+    from minillm.registry import load_model
+
+    model, _ = load_model("draft")
+    MedusaHeads.init(model, 4).save(tmp_path / "heads.npz")
+    argv = ["generate", "--model", "draft", "--temperature", "0", "--max-new-tokens", "12"]
+    assert cli.main(argv) == 0
+    plain = capsys.readouterr().out
+    assert cli.main([*argv, "--speculate", "medusa", "--medusa-heads", str(tmp_path / "heads.npz")]) == 0
+    assert capsys.readouterr().out == plain
+    assert cli.main([*argv, "--speculate", "medusa"]) == 1
+    assert "then pass --medusa-heads HEADS.npz" in capsys.readouterr().err

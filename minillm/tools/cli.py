@@ -3,18 +3,23 @@
 Every mistake of the user is one line on stderr and no traceback: bad arguments give a usage error
 naming the option (exit 2); errors in the input or the files (an unknown character, a missing or
 corrupt checkpoint, a benchmark whose validation fails) give ``error: ...`` (exit 1). Arguments are
-checked before anything is printed.
+checked before anything is printed. Ctrl-C stops a command with one line (exit 130, what was already
+printed stays); output piped into a reader that stops early (``| head``) ends the command quietly.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 from functools import partial
 
 from .options import chapter_list, finite_float, nonnegative_int, positive_int
 
 DEMO_DEFAULT = "demo"  # `python -m minillm [demo options]` runs the demo
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for `yes | head`
 
 
 def cmd_train(args) -> int:
@@ -80,10 +85,11 @@ def proposer(args, model):
         return LayerSkip(model, args.draft_layers or max(1, model.config.n_layer // 2))
     if args.speculate == "lookahead":
         return Lookahead()
-    path = shipped_heads_path(args.model)
-    if not path.is_file():
+    path = args.medusa_heads or shipped_heads_path(args.model)
+    if not args.medusa_heads and not path.is_file():
         raise ValueError(f"no Medusa heads ship for model {args.model!r}; train them with "
-                         f"python -m minillm medusa-train --model {args.model} --out HEADS.npz")
+                         f"python -m minillm medusa-train --model {args.model} --out HEADS.npz, "
+                         "then pass --medusa-heads HEADS.npz")
     return MedusaProposer(MedusaHeads.load(model, path))
 
 
@@ -210,6 +216,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="speculate without a draft model (chapter 9); the output is the model's own")
     p.add_argument("--draft-layers", type=positive_int, default=None,
                    help="--speculate layer-skip: the blocks the draft runs (default: half)")
+    p.add_argument("--medusa-heads", metavar="HEADS.npz", default=None,
+                   help="--speculate medusa: heads written by medusa-train (default: the heads shipped for --model)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="chat with the real model (SmolLM2-135M-Instruct), streamed, KV cache kept")
@@ -266,7 +274,16 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a reader that has gone shows here, not in the interpreter's exit
+        return code
+    except BrokenPipeError:  # the reader of our output (`| head`) has gone: stop quietly, as Unix tools do
+        with contextlib.suppress(OSError, ValueError):  # (a captured stdout has no file descriptor)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush fails no more
+        return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
