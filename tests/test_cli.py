@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from minillm import CharTokenizer, save_model
@@ -309,3 +310,13 @@ def test_generate_medusa_loads_heads_from_the_file_the_hint_names(tmp_path, caps
     assert capsys.readouterr().out == plain
     assert cli.main([*argv, "--speculate", "medusa"]) == 1
     assert "then pass --medusa-heads HEADS.npz" in capsys.readouterr().err
+
+
+def test_generate_on_a_nan_checkpoint_is_one_line(tmp_path, tiny_model, capsys):
+    """A diverged run's model printed newlines and exited 0 (NaN probabilities sample as token 0):
+    generate refuses it when loading, in one line, exit 1, before printing the prompt."""
+    tiny_model.params["wte.weight"][...] = np.nan
+    save_model(tmp_path / "nan.npz", tiny_model, CharTokenizer("abcdefghijklm"))
+    assert cli.main(["generate", "--model", str(tmp_path / "nan.npz"), "--prompt", "abc"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and "wte.weight holds non-finite values" in captured.err
