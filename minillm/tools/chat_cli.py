@@ -18,7 +18,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", help="system prompt (default: the model's own)")
     p.add_argument("--temperature", type=finite_float, default=0.2, help="0 = greedy (default 0.2)")
     p.add_argument("--top-p", type=finite_float, default=0.9, help="nucleus sampling mass (default 0.9)")
-    p.add_argument("--max-new-tokens", type=positive_int, default=256, help="longest reply in tokens (default 256)")
+    p.add_argument("--max-new-tokens", type=nonnegative_int, default=256, help="longest reply in tokens (default 256)")
     p.add_argument("--context", type=positive_int, help="KV cache length in tokens (default: the model's context)")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="sampling seed (default 0)")
     p.add_argument("--prompt", help="answer this one message and exit (no interactive loop)")
