@@ -24,6 +24,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", help="answer this one message and exit (no interactive loop)")
 
 
+def check_message(text: str, option: str) -> str:
+    """A message given on the command line must have some text; ValueError naming the option."""
+    if not text.strip():
+        raise ValueError(f"{option} is empty: give the message to answer")
+    return text
+
+
 def run(args, loader=load_model, read=input) -> int:
     """Check the options (ValueError, before loading anything), load the model, chat.
 
@@ -32,8 +39,8 @@ def run(args, loader=load_model, read=input) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     SamplingSettings(args.temperature, None, args.top_p)  # refuses bad values before the model loads
-    if args.prompt is not None and not args.prompt.strip():
-        raise ValueError("--prompt is empty: give the message to answer")
+    if args.prompt is not None:
+        check_message(args.prompt, "--prompt")
     model, tokenizer = loader(args.model)
     chat = Chat(model, tokenizer, system=args.system, max_len=args.context, seed=args.seed)
 

@@ -106,13 +106,15 @@ def draft_free_generate(model, prompt, max_new_tokens, proposer, cache, on_token
 def cmd_info(args) -> int:
     from .. import backend
     from ..checkpoint import SHIPPED, CheckpointError, load_model, model_notes, shipped_path
-    from ..registry import SMOLLM2, smollm2_path
+    from ..registry import SMOLLM2, gguf_path
 
     print(f"minillm {__import__('minillm').__version__}")
     print(f"backend: {backend.BACKEND_REASON}")
     if backend.CUPY_PROBLEM:
         print(f"WARNING: running on NumPy because {backend.CUPY_PROBLEM}; for the GPU: {backend.GPU_INSTALL_HINT}")
-    print(f"GPU: {'yes' if backend.is_gpu() else 'no'}")
+    stand_in = backend.is_gpu() and not backend.is_cupy()
+    stand_in = " (the strict stand-in plays a device: NumPy computes)" if stand_in else ""
+    print(f"GPU: {'yes' if backend.is_cupy() else 'no'}{stand_in}")
     print(f"runtime: {backend.runtime_summary()}")
     for name in SHIPPED:
         path = shipped_path(name)
@@ -129,7 +131,7 @@ def cmd_info(args) -> int:
             f"val loss {val} nats/char, {path.stat().st_size / 1e6:.1f} MB on disk"
         )
     try:
-        path = smollm2_path()
+        path = gguf_path(SMOLLM2)  # checked byte for byte: a damaged file is not "available"
         print(f"model {SMOLLM2}: SmolLM2-135M-Instruct (Llama, 4-bit GGUF), {path.stat().st_size / 1e6:.1f} MB "
               f"at {path}")
     except CheckpointError as exc:

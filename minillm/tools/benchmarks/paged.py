@@ -204,17 +204,15 @@ def plot_memory(rows, out_dir):
 
 
 def load_target(name: str):
-    """The shipped target model and its tokenizer, or random weights of its shape (--model random)."""
-    from ...checkpoint import CheckpointError, load_model
+    """The model ``name`` names and its tokenizer, or random weights of the target's shape (--model
+    random); a model that cannot be loaded is an error (CheckpointError), not random weights."""
+    from ...checkpoint import load_model
     from ...model import GPT
     from ...tokenizer import CharTokenizer
 
     if name != "random":
-        try:
-            model, tok = load_model(name)
-            return model, tok, name
-        except CheckpointError as exc:
-            print(f"({exc}; using random weights of the target's shape)")
+        model, tok = load_model(name)
+        return model, tok, name
     text = (Path(__file__).resolve().parent.parent / "data" / "shakespeare.txt").read_text()
     return GPT.init(GPTConfig(84, 256, 6, 4, 256), seed=0), CharTokenizer.from_text(text), "random"
 
@@ -365,6 +363,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--no-plots", action="store_true")
     args = parse_args(ap, argv)
     page_sizes = args.page_sizes
+    if not args.no_ttft:
+        model, tok, label = load_target(args.model)  # a model that cannot load: one line, before any table
 
     prompts, outputs = make_workload(args.requests, args.max_len, args.mean_prompt, args.mean_output,
                                      args.seed)
@@ -383,7 +383,6 @@ def main(argv: list[str]) -> int:
     paths = [] if args.no_plots else plot_memory(rows, figure_dir(args))
 
     if not args.no_ttft:
-        model, tok, label = load_target(args.model)
         print(f"\nprefix caching, {label} model: system prompt {len(tok.encode(SYSTEM_PROMPT))} tokens, "
               f"greedy, {args.new_tokens} new tokens, page size {args.ttft_page_size}, "
               f"median of {args.repeat}")
