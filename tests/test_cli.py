@@ -295,7 +295,7 @@ def test_output_into_a_closed_pipe_ends_quietly(tiny_checkpoint):
     assert proc.returncode == 141 and err == ""
 
 
-def test_generate_medusa_loads_heads_from_the_file_the_hint_names(tmp_path, capsys):
+def test_generate_speculate_medusa_loads_heads_from_the_file_the_hint_names(tmp_path, capsys):
     """The hint for a model without shipped heads named `--out HEADS.npz`, which generate could not load:
     `--medusa-heads HEADS.npz` loads them, and greedy output is the model's own."""
     from minillm.medusa import MedusaHeads
