@@ -268,7 +268,7 @@ def test_chat_command_answers_with_the_real_model():
     assert "TTFT" in r.stderr and "tokens/s" in r.stderr
 
 
-def test_chat_with_a_model_that_is_not_a_chat_model_is_one_line(capsys):
+def test_chat_refuses_a_model_that_is_not_a_chat_model(capsys):
     """`chat --model target` died with AttributeError (no apply_chat_template): one line saying the model
     is not a chat model, exit 1."""
     from minillm.tools import cli

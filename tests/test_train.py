@@ -282,7 +282,7 @@ def test_training_run_refuses_existing_files_unless_overwrite(tmp_path):
     assert json.loads((tmp_path / "m.log.json").read_text())["steps"] == 6
 
 
-def test_training_run_checks_its_destination_before_step_1(tmp_path, monkeypatch):
+def test_destination_is_checked_before_step_1(tmp_path, monkeypatch):
     """`--out` a directory failed only after training, a read-only folder at the first checkpoint:
     both are refused before any step runs."""
     def no_step(*args):
@@ -334,7 +334,7 @@ def test_training_run_resume_finishes_a_crashed_export(tmp_path, monkeypatch):
         tr.train("draft", tmp_path / "m.npz", resume=True, progress=False)
 
 
-def test_training_run_resume_from_a_model_file_is_one_line(tmp_path, tiny_model):
+def test_resume_from_a_model_file_is_one_line(tmp_path, tiny_model):
     """--resume with a model where the training state should be raised KeyError 'train_config'."""
     from minillm import CharTokenizer, save_model
 
