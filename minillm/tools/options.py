@@ -2,8 +2,9 @@
 when it is parsed, and a bad one is a usage error that names the option (exit 2), not a traceback.
 
 Every numeric option of every command uses one of these types (tests/test_cli.py walks the parsers
-and refuses a raw ``int`` or ``float``): a float is always finite (no nan, no inf), and a count
-that sizes memory or a loop has an upper bound as well as a lower one.
+and refuses a raw ``int`` or ``float``): a float is always finite (no nan, no inf), every value is
+checked against its range, and a value that sizes memory up front (a KV pool's blocks) has an upper
+bound as well as a lower one.
 """
 
 from __future__ import annotations
