@@ -55,6 +55,9 @@ class Chat:
     """
 
     def __init__(self, model, tokenizer, system: str | None = None, max_len: int | None = None, seed: int = 0):
+        if not hasattr(tokenizer, "apply_chat_template"):
+            raise ValueError(f"this model is not a chat model: its tokenizer ({type(tokenizer).__name__}) has no "
+                             f"chat template; chat with {DEFAULT_MODEL}, or continue text with generate")
         self.model, self.tokenizer, self.system = model, tokenizer, system
         self.cache = KVCache(model.config, max_len=max_len)
         self.rng = np.random.default_rng(seed)

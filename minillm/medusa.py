@@ -39,6 +39,7 @@ from .checkpoint import (
     SHIPPED_DIR,
     CheckpointError,
     atomic_save_npz,
+    check_finite,
     check_not_shipped,
     encode_header,
     read_npz,
@@ -144,6 +145,7 @@ class MedusaHeads:
         if header.get("format") != HEADS_FORMAT:
             raise CheckpointError(f"{path} is not a Medusa heads file (format {header.get('format')!r})")
         check_same_model(header.get("model", {}), model_identity(model), path)
+        check_finite(arrays, path)
         return cls(model, arrays)
 
 

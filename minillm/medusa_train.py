@@ -24,18 +24,19 @@ from .checkpoint import (
     HEADER_KEY,
     atomic_save_npz,
     encode_header,
-    read_npz,
 )
 from .data import corpus_tokenizer, train_val_split
 from .medusa import MedusaHeads, check_n_heads, check_same_model, head_count, head_residual, model_identity
 from .train import (
     AdamW,
     TrainConfig,
+    check_step,
     clip_grad_norm,
     cross_entropy_backward,
     cross_entropy_forward,
     linear_backward,
     lr_at,
+    read_state,
 )
 
 LOSS_DECAY = 0.8  # head k's loss weight is LOSS_DECAY ** k
@@ -208,7 +209,8 @@ def train_heads(model, sequences, n_heads: int = 4, starts=None, tc: TrainConfig
     ``heads_forward_backward``, clips and takes an AdamW step (cosine schedule, ``train.lr_at``).
     held_out: (h, targets) scored every tc.eval_every steps. state_path: the training state (heads,
     AdamW moments, step, generator, history) is saved there atomically every tc.ckpt_every steps;
-    ``resume`` continues from it.
+    ``resume`` continues from it (a state already at tc.max_steps comes back as it is, for a crashed
+    export to be finished). ValueError as soon as the loss diverges (``train.check_step``).
     """
     from tqdm import tqdm
 
@@ -219,7 +221,7 @@ def train_heads(model, sequences, n_heads: int = 4, starts=None, tc: TrainConfig
     rng, start, history, elapsed0 = np.random.default_rng(tc.seed), 0, [], 0.0
     if resume and Path(state_path).exists():  # (a run stopped before its first checkpoint starts over)
         start, history, elapsed0 = load_state(state_path, model, heads, opt, rng)
-    if start >= tc.max_steps:
+    if start > tc.max_steps or (start == tc.max_steps and not resume):
         raise ValueError(f"{state_path} is already at step {start} of {tc.max_steps}: nothing to train")
     t0 = time.perf_counter()
     bar = tqdm(range(start, tc.max_steps), initial=start, total=tc.max_steps, disable=not progress,
@@ -227,7 +229,7 @@ def train_heads(model, sequences, n_heads: int = 4, starts=None, tc: TrainConfig
     for step in bar:
         rows = xp.asarray(rng.integers(0, len(h), size=tc.batch_size))
         loss, losses, grads = heads_forward_backward(heads.params, model.lm_head, h[rows], targets[rows])
-        clip_grad_norm(grads, tc.grad_clip)
+        check_step(loss, clip_grad_norm(grads, tc.grad_clip), step + 1)
         opt.step(heads.params, grads, lr_at(step, tc))
         record = {"step": step + 1, "loss": round(loss, 4), "head_losses": [round(x, 4) for x in losses],
                   "elapsed_s": round(elapsed0 + time.perf_counter() - t0, 1)}
@@ -264,14 +266,14 @@ def save_text(path, parts: dict) -> None:
 
 def load_text(path) -> dict:
     """``save_text``'s file -> {name: (sequences, starts)}."""
-    header, arrays = read_npz(path)
+    header, arrays = read_state(path, "minillm-medusa-text-1")
     return {name: (np.split(arrays[f"{name}/ids"], np.cumsum(arrays[f"{name}/lengths"])[:-1]), starts)
             for name, starts in header["starts"].items()}
 
 
 def load_state(path, model, heads, opt, rng):
     """Restore heads, AdamW and the generator from ``save_state``'s file -> (step, history, elapsed_s)."""
-    header, arrays = read_npz(path)
+    header, arrays = read_state(path, "minillm-medusa-train-1")
     check_same_model(header["model"], model_identity(model), path)
     for name in heads.params:
         heads.params[name][...] = xp.asarray(arrays[f"param/{name}"])

@@ -10,6 +10,11 @@
 greedy. ``next_tokens`` does it for a batch of rows with one transfer to the host (a GPU waits once
 per step, not once per row). ``logits_to_probs(logits, temperature=..., ...)`` is step 1 for one-off use.
 
+Every path refuses logits that are not finite (``check_finite_rows``: a row whose maximum is nan,
++inf or -inf, as a diverged model gives), where a sampler would otherwise turn NaN probabilities
+into token 0 forever. The check is one row maximum the sampler computes anyway, and no extra
+transfer from the device.
+
 Keeping them apart matters for speculative decoding, which compares the draft's and the target's
 probability vectors *after* the same transform. Sampling runs on the host in float64: the vectors
 are small (V entries per row) and float64 keeps the statistical tests honest.
@@ -70,8 +75,9 @@ class SamplingSettings:
         Example: logits [2, 1, 0], top_k=2 -> [0.731, 0.269, 0].
         """
         logits = to_numpy(logits).astype(np.float64)
+        best = check_finite_rows(checked_argmax(logits))
         if self.greedy:  # one-hot at the argmax (not np.eye(V)[argmax]: that builds a V x V matrix)
-            return (np.arange(logits.shape[-1]) == logits.argmax(axis=-1)[..., None]).astype(np.float64)
+            return (np.arange(logits.shape[-1]) == best[..., None]).astype(np.float64)
         logits = logits / self.temperature
         if self.top_k is not None and self.top_k < logits.shape[-1]:
             logits = top_k_filter(logits, self.top_k)
@@ -85,7 +91,7 @@ class SamplingSettings:
         """One row of logits (V,) -> one token: ``sample(self.probs(logits), rng)``, except that
         greedy decoding takes the argmax directly; it needs no probability vector."""
         if self.greedy:
-            return int(logits.argmax())
+            return int(check_finite_rows(to_numpy(checked_argmax(logits))))
         return sample(self.probs(logits), rng)
 
 
@@ -96,8 +102,27 @@ def next_tokens(logits, settings, rngs) -> list[int]:
     (Calling next_token per device row would wait for the device B times per step.)
     """
     if all(s.greedy for s in settings):
-        return to_numpy(logits.argmax(axis=-1)).tolist()
+        return check_finite_rows(to_numpy(checked_argmax(logits))).tolist()
     return [s.next_token(row, rng) for s, row, rng in zip(settings, to_numpy(logits), rngs)]
+
+
+NOT_FINITE = -1  # what checked_argmax gives for a row whose maximum is not finite
+
+
+def checked_argmax(logits):
+    """(..., V) logits -> (...) the argmax of each row, NOT_FINITE where the row's maximum is nan, +inf
+    or -inf. Computed where the logits are (device or host), so it costs no extra transfer."""
+    top = logits.max(axis=-1)
+    finite = (top > -math.inf) & (top < math.inf)  # False for nan too
+    return logits.argmax(axis=-1) * finite + NOT_FINITE * ~finite
+
+
+def check_finite_rows(ids):
+    """``checked_argmax``'s ids on the host -> the same ids; ValueError when a row was not finite."""
+    if np.any(np.asarray(ids) == NOT_FINITE):
+        raise ValueError("the model's logits are not finite (nan or inf): its weights are broken, "
+                         "e.g. by a diverged training run")
+    return ids
 
 
 def logits_to_probs(logits, temperature=1.0, top_k=None, top_p=None):

@@ -29,9 +29,12 @@ from .backend import to_numpy, xp
 from .checkpoint import (
     HEADER_KEY,
     SHIPPED_DIR,
+    CheckpointError,
     atomic_save_npz,
+    check_destination,
     check_not_shipped,
     encode_header,
+    model_notes,
     read_npz,
     save_model,
 )
@@ -324,6 +327,39 @@ def state_path(out) -> Path:
     return run_file(out, ".train.npz")
 
 
+def check_step(loss: float, grad_norm: float, step: int) -> None:
+    """Stop a diverged run before it saves anything: ValueError when the loss or the gradient norm
+    of ``step`` is not finite (the weights would be NaN from this step on)."""
+    if not (math.isfinite(loss) and math.isfinite(grad_norm)):
+        raise ValueError(f"training diverged at step {step}: loss {loss}, gradient norm {grad_norm}; "
+                         "nothing was saved from this step on (try a lower learning rate)")
+
+
+def check_run_files(files: list, overwrite: bool, resume: bool) -> None:
+    """Before step 1: every file a run writes can be written, and none exists unless ``overwrite`` or
+    ``resume`` (a resumed run writes its own files again); stale temp files of each are removed."""
+    for path in files:
+        check_destination(path, overwrite or resume)
+
+
+def read_state(path, fmt: str = "minillm-train-state-1") -> tuple[dict, dict]:
+    """``read_npz`` of a run's state file of format ``fmt``, refused (one line) when the file is
+    something else (a model, another run's file)."""
+    header, arrays = read_npz(path)
+    if header.get("format") != fmt:
+        raise CheckpointError(f"{path} is not a training state ({fmt}, found {header.get('format')!r}); "
+                              "--resume continues from the files an interrupted run left beside --out")
+    return header, arrays
+
+
+def already_exported(out, history) -> bool:
+    """Whether ``out`` holds the model of this run's last state (its notes carry the same history)."""
+    try:
+        return model_notes(out).get("history") == history
+    except CheckpointError:
+        return False
+
+
 def save_state(path, model, opt, tc, step, rng, history, elapsed):
     header = {
         "format": "minillm-train-state-1",
@@ -350,23 +386,28 @@ def train(
     model_config: GPTConfig | None = None,
     progress: bool = True,
     overwrite_shipped: bool = False,
+    overwrite: bool = False,
 ) -> dict:
     """Train a preset (or explicit configs) for ``steps`` optimizer steps in all (default: the
     preset's) and write the model to ``out``; -> summary dict. ValueError, before any work, for
-    steps < 1, a resumed run already at ``steps``, or ``out`` being a shipped model (unless
-    ``overwrite_shipped``)."""
+    steps < 1, a resumed run already at ``steps`` whose model is written, ``out`` being a shipped
+    model (unless ``overwrite_shipped``), or any file of the run (``out``, its state, its log)
+    existing (unless ``overwrite``; a resumed run reuses its own) or not writable. A resumed run whose
+    last state is complete but whose model was never written (a crash in the final export) exports it.
+    ValueError as soon as the loss diverges (``check_step``)."""
     from tqdm import tqdm
 
     check_not_shipped(out, overwrite_shipped)
     if steps is not None and steps < 1:
         raise ValueError(f"steps must be >= 1, got {steps}")
+    spath = state_path(out)
+    check_run_files([out, spath, run_file(out, ".log.json")], overwrite or overwrite_shipped, resume)
     tokenizer = corpus_tokenizer()
     train_data, val_data = train_val_split(tokenizer)
     cfg, tc = preset(preset_name, tokenizer.vocab_size)
     cfg, tc = model_config or cfg, train_config or tc
-    spath = state_path(out)
     if resume:
-        header, arrays = read_npz(spath)
+        header, arrays = read_state(spath)
         cfg, tc = GPTConfig.from_dict(header["config"]), TrainConfig(**header["train_config"])
         model = GPT(cfg, {k[6:]: v for k, v in arrays.items() if k.startswith("param/")})
         opt = AdamW(model.params, (tc.beta1, tc.beta2), weight_decay=tc.weight_decay)
@@ -384,7 +425,8 @@ def train(
         rng = np.random.default_rng(tc.seed)
     if steps is not None:
         tc = replace(tc, max_steps=steps)
-    if start >= tc.max_steps:
+    export_only = start == tc.max_steps and not already_exported(out, history)  # the final export crashed
+    if start >= tc.max_steps and not export_only:
         raise ValueError(f"{spath} is already at step {start} of {tc.max_steps}: nothing to train")
 
     t0 = time.perf_counter()
@@ -395,6 +437,7 @@ def train(
         idx, targets = get_batch(train_data, tc.batch_size, cfg.block_size, rng)
         loss, grads = forward_backward(model.params, cfg, idx, targets)
         norm = clip_grad_norm(grads, tc.grad_clip)
+        check_step(loss, norm, step + 1)
         opt.step(model.params, grads, lr)
         record = {"step": step + 1, "loss": round(loss, 4), "lr": lr, "grad_norm": round(norm, 3)}
         last = step + 1 == tc.max_steps

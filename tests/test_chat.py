@@ -305,3 +305,13 @@ def test_chat_command_answers_with_the_real_model():
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "TTFT" in r.stderr and "tokens/s" in r.stderr
+
+
+def test_chat_refuses_a_model_that_is_not_a_chat_model(capsys):
+    """`chat --model target` died with AttributeError (no apply_chat_template): one line saying the model
+    is not a chat model, exit 1."""
+    from minillm.tools import cli
+
+    assert cli.main(["chat", "--model", "target", "--prompt", "hello"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is not a chat model" in err and "Traceback" not in err

@@ -102,3 +102,55 @@ def test_a_text_file_or_a_folder_is_not_a_checkpoint(tmp_path):
     assert "allow_pickle" not in one_line(exc_info)
     with pytest.raises(CheckpointError, match="is a directory, not a checkpoint file"):
         load_model(tmp_path)
+
+
+def test_files_are_written_with_the_users_umask_not_0600(tmp_path, tiny_model):
+    """mkstemp makes its temp file 0o600, and the rename kept that mode: a model the user saved could
+    not be read by their group. A written file gets 0o666 less the umask, as open() would give it."""
+    old = checkpoint.os.umask(0o022)
+    try:
+        save_model(tmp_path / "m.npz", tiny_model, CharTokenizer("abcdefghijklm"))
+    finally:
+        checkpoint.os.umask(old)
+    assert (tmp_path / "m.npz").stat().st_mode & 0o777 == 0o644
+
+
+def test_stale_temp_files_of_one_destination_are_removed(tmp_path):
+    """A writer killed mid-write (kill -9) leaves m.npz.<8 chars>.tmp behind; remove_stale_temps(m.npz)
+    deletes those, and only those: not another file's temp files, not a name of another pattern."""
+    names = ["m.npz.ab_cd123.tmp", "m.npz.x1y2z3w4.tmp", "other.npz.ab_cd123.tmp", "m.npz.notes.tmp", "m.npz"]
+    for name in names:
+        (tmp_path / name).write_text("x")
+    removed = checkpoint.remove_stale_temps(tmp_path / "m.npz")
+    assert sorted(p.name for p in removed) == ["m.npz.ab_cd123.tmp", "m.npz.x1y2z3w4.tmp"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.npz", "m.npz.notes.tmp", "other.npz.ab_cd123.tmp"]
+
+
+def test_declared_shapes_are_checked_before_any_array_is_read(tmp_path, tiny_model, monkeypatch):
+    """A small compressed file whose wte declares a huge shape (here 13 x 2,000,000 zeros, 40 kB on
+    disk, 104 MB once read) was decompressed in full before the model refused it: the member headers
+    are checked against the config first, and no array is read."""
+    save_model(tmp_path / "good.npz", tiny_model, CharTokenizer("abcdefghijklm"))
+    header, arrays = read_npz(tmp_path / "good.npz")
+    arrays["wte.weight"] = np.zeros((13, 2_000_000), dtype=np.float32)
+    bomb = tmp_path / "bomb.npz"
+    np.savez_compressed(bomb, **arrays, **{HEADER_KEY: encode_header(header)})
+    assert bomb.stat().st_size < 1_000_000
+
+    def no_reading(self, key):
+        raise AssertionError(f"read {key} before checking the shapes")
+
+    monkeypatch.setattr(np.lib.npyio.NpzFile, "__getitem__", no_reading)
+    with pytest.raises(CheckpointError) as exc_info:
+        load_model(bomb)
+    assert "wte.weight declares shape (13, 2000000)" in one_line(exc_info) and "bomb.npz" in str(exc_info.value)
+
+
+def test_non_finite_weights_are_refused_when_loading(tmp_path, tiny_model):
+    """A diverged run's model (NaN weights) loaded silently, and generate printed token 0 forever:
+    loading refuses it, naming the file and the weight."""
+    tiny_model.params["h.0.mlp.c_fc.weight"][0, 0] = np.nan
+    save_model(tmp_path / "nan.npz", tiny_model, CharTokenizer("abcdefghijklm"))
+    with pytest.raises(CheckpointError) as exc_info:
+        load_model(tmp_path / "nan.npz")
+    assert "h.0.mlp.c_fc.weight holds non-finite values" in one_line(exc_info) and "nan.npz" in str(exc_info.value)

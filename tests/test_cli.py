@@ -3,6 +3,7 @@
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from minillm import CharTokenizer, save_model
@@ -198,3 +199,190 @@ def test_generate_speculate_prints_the_models_own_text(capsys):
 def test_generate_medusa_without_shipped_heads_is_one_line(capsys):
     assert cli.main(["generate", "--model", "draft", "--speculate", "medusa", "--max-new-tokens", "3"]) == 1
     assert "no Medusa heads ship for model 'draft'" in capsys.readouterr().err
+
+
+class ParserBuilt(Exception):
+    """Raised instead of parsing: carries the parser a command built."""
+
+
+def every_parser(monkeypatch) -> list:
+    """The parsers of every command: the CLI's (with its subcommands), each benchmark's, the GPU check's,
+    the chat's, the demo's and the serve-demo's, each caught when its command starts to parse."""
+    import argparse
+    import importlib
+
+    from minillm.tools import chat_cli, demo, gpu_check
+    from minillm.tools.benchmarks import TOPICS
+    from minillm.tools.benchmarks import serving as serving_bench
+
+    def caught(self, args=None, namespace=None):
+        raise ParserBuilt(self)
+
+    parsers = [cli.build_parser()]
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_known_args", caught)
+    mains = [importlib.import_module(m).main for m in TOPICS.values()]
+    for main in [*mains, gpu_check.main, chat_cli.main, demo.main, serving_bench.demo]:
+        with pytest.raises(ParserBuilt) as built:
+            main([])
+        parsers.append(built.value.args[0])
+    found, todo = [], list(parsers)
+    while todo:
+        parser = todo.pop()
+        found.append(parser)
+        for action in parser._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                todo.extend(action.choices.values())
+    return found
+
+
+@pytest.mark.host_only
+def test_every_numeric_option_is_checked_when_parsed(monkeypatch):
+    """No option of any command takes a raw int or float (`--rate nan` spun forever, `--timeout nan`
+    passed, `--temperature nan` reached the model, `--num-blocks 1e11` built a 7.6 GB free list): each
+    numeric option has a checked type from minillm.tools.options, which refuses nan."""
+    import argparse
+
+    parsers = every_parser(monkeypatch)
+    assert len(parsers) > 20
+    raw = []
+    for parser in parsers:
+        for action in parser._actions:
+            name = f"{parser.prog} {'/'.join(action.option_strings) or action.dest}"
+            numeric = isinstance(action.default, (int, float)) and not isinstance(action.default, bool)
+            if action.type in (int, float) or (numeric and action.type is None and action.nargs != 0):
+                raw.append(name)
+            elif numeric:
+                with pytest.raises(argparse.ArgumentTypeError):
+                    action.type("nan")
+    assert raw == [], f"numeric options without a checked type: {raw}"
+
+
+@pytest.mark.host_only
+@pytest.mark.parametrize("args,message", [
+    (["serve-demo", "--rate", "nan"], "argument --rate: must be a finite number"),
+    (["serve-demo", "--num-blocks", "100000000000"], "argument --num-blocks: must be <= 65536"),
+    (["chat", "--temperature", "nan"], "argument --temperature: must be a finite number"),
+    (["chat", "--seed", "-1"], "argument --seed: must be >= 0, got -1"),
+    (["bench", "serving", "--rate", "nan"], "argument --rate: must be a finite number"),
+    (["bench", "threads", "--timeout", "nan"], "argument --timeout: must be a finite number"),
+    (["bench", "speculative", "--prompts", "0"], "argument --prompts: must be >= 1, got 0"),
+    (["bench", "lookahead", "--tokens", "0"], "argument --tokens: must be >= 1, got 0"),
+    (["bench", "speculative", "--temperatures", "0,nan"], "argument --temperatures: must be a finite number"),
+])
+def test_numeric_options_out_of_range_are_usage_errors(args, message, capsys):
+    """Values that spun forever, grew memory without end or divided by zero: a usage error (exit 2)
+    before anything runs."""
+    with pytest.raises(SystemExit) as exit_:
+        cli.main(args)
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    assert message in captured.err.strip().splitlines()[-1] and captured.out == ""
+
+
+def test_train_refuses_an_existing_out_file_before_any_work(tmp_path, capsys):
+    """`train --out notes.txt` replaced the text file with a model: one line naming --overwrite, exit 1,
+    the file untouched."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes")
+    assert cli.main(["train", "--preset", "draft", "--steps", "2", "--out", str(notes), "--quiet"]) == 1
+    assert "notes.txt already exists: pass --overwrite" in capsys.readouterr().err
+    assert notes.read_text() == "my notes" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+
+
+def start_generate(checkpoint_path, tokens="3000"):
+    """`python -m minillm generate` streaming a long text to a pipe; -> the process, once it has printed."""
+    import os
+
+    proc = subprocess.Popen([sys.executable, "-m", "minillm", "generate", "--model", checkpoint_path, "--prompt",
+                             "abc", "--max-new-tokens", tokens, "--no-cache"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+    assert proc.stdout.read(5)  # the prompt and the first tokens: generation is under way
+    return proc
+
+
+@pytest.mark.host_only
+def test_ctrl_c_during_generate_is_one_line_and_exit_130(tiny_checkpoint):
+    """Ctrl-C during generate printed a KeyboardInterrupt traceback: one line, exit 130 (what the shell
+    reports for SIGINT); the text printed so far stays."""
+    import signal
+
+    proc = start_generate(tiny_checkpoint)
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err.decode() and err.decode().strip().splitlines()[-1] == "interrupted"
+
+
+@pytest.mark.host_only
+def test_output_into_a_closed_pipe_ends_quietly(tiny_checkpoint):
+    """`generate | head` ended with "error: [Errno 32] Broken pipe" (exit 1): it stops quietly, with
+    the status a shell gives `yes | head` (141), and nothing on stderr."""
+    proc = start_generate(tiny_checkpoint)
+    proc.stdout.close()  # the reader goes, as head does after its lines
+    err = proc.stderr.read().decode()
+    proc.wait(timeout=60)
+    assert proc.returncode == 141 and err == ""
+
+
+def test_generate_speculate_medusa_loads_heads_from_the_file_the_hint_names(tmp_path, capsys):
+    """The hint for a model without shipped heads named `--out HEADS.npz`, which generate could not load:
+    `--medusa-heads HEADS.npz` loads them, and greedy output is the model's own."""
+    from minillm.medusa import MedusaHeads
+    from minillm.registry import load_model
+
+    model, _ = load_model("draft")
+    MedusaHeads.init(model, 4).save(tmp_path / "heads.npz")
+    argv = ["generate", "--model", "draft", "--temperature", "0", "--max-new-tokens", "12"]
+    assert cli.main(argv) == 0
+    plain = capsys.readouterr().out
+    assert cli.main([*argv, "--speculate", "medusa", "--medusa-heads", str(tmp_path / "heads.npz")]) == 0
+    assert capsys.readouterr().out == plain
+    assert cli.main([*argv, "--speculate", "medusa"]) == 1
+    assert "then pass --medusa-heads HEADS.npz" in capsys.readouterr().err
+
+
+def test_generate_on_a_nan_checkpoint_is_one_line(tmp_path, tiny_model, capsys):
+    """A diverged run's model printed newlines and exited 0 (NaN probabilities sample as token 0):
+    generate refuses it when loading, in one line, exit 1, before printing the prompt."""
+    tiny_model.params["wte.weight"][...] = np.nan
+    save_model(tmp_path / "nan.npz", tiny_model, CharTokenizer("abcdefghijklm"))
+    assert cli.main(["generate", "--model", str(tmp_path / "nan.npz"), "--prompt", "abc"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == "" and "wte.weight holds non-finite values" in captured.err
+
+
+def test_info_says_no_gpu_under_the_strict_stand_in():
+    """`info` said "GPU: yes" under MINILLM_BACKEND=strict, where NumPy computes."""
+    import os
+
+    r = subprocess.run([sys.executable, "-m", "minillm", "info"], capture_output=True, text=True, timeout=300,
+                       env=os.environ | {"MINILLM_BACKEND": "strict"})
+    assert r.returncode == 0, r.stderr
+    assert "GPU: no (the strict stand-in" in r.stdout
+
+
+def test_info_lists_a_damaged_smollm2_file_as_unavailable(tmp_path, monkeypatch, capsys):
+    """A corrupt SmolLM2 file was listed as available (info only checked that it existed)."""
+    from minillm import registry
+
+    damaged = tmp_path / "model.gguf"
+    damaged.write_bytes(b"GGUF" + bytes(100))
+    monkeypatch.setattr(registry, "smollm2_path", lambda: damaged)
+    assert cli.main(["info"]) == 0
+    line = [s for s in capsys.readouterr().out.splitlines() if s.startswith("model smollm2")][0]
+    assert "unavailable" in line and "model.gguf has 104 bytes" in line
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["bench", "paged", "--model", "/nope.npz", "--no-plots"], "checkpoint not found: /nope.npz"),
+    (["demo", "--question", " "], "--question is empty"),
+    (["bench", "speculative", "--prompt-len", "100000", "--no-plot"], "longer than the model's context (256 tokens)"),
+])
+def test_bad_inputs_are_one_line_before_any_work(argv, message, capsys):
+    """`bench paged --model /nope.npz` ran on random weights (exit 0); `demo --question ""` failed after
+    its header; `bench speculative --prompt-len 100000` said "max_new_tokens must be >= 0, got -99744":
+    each is one line naming the problem, exit 1, with nothing but the benchmark's runtime line before."""
+    assert cli.main(argv) == 1
+    captured = capsys.readouterr()
+    assert captured.err.count("\n") == 1 and message in captured.err
+    assert all(line.startswith(("backend ", "WARNING: the load")) for line in captured.out.splitlines()), captured.out

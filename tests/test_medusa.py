@@ -23,7 +23,8 @@ from minillm.token_tree import tree_generate
 # with 9.1 and 9.2, lossless sampling uses chapter 5's residual, SmolLM2 runs chapter 8's Llama
 NEEDS = {
     ("3.1", "3.2", "3.3", "A1.3"): "exact_rule or greedy_identical or heads_file_for_another_model or proposer "
-                                   "or resume or training_lowers or typical_rule or heads_accuracy or keep_greedy",
+                                   "or resume or training_lowers or typical_rule or heads_accuracy or keep_greedy "
+                                   "or diverged",
     ("9.1", "9.2"): "exact_rule or greedy_identical or heads_accuracy or keep_greedy or typical_rule",
     "5.1": "exact_rule",
     ("8.1", "8.2", "8.3"): "keep_greedy",
@@ -140,6 +141,51 @@ def test_resume_continues_exactly(tmp_path):
     resumed, history = train_heads(model, text, 2, tc=tc40, state_path=state, resume=True, progress=False)
     assert len(history) == 40
     assert all(np.array_equal(whole.params[k], resumed.params[k]) for k in whole.params)
+
+
+def test_resume_of_a_finished_state_returns_it_for_the_export(tmp_path):
+    """A crash in medusa-train's export (after the last checkpoint) could never be resumed ("already at
+    step 20 of 20"): resuming a finished state gives back its heads and history, for the command to save."""
+    model = peaked_model(13, 32)
+    text = own_text(model, 6, 32)
+    tc20 = TINY_TRAIN.__class__(**{**TINY_TRAIN.__dict__, "max_steps": 20, "ckpt_every": 10})
+    state = tmp_path / "heads.medusa-train.npz"
+    heads, history = train_heads(model, text, 2, tc=tc20, state_path=state, progress=False)
+    again, history_again = train_heads(model, text, 2, tc=tc20, state_path=state, resume=True, progress=False)
+    assert history_again == history
+    assert all(np.array_equal(heads.params[k], again.params[k]) for k in heads.params)
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
+def test_diverged_heads_training_stops_with_one_line(tmp_path):
+    """lr 1e4 made NaN heads that were saved without a word: training stops at the first non-finite
+    loss or gradient norm, and the state saved before it is the last one written."""
+    model = peaked_model(13, 32)
+    tc = TINY_TRAIN.__class__(**{**TINY_TRAIN.__dict__, "max_steps": 60, "ckpt_every": 60, "lr": 1e4,
+                                 "warmup_steps": 1})
+    with pytest.raises(ValueError, match="training diverged at step"):
+        train_heads(model, own_text(model, 6, 32), 2, tc=tc, state_path=tmp_path / "s.npz", progress=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("existing", ["h.npz", "h.medusa-train.npz", "h.medusa-text.npz", "h.log.json"])
+def test_command_refuses_existing_files_unless_overwrite(existing, tmp_path):
+    """medusa-train replaced any file at --out and beside it: each existing one is refused before any
+    work (the model is not even loaded) unless --overwrite; the state files may be reused by --resume."""
+    import argparse
+
+    from minillm.tools.medusa_cli import add_arguments, run
+
+    (tmp_path / existing).write_text("mine")
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    args = p.parse_args(["--out", str(tmp_path / "h.npz"), "--model", "no-such-model"])
+    with pytest.raises(ValueError, match=f"{existing} already exists: pass --overwrite"):
+        run(args)
+    for flag in ("--overwrite", "--resume"):
+        with pytest.raises(CheckpointError, match="unknown model 'no-such-model'"):  # past the check
+            run(p.parse_args(["--out", str(tmp_path / "h.npz"), "--model", "no-such-model", flag]))
+    assert (tmp_path / existing).read_text() == "mine"
 
 
 # ----------------------------------------------------------------------------------------------

@@ -154,3 +154,24 @@ def test_seeded_sampling_is_reproducible_and_seed_dependent():
     assert seq1 == [sample(p, g2) for _ in range(20)]
     assert seq1 != [sample(p, g3) for _ in range(20)]
     assert len(set(a)) == 1  # a fresh generator with the same seed gives the same first draw
+
+
+@pytest.mark.parametrize("bad", [np.nan, np.inf, "all -inf"])
+@pytest.mark.parametrize("temperature", [0, 0.8])
+def test_non_finite_logits_are_refused_by_every_sampler(bad, temperature):
+    """A NaN model made the sampler emit token 0 forever (NaN probabilities sample as 0, and a NaN
+    argmax is its first index): next_token, next_tokens and probs refuse a row whose maximum is not
+    finite, greedy or not; a row with some -inf (masked) logits is fine."""
+    logits = np.array([[0.5, 2.0, -np.inf, 1.0], [1.0, 0.0, 3.0, 2.0]], dtype=np.float32)
+    broken = logits.copy()  # numpy here; on a GPU backend the same rows as device arrays below
+    if bad == "all -inf":
+        broken[0] = -np.inf
+    else:
+        broken[0, 3] = bad
+    logits, broken = xp.asarray(logits), xp.asarray(broken)
+    settings, rng = SamplingSettings(temperature), np.random.default_rng(0)
+    assert settings.next_token(logits[0], rng) in (0, 1, 3) and len(next_tokens(logits, [settings] * 2, [rng] * 2)) == 2
+    for call in (lambda: settings.next_token(broken[0], rng), lambda: next_tokens(broken, [settings] * 2, [rng] * 2),
+                 lambda: settings.probs(broken)):
+        with pytest.raises(ValueError, match="logits are not finite"):
+            call()

@@ -15,7 +15,7 @@ CFG = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=8)
 EXERCISES = {"A1.1": "gelu_backward", "A1.2": "layernorm_backward", "A1.3": "adamw"}
 # Tests that run the whole training step, so they fail until these exercises are solved
 NEEDS = {("A1.1", "A1.2", "A1.3"): "gradient_check or loss_equals or float32_training or overfits or resume_continues "
-                                  "or overwrites_a_shipped or finished_run"}
+                                  "or overwrites_a_shipped or finished_run or training_run"}
 
 
 def float64_params(seed=0):
@@ -260,3 +260,93 @@ def test_resuming_a_finished_run_is_refused(tmp_path):
     tr.train("draft", tmp_path / "m.npz", steps=3, train_config=TINY_TRAIN, model_config=TINY_MODEL, progress=False)
     with pytest.raises(ValueError, match="already at step 3 of 3"):
         tr.train("draft", tmp_path / "m.npz", steps=3, resume=True, progress=False)
+
+
+def tiny_run(out, **kwargs):
+    return tr.train("draft", out, **{"train_config": TINY_TRAIN, "model_config": TINY_MODEL, "progress": False}
+                    | kwargs)
+
+
+def test_training_run_refuses_existing_files_unless_overwrite(tmp_path):
+    """`train --out notes.txt` turned a text file into a model (and its sibling .train.npz and .log.json
+    were replaced too): each existing file of the run is refused, untouched, unless overwrite=True."""
+    notes = tmp_path / "notes.txt"
+    notes.write_text("my notes")
+    with pytest.raises(ValueError, match="notes.txt already exists: pass --overwrite"):
+        tiny_run(notes)
+    assert notes.read_text() == "my notes" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
+    (tmp_path / "m.log.json").write_text("{}")
+    with pytest.raises(ValueError, match="m.log.json already exists"):
+        tiny_run(tmp_path / "m.npz")
+    tiny_run(tmp_path / "m.npz", overwrite=True)
+    assert json.loads((tmp_path / "m.log.json").read_text())["steps"] == 6
+
+
+def test_destination_is_checked_before_step_1(tmp_path, monkeypatch):
+    """`--out` a directory failed only after training, a read-only folder at the first checkpoint:
+    both are refused before any step runs."""
+    def no_step(*args):
+        raise AssertionError("a training step ran")
+
+    monkeypatch.setattr(tr, "forward_backward", no_step)
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(ValueError, match="folder is a directory"):
+        tiny_run(tmp_path / "folder")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(ValueError, match="file is not a writable folder"):
+        tiny_run(tmp_path / "file" / "m.npz")
+    readonly = tmp_path / "readonly"
+    readonly.mkdir(mode=0o555)
+    if not checkpoint.os.access(readonly, checkpoint.os.W_OK):  # root may write anywhere
+        with pytest.raises(ValueError, match="readonly is not a writable folder"):
+            tiny_run(readonly / "m.npz")
+
+
+@pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
+def test_training_run_stops_on_divergence_and_writes_no_model(tmp_path):
+    """lr 1e4 diverged and the run wrote a model of NaN weights without a word: it stops at the first
+    non-finite loss or gradient norm, saying so, and writes nothing from that step on."""
+    from dataclasses import replace
+
+    with pytest.raises(ValueError, match="training diverged at step"):
+        tiny_run(tmp_path / "m.npz", train_config=replace(TINY_TRAIN, lr=1e4, warmup_steps=1, max_steps=40,
+                                                          ckpt_every=40, eval_every=40))
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_training_run_resume_finishes_a_crashed_export(tmp_path, monkeypatch):
+    """A crash after the last checkpoint, in the final validation and export, could never be resumed
+    ("already at step 6 of 6: nothing to train", no model): --resume writes the model; after that,
+    resuming again has nothing to do."""
+    real_export = tr.export
+
+    def crashes(*args):
+        raise KeyboardInterrupt("killed in the export")
+
+    monkeypatch.setattr(tr, "export", crashes)
+    with pytest.raises(KeyboardInterrupt):
+        tiny_run(tmp_path / "m.npz")
+    assert not (tmp_path / "m.npz").exists() and (tmp_path / "m.train.npz").exists()
+    monkeypatch.setattr(tr, "export", real_export)
+    summary = tr.train("draft", tmp_path / "m.npz", resume=True, progress=False)
+    assert summary["steps"] == 6 and load_model(tmp_path / "m.npz")[0].config == TINY_MODEL
+    with pytest.raises(ValueError, match="already at step 6 of 6"):
+        tr.train("draft", tmp_path / "m.npz", resume=True, progress=False)
+
+
+def test_resume_from_a_model_file_is_one_line(tmp_path, tiny_model):
+    """--resume with a model where the training state should be raised KeyError 'train_config'."""
+    from minillm import CharTokenizer, save_model
+
+    save_model(tmp_path / "m.train.npz", tiny_model, CharTokenizer("abcdefghijklm"))
+    with pytest.raises(checkpoint.CheckpointError, match="m.train.npz is not a training state"):
+        tr.train("draft", tmp_path / "m.npz", resume=True, progress=False)
+
+
+def test_training_run_removes_its_stale_temp_files(tmp_path):
+    """kill -9 during a checkpoint write left m.train.npz.<8 chars>.tmp behind for good: the next run
+    of that destination removes them (and nothing else)."""
+    (tmp_path / "m.train.npz.k1ll3d_9.tmp").write_text("half a checkpoint")
+    (tmp_path / "keep.tmp").write_text("not ours")
+    tiny_run(tmp_path / "m.npz")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["keep.tmp", "m.log.json", "m.npz", "m.train.npz"]

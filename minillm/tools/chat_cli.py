@@ -9,17 +9,18 @@ from ..chat import COMMANDS, DEFAULT_MODEL, Chat, turn_summary
 from ..kv_cache import CacheFullError
 from ..registry import load_model
 from ..sampling import SamplingSettings
+from .options import finite_float, nonnegative_int, positive_int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The chat options, for this module's parser and for a ``chat`` subcommand of the CLI."""
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"model name or .gguf path (default {DEFAULT_MODEL})")
     p.add_argument("--system", help="system prompt (default: the model's own)")
-    p.add_argument("--temperature", type=float, default=0.2, help="0 = greedy (default 0.2)")
-    p.add_argument("--top-p", type=float, default=0.9, help="nucleus sampling mass (default 0.9)")
-    p.add_argument("--max-new-tokens", type=int, default=256, help="longest reply in tokens (default 256)")
-    p.add_argument("--context", type=int, help="KV cache length in tokens (default: the model's context)")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--temperature", type=finite_float, default=0.2, help="0 = greedy (default 0.2)")
+    p.add_argument("--top-p", type=finite_float, default=0.9, help="nucleus sampling mass (default 0.9)")
+    p.add_argument("--max-new-tokens", type=nonnegative_int, default=256, help="longest reply in tokens (default 256)")
+    p.add_argument("--context", type=positive_int, help="KV cache length in tokens (default: the model's context)")
+    p.add_argument("--seed", type=nonnegative_int, default=0, help="sampling seed (default 0)")
     p.add_argument("--prompt", help="answer this one message and exit (no interactive loop)")
 
 
@@ -33,6 +34,13 @@ def replace_bad_bytes(stream) -> None:
         stream.reconfigure(errors="replace")
 
 
+def check_message(text: str, option: str) -> str:
+    """A message given on the command line must have some text; ValueError naming the option."""
+    if not text.strip():
+        raise ValueError(f"{option} is empty: give the message to answer")
+    return text
+
+
 def run(args, loader=load_model, read=input) -> int:
     """Check the options (ValueError, before loading anything), load the model, chat.
 
@@ -42,8 +50,8 @@ def run(args, loader=load_model, read=input) -> int:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     SamplingSettings(args.temperature, None, args.top_p)  # refuses bad values before the model loads
-    if args.prompt is not None and not args.prompt.strip():
-        raise ValueError("--prompt is empty: give the message to answer")
+    if args.prompt is not None:
+        check_message(args.prompt, "--prompt")
     model, tokenizer = loader(args.model)
     chat = Chat(model, tokenizer, system=args.system, max_len=args.context, seed=args.seed)
 

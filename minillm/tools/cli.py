@@ -3,18 +3,23 @@
 Every mistake of the user is one line on stderr and no traceback: bad arguments give a usage error
 naming the option (exit 2); errors in the input or the files (an unknown character, a missing or
 corrupt checkpoint, a benchmark whose validation fails) give ``error: ...`` (exit 1). Arguments are
-checked before anything is printed.
+checked before anything is printed. Ctrl-C stops a command with one line (exit 130, what was already
+printed stays); output piped into a reader that stops early (``| head``) ends the command quietly.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 from functools import partial
 
 from .options import chapter_list, finite_float, nonnegative_int, positive_int
 
 DEMO_DEFAULT = "demo"  # `python -m minillm [demo options]` runs the demo
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
+EXIT_BROKEN_PIPE = 141  # 128 + SIGPIPE, what a shell reports for `yes | head`
 
 
 def cmd_train(args) -> int:
@@ -22,7 +27,7 @@ def cmd_train(args) -> int:
 
     out = args.out or f"{args.preset}.npz"
     summary = train(args.preset, out, steps=args.steps, resume=args.resume, progress=not args.quiet,
-                    overwrite_shipped=args.overwrite_shipped)
+                    overwrite_shipped=args.overwrite_shipped, overwrite=args.overwrite)
     print(
         f"{args.preset}: {summary['params']:,} params, {summary['steps']} steps, "
         f"val loss {summary['val_loss']:.4f} nats/char, "
@@ -84,10 +89,11 @@ def proposer(args, model):
         return LayerSkip(model, args.draft_layers or max(1, model.config.n_layer // 2))
     if args.speculate == "lookahead":
         return Lookahead()
-    path = shipped_heads_path(args.model)
-    if not path.is_file():
+    path = args.medusa_heads or shipped_heads_path(args.model)
+    if not args.medusa_heads and not path.is_file():
         raise ValueError(f"no Medusa heads ship for model {args.model!r}; train them with "
-                         f"python -m minillm medusa-train --model {args.model} --out HEADS.npz")
+                         f"python -m minillm medusa-train --model {args.model} --out HEADS.npz, "
+                         "then pass --medusa-heads HEADS.npz")
     return MedusaProposer(MedusaHeads.load(model, path))
 
 
@@ -104,13 +110,15 @@ def draft_free_generate(model, prompt, max_new_tokens, proposer, cache, on_token
 def cmd_info(args) -> int:
     from .. import backend
     from ..checkpoint import SHIPPED, CheckpointError, load_model, model_notes, shipped_path
-    from ..registry import SMOLLM2, smollm2_path
+    from ..registry import SMOLLM2, gguf_path
 
     print(f"minillm {__import__('minillm').__version__}")
     print(f"backend: {backend.BACKEND_REASON}")
     if backend.CUPY_PROBLEM:
         print(f"WARNING: running on NumPy because {backend.CUPY_PROBLEM}; for the GPU: {backend.GPU_INSTALL_HINT}")
-    print(f"GPU: {'yes' if backend.is_gpu() else 'no'}")
+    stand_in = backend.is_gpu() and not backend.is_cupy()
+    stand_in = " (the strict stand-in plays a device: NumPy computes)" if stand_in else ""
+    print(f"GPU: {'yes' if backend.is_cupy() else 'no'}{stand_in}")
     print(f"runtime: {backend.runtime_summary()}")
     for name in SHIPPED:
         path = shipped_path(name)
@@ -127,7 +135,7 @@ def cmd_info(args) -> int:
             f"val loss {val} nats/char, {path.stat().st_size / 1e6:.1f} MB on disk"
         )
     try:
-        path = smollm2_path()
+        path = gguf_path(SMOLLM2)  # checked byte for byte: a damaged file is not "available"
         print(f"model {SMOLLM2}: SmolLM2-135M-Instruct (Llama, 4-bit GGUF), {path.stat().st_size / 1e6:.1f} MB "
               f"at {path}")
     except CheckpointError as exc:
@@ -214,6 +222,8 @@ def build_parser() -> argparse.ArgumentParser:
                       help="speculate without a draft model (chapter 9); the output is the model's own")
     p.add_argument("--draft-layers", type=positive_int, default=None,
                    help="--speculate layer-skip: the blocks the draft runs (default: half)")
+    p.add_argument("--medusa-heads", metavar="HEADS.npz", default=None,
+                   help="--speculate medusa: heads written by medusa-train (default: the heads shipped for --model)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="chat with the real model (SmolLM2-135M-Instruct), streamed, KV cache kept")
@@ -231,7 +241,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--preset", choices=["target", "draft"], required=True)
     p.add_argument("--out", help="model file to write (default: <preset>.npz in the working directory)")
     p.add_argument("--steps", type=positive_int, help="total optimizer steps (default: the preset's)")
-    p.add_argument("--resume", action="store_true", help="continue from <out>.train.npz")
+    p.add_argument("--resume", action="store_true",
+                   help="continue from <out>.train.npz (or write the model of a run that finished training)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace <out> and its <out>.train.npz, <out>.log.json if they exist")
     p.add_argument("--overwrite-shipped", action="store_true",
                    help="allow --out to be a model shipped in the package (replaces it)")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -267,7 +280,16 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        return args.func(args)
+        code = args.func(args)
+        sys.stdout.flush()  # a reader that has gone shows here, not in the interpreter's exit
+        return code
+    except BrokenPipeError:  # the reader of our output (`| head`) has gone: stop quietly, as Unix tools do
+        with contextlib.suppress(OSError, ValueError):  # (a captured stdout has no file descriptor)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # the exit's flush fails no more
+        return EXIT_BROKEN_PIPE
+    except KeyboardInterrupt:
+        print("\ninterrupted", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except (ValueError, OSError, RuntimeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1

@@ -24,6 +24,7 @@ from ..registry import SMOLLM2
 from ..registry import load_model as load_any_model
 from ..sampling import SamplingSettings
 from ..speculative import speculative_generate
+from .chat_cli import check_message
 from .options import finite_float, nonnegative_int, positive_int
 
 DEFAULT_PROMPT = "ROMEO:\nBut soft, what light"
@@ -67,6 +68,8 @@ def run(args) -> int:
     """The demo with parsed options; an error in them or in the shipped models is one line, exit 1."""
     try:
         SamplingSettings(args.temperature)  # refuses bad values before the models load
+        if not args.no_real_model:
+            check_message(args.question, "--question")
         target, tok = load_model("target")
         draft, _ = load_model("draft")
         prompt = tok.encode(args.prompt)

@@ -35,6 +35,7 @@ from pathlib import Path
 
 from ..backend import BACKEND_REASON, CUPY_PROBLEM, GPU_INSTALL_HINT, first_line, is_cupy
 from .benchmarks.common import BenchmarkError, add_output_args, figure_dir
+from .options import count, positive_int
 from .project import ProjectRootError, project_root, pytest_outcomes
 
 TIME_BUDGET_S = 300
@@ -182,8 +183,8 @@ def run_decode_bench(steps: int = 32) -> tuple[str, float]:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m minillm.tools.gpu_check", description=__doc__.split("\n")[0])
-    p.add_argument("--max-n", type=int, default=16384, help="largest N of the attention benchmark")
-    p.add_argument("--repeat", type=int, default=5, help="timed repeats per benchmark point")
+    p.add_argument("--max-n", type=positive_int, default=16384, help="largest N of the attention benchmark")
+    p.add_argument("--repeat", type=count, default=5, help="timed repeats per benchmark point")
     p.add_argument("--root", default=None, help="the project checkout whose GPU tests to run (default: found)")
     add_output_args(p)
     p.add_argument("--record", default=None, help="append the summary to this markdown file (docs/gpu.md)")

@@ -18,21 +18,25 @@ from ..checkpoint import (
 from ..medusa import MAX_HEADS, MedusaHeads, check_n_heads
 from ..medusa_train import HEADS_TRAIN, head_data, load_text, save_text, train_heads, training_text
 from ..registry import SMOLLM2, SMOLLM2_SHA256, load_model
-from ..train import (
-    run_file,
-)
+from ..train import check_run_files, run_file
+from .options import nonnegative_count, nonnegative_float
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The medusa-train options (for a ``medusa-train`` subcommand of the CLI)."""
     p.add_argument("--model", default="target", help="'target', 'smollm2-135m' or a model path (default target)")
     p.add_argument("--out", required=True, help="heads file to write (.npz)")
-    p.add_argument("--heads", type=int, default=4, help=f"number of heads, 1..{MAX_HEADS} (default 4)")
-    p.add_argument("--steps", type=int, default=HEADS_TRAIN.max_steps, help="optimizer steps")
-    p.add_argument("--lr", type=float, default=HEADS_TRAIN.lr, help="peak learning rate (cosine decay to lr / 10)")
-    p.add_argument("--batch-size", type=int, default=HEADS_TRAIN.batch_size, help="hidden states per step")
+    p.add_argument("--heads", type=nonnegative_count, default=4, help=f"number of heads, 1..{MAX_HEADS} (default 4)")
+    p.add_argument("--steps", type=nonnegative_count, default=HEADS_TRAIN.max_steps, help="optimizer steps")
+    p.add_argument("--lr", type=nonnegative_float, default=HEADS_TRAIN.lr,
+                   help="peak learning rate (cosine decay to lr / 10)")
+    p.add_argument("--batch-size", type=nonnegative_count, default=HEADS_TRAIN.batch_size,
+                   help="hidden states per step")
     p.add_argument("--resume", action="store_true",
-                   help="reuse the training text of <out>.medusa-text.npz, continue from <out>.medusa-train.npz")
+                   help="reuse the training text of <out>.medusa-text.npz, continue from <out>.medusa-train.npz "
+                   "(or write the heads of a run that finished training)")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace <out> and its .medusa-train.npz, .medusa-text.npz, .log.json if they exist")
     p.add_argument("--overwrite-shipped", action="store_true", help="allow --out to replace a shipped heads file")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -45,11 +49,14 @@ def run(args) -> int:
     if not 0 < args.lr < 1:
         raise ValueError(f"--lr must be in (0, 1), got {args.lr}")
     check_not_shipped(args.out, args.overwrite_shipped)
+    state_path, text_path, log_path = (run_file(args.out, s) for s in (".medusa-train.npz", ".medusa-text.npz",
+                                                                        ".log.json"))
+    check_run_files([args.out, state_path, text_path, log_path], args.overwrite or args.overwrite_shipped,
+                    args.resume)
     t_start = time.perf_counter()
     model, tokenizer = load_model(args.model)
-    state_path, progress = run_file(args.out, ".medusa-train.npz"), not args.quiet
+    progress = not args.quiet
     tc = replace(HEADS_TRAIN, max_steps=args.steps, batch_size=args.batch_size, lr=args.lr, min_lr=args.lr / 10)
-    text_path = run_file(args.out, ".medusa-text.npz")
     if args.resume:
         parts = load_text(text_path)
     else:
@@ -60,6 +67,9 @@ def run(args) -> int:
     held_h, held_y = head_data(model, held, n_heads, held_starts)
     heads, history = train_heads(model, sequences, n_heads, starts, tc, held_out=(held_h, held_y[:, 1:]),
                                  state_path=state_path, resume=args.resume, progress=progress)
+    if args.resume and len(history) == tc.max_steps and logged_history(log_path) == history:
+        raise ValueError(f"{state_path} is already at step {tc.max_steps} of {tc.max_steps} and its heads are "
+                         f"written to {args.out}: nothing to train")
     rounded = MedusaHeads(model, {k: to_numpy(v).astype(np.float16) for k, v in heads.params.items()})
     notes = {
         "model": str(args.model), "gguf_sha256": SMOLLM2_SHA256 if str(args.model) == SMOLLM2 else None,
@@ -70,6 +80,14 @@ def run(args) -> int:
         "train_config": asdict(tc), "loss_first": history[0]["loss"], "loss_last": history[-1]["loss"],
     }
     rounded.save(args.out, notes, args.overwrite_shipped)
-    run_file(args.out, ".log.json").write_text(json.dumps(notes | {"history": history}, indent=1))
+    log_path.write_text(json.dumps(notes | {"history": history}, indent=1))
     print(json.dumps(notes, indent=1))
     return 0
+
+
+def logged_history(log_path):
+    """The history a finished run wrote to its log (None when there is no readable log)."""
+    try:
+        return json.loads(log_path.read_text()).get("history")
+    except (OSError, ValueError, AttributeError):
+        return None

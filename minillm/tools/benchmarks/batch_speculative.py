@@ -29,7 +29,7 @@ from ...generate import generate
 from ...measure import STEP_CONTEXT
 from ...notebook import format_table
 from ...paged_kv import PagedKVCache, num_blocks_for
-from ..options import positive_int_list
+from ..options import count, nonnegative_float, positive_int_list
 from .common import BenchmarkError, add_output_args, figure_dir, save_figure, time_fn, time_paired
 from .common import parse_args as common_parse_args
 
@@ -41,12 +41,12 @@ def parse_args(argv):
         prog="python -m minillm bench batch-speculative", description=__doc__.splitlines()[0]
     )
     p.add_argument("--batch-sizes", type=positive_int_list, default="1,2,4,8,16", help="default 1,2,4,8,16")
-    p.add_argument("--tokens", type=int, default=64, help="new tokens per sequence (default 64)")
-    p.add_argument("--k", type=int, default=4, help="draft tokens per round, the adaptive policy's maximum")
+    p.add_argument("--tokens", type=count, default=64, help="new tokens per sequence (default 64)")
+    p.add_argument("--k", type=count, default=4, help="draft tokens per round, the adaptive policy's maximum")
     p.add_argument("--policies", default=",".join(POLICIES), help="policies: pad,adaptive")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--prompt-len", type=int, default=48, help="characters of the longest prompt (default 48)")
-    p.add_argument("--repeat", type=int, default=3, help="timed runs per configuration (median)")
+    p.add_argument("--temperature", type=nonnegative_float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--prompt-len", type=count, default=48, help="characters of the longest prompt (default 48)")
+    p.add_argument("--repeat", type=count, default=3, help="timed runs per configuration (median)")
     add_output_args(p)
     p.add_argument("--no-plot", action="store_true", help="do not write the figure")
     p.add_argument("--quick", action="store_true", help="batch sizes 1,4,16; 32 tokens; 1 run each")

@@ -28,6 +28,15 @@ class BenchmarkError(RuntimeError):
     """A benchmark's validation failed: a fast path disagrees with its reference, so nothing is timed."""
 
 
+def new_tokens_in_context(requested: int, prompt_len: int, context: int) -> int:
+    """How many tokens a benchmark generates after a prompt: min(requested, context - prompt_len);
+    ValueError when the prompt alone fills the model's context. 48-token prompt, context 256 -> <= 208."""
+    if prompt_len >= context:
+        raise ValueError(f"the prompts ({prompt_len} tokens) are longer than the model's context "
+                         f"({context} tokens): use a shorter --prompt-len")
+    return min(requested, context - prompt_len)
+
+
 def progress(iterable, desc: str, total: int | None = None):
     """``iterable`` with a progress bar on stderr (one step per configuration), shown on a terminal only."""
     from tqdm import tqdm

@@ -23,7 +23,8 @@ from ...measure import STEP_CONTEXT
 from ...notebook import format_table
 from ...registry import SMOLLM2, load_model
 from ...token_tree import tree_generate
-from .common import BenchmarkError, parse_args, time_pairs
+from ..options import count, nonnegative_count, positive_int, positive_int_list
+from .common import BenchmarkError, new_tokens_in_context, parse_args, time_pairs
 
 FORWARD_PAIRS = 15  # alternating (1-token, n-token) forward pairs per cost measurement
 
@@ -39,20 +40,21 @@ def triple(text: str) -> tuple[int, int, int]:
     parts = text.split(":")
     if len(parts) != 3:
         raise argparse.ArgumentTypeError(f"expected N:W:G, got {text!r}")
-    return tuple(int(p) for p in parts)
+    return tuple(positive_int(p) for p in parts)
 
 
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m minillm bench lookahead", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="target", help=f"'target' (characters) or '{SMOLLM2}'")
-    p.add_argument("--tokens", type=int, default=200, help="new tokens per prompt (default 200)")
-    p.add_argument("--prompts", type=int, default=3, help="prompts (default 3)")
-    p.add_argument("--prompt-len", type=int, default=48, help="characters per validation prompt (default 48)")
-    p.add_argument("--ms", default="4,8", help="Jacobi block sizes m (default 4,8)")
+    p.add_argument("--tokens", type=count, default=200, help="new tokens per prompt (default 200)")
+    p.add_argument("--prompts", type=count, default=3, help="prompts (default 3)")
+    p.add_argument("--prompt-len", type=count, default=48, help="characters per validation prompt (default 48)")
+    p.add_argument("--ms", type=positive_int_list, default="4,8", help="Jacobi block sizes m (default 4,8)")
     p.add_argument("--configs", type=lambda s: [triple(t) for t in s.split(",")],
                    default=f"{LOOKAHEAD_N}:{LOOKAHEAD_W}:{LOOKAHEAD_G},4:5:5,3:3:3",
                    help="Lookahead N:W:G configurations, comma-separated (default 5:7:7,4:5:5,3:3:3)")
-    p.add_argument("--repeat", type=int, default=3, help="paired timed runs per method (median; 0: no timing)")
+    p.add_argument("--repeat", type=nonnegative_count, default=3,
+                   help="paired timed runs per method (median; 0: no timing)")
     return p
 
 
@@ -86,7 +88,7 @@ def forward_cost(model, n: int, repeat: int = FORWARD_PAIRS) -> float:
 def methods(model, args) -> dict:
     """name -> run(prompt, n) -> GenerationResult (plus the Lookahead proposer's window counters)."""
     out = {}
-    for m in (int(x) for x in args.ms.split(",")):
+    for m in args.ms:
         out[f"jacobi m={m}"] = lambda p, n, m=m: (jacobi_generate(model, p, n, m=m), None)
     for N, W, G in args.configs:
         for from_prompt in (False, True):
@@ -104,7 +106,7 @@ def main(argv: list[str]) -> int:
     args = parse_args(build_parser(), argv)
     model, tok = load_model(args.model)
     prompts = prompts_for(args, tok)
-    n_new = min(args.tokens, model.config.block_size - max(len(p) for p in prompts))
+    n_new = new_tokens_in_context(args.tokens, max(len(p) for p in prompts), model.config.block_size)
     print(f"model {args.model}: {model.num_params():,} params; {len(prompts)} prompts x {n_new} new tokens, greedy")
 
     reference = [generate(model, p, n_new, temperature=0).tokens for p in prompts]

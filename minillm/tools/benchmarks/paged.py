@@ -39,7 +39,7 @@ from ...kv_cache import KVCache
 from ...notebook import format_table
 from ...paged_kv import OutOfBlocksError, PagedKVCache, num_blocks_for
 from ...prefix_blocks import PrefixBlockCache
-from ..options import positive_int, positive_int_list
+from ..options import nonnegative_int, positive_float, positive_int, positive_int_list
 from .common import BenchmarkError, add_output_args, figure_dir, parse_args, progress, save_figure
 
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # tokens per KV block
@@ -204,17 +204,15 @@ def plot_memory(rows, out_dir):
 
 
 def load_target(name: str):
-    """The shipped target model and its tokenizer, or random weights of its shape (--model random)."""
-    from ...checkpoint import CheckpointError, load_model
+    """The model ``name`` names and its tokenizer, or random weights of the target's shape (--model
+    random); a model that cannot be loaded is an error (CheckpointError), not random weights."""
+    from ...checkpoint import load_model
     from ...model import GPT
     from ...tokenizer import CharTokenizer
 
     if name != "random":
-        try:
-            model, tok = load_model(name)
-            return model, tok, name
-        except CheckpointError as exc:
-            print(f"({exc}; using random weights of the target's shape)")
+        model, tok = load_model(name)
+        return model, tok, name
     text = (Path(__file__).resolve().parent.parent / "data" / "shakespeare.txt").read_text()
     return GPT.init(GPTConfig(84, 256, 6, 4, 256), seed=0), CharTokenizer.from_text(text), "random"
 
@@ -295,10 +293,10 @@ def plot_ttft(rows, label, out_dir):
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m minillm bench paged", description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=positive_int, default=200, help="requests in the workload")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=nonnegative_int, default=0)
     ap.add_argument("--max-len", type=positive_int, default=256, help="context length (contiguous reservation)")
-    ap.add_argument("--mean-prompt", type=float, default=32.0, help="mean prompt length (tokens)")
-    ap.add_argument("--mean-output", type=float, default=64.0, help="mean output length (tokens)")
+    ap.add_argument("--mean-prompt", type=positive_float, default=32.0, help="mean prompt length (tokens)")
+    ap.add_argument("--mean-output", type=positive_float, default=64.0, help="mean output length (tokens)")
     ap.add_argument("--budget", type=positive_int, default=4096, help="KV budget in token slots (16 x 256)")
     ap.add_argument("--page-sizes", type=positive_int_list, default=list(PAGE_SIZES),
                     help="tokens per KV block, comma-separated")
@@ -312,6 +310,8 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--no-plots", action="store_true")
     args = parse_args(ap, argv)
     page_sizes = args.page_sizes
+    if not args.no_ttft:
+        model, tok, label = load_target(args.model)  # a model that cannot load: one line, before any table
 
     prompts, outputs = make_workload(args.requests, args.max_len, args.mean_prompt, args.mean_output,
                                      args.seed)
@@ -330,7 +330,6 @@ def main(argv: list[str]) -> int:
     paths = [] if args.no_plots else plot_memory(rows, figure_dir(args))
 
     if not args.no_ttft:
-        model, tok, label = load_target(args.model)
         print(f"\nprefix caching, {label} model: system prompt {len(tok.encode(SYSTEM_PROMPT))} tokens, "
               f"greedy, {args.new_tokens} new tokens, page size {args.ttft_page_size}, "
               f"median of {args.repeat}")

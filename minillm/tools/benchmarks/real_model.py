@@ -26,6 +26,7 @@ from ...backend import runtime_summary, to_numpy
 from ...kv_cache import KVCache, kv_cache_bytes
 from ...notebook import format_table
 from ...registry import SMOLLM2, SMOLLM2_FILE, load_model, smollm2_path
+from ..options import MAX_COUNT, count, int_in
 from .common import BenchmarkError, parse_args, time_pairs
 
 LOGIT_ATOL = 1e-3  # minillm vs transformers, float32 both
@@ -159,14 +160,12 @@ def load_transformers(threads):
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="python -m minillm bench real-model", description=__doc__.splitlines()[0])
-    parser.add_argument("--threads", type=int, default=1, help="BLAS and torch threads (default 1)")
-    parser.add_argument("--prompt-tokens", type=int, default=128)
-    parser.add_argument("--new-tokens", type=int, default=33)
-    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--threads", type=int_in(1, 1024), default=1, help="BLAS and torch threads (default 1)")
+    parser.add_argument("--prompt-tokens", type=count, default=128)
+    parser.add_argument("--new-tokens", type=int_in(2, MAX_COUNT), default=33)
+    parser.add_argument("--repeat", type=count, default=3)
     parser.add_argument("--quick", action="store_true", help="one pair per measurement, shorter runs")
     args = parse_args(parser, argv)
-    if args.threads < 1 or args.prompt_tokens < 1 or args.new_tokens < 2 or args.repeat < 1:
-        parser.error("--threads, --prompt-tokens, --repeat must be >= 1 and --new-tokens >= 2")
     repeat = 1 if args.quick else args.repeat
     from threadpoolctl import threadpool_limits
 

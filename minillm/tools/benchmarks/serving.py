@@ -49,10 +49,12 @@ from ...serving import (
     replay,
     save_trace,
 )
+from ..options import count, int_in, nonnegative_count, nonnegative_float, nonnegative_int, positive_float
 from .common import BenchmarkError, add_output_args, figure_dir, save_figure
 from .common import parse_args as common_parse_args
 
 MODES = ("static", "continuous", "chunked")
+MAX_BLOCKS = 65_536  # the largest KV pool an option may ask for (its free list is built up front)
 
 
 # --- the workload ----------------------------------------------------------------------------------
@@ -255,21 +257,22 @@ def plot_timelines(results: dict, out_dir):
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m minillm bench serving", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="target", help="'target' (the shipped char model), 'smollm2-135m', ...")
-    p.add_argument("--requests", type=int, default=40, help="requests in the generated trace")
-    p.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second")
-    p.add_argument("--mean-prompt", type=float, default=40.0)
-    p.add_argument("--mean-output", type=float, default=40.0)
-    p.add_argument("--long-prompt", type=int, default=200, help="length of the long prompts placed in the trace")
-    p.add_argument("--long-prompts", type=int, default=2, help="how many long prompts")
+    p.add_argument("--requests", type=count, default=40, help="requests in the generated trace")
+    p.add_argument("--rate", type=positive_float, default=4.0, help="mean arrivals per second")
+    p.add_argument("--mean-prompt", type=positive_float, default=40.0)
+    p.add_argument("--mean-output", type=positive_float, default=40.0)
+    p.add_argument("--long-prompt", type=count, default=200, help="length of the long prompts placed in the trace")
+    p.add_argument("--long-prompts", type=nonnegative_count, default=2, help="how many long prompts")
     p.add_argument("--trace", help="replay this trace CSV instead of generating one")
     p.add_argument("--save-trace", help="write the trace used to this CSV file")
-    p.add_argument("--max-num-seqs", type=int, default=8)
-    p.add_argument("--max-num-batched-tokens", type=int, default=256)
-    p.add_argument("--num-blocks", type=int, default=48, help="KV pool blocks (small pools force preemptions)")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--chunk", type=int, default=32, help="prefill chunk of the chunked mode")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--repeat", type=int, default=3, help="replays of the three modes; the table holds medians")
+    p.add_argument("--max-num-seqs", type=count, default=8)
+    p.add_argument("--max-num-batched-tokens", type=count, default=256)
+    p.add_argument("--num-blocks", type=int_in(1, MAX_BLOCKS), default=48,
+                   help="KV pool blocks (small pools force preemptions)")
+    p.add_argument("--page-size", type=count, default=16, help="tokens per KV block")
+    p.add_argument("--chunk", type=nonnegative_count, default=32, help="prefill chunk of the chunked mode")
+    p.add_argument("--seed", type=nonnegative_int, default=0)
+    p.add_argument("--repeat", type=count, default=3, help="replays of the three modes; the table holds medians")
     add_output_args(p)
     return common_parse_args(p, argv)
 
@@ -340,12 +343,12 @@ def main(argv=None) -> int:
 
 def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     """The serve-demo options, for ``demo``'s own parser and for the CLI's ``serve-demo`` command."""
-    p.add_argument("--requests", type=int, default=12)
-    p.add_argument("--rate", type=float, default=4.0, help="mean arrivals per second")
-    p.add_argument("--chunk", type=int, default=32, help="prefill chunk (0: none)")
-    p.add_argument("--num-blocks", type=int, default=48)
-    p.add_argument("--temperature", type=float, default=0.8)
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--requests", type=count, default=12)
+    p.add_argument("--rate", type=positive_float, default=4.0, help="mean arrivals per second")
+    p.add_argument("--chunk", type=nonnegative_count, default=32, help="prefill chunk (0: none)")
+    p.add_argument("--num-blocks", type=int_in(1, MAX_BLOCKS), default=48)
+    p.add_argument("--temperature", type=nonnegative_float, default=0.8)
+    p.add_argument("--seed", type=nonnegative_int, default=0)
 
 
 def demo(argv=None, out=None) -> int:

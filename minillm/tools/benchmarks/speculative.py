@@ -32,11 +32,12 @@ from ...generate import generate
 from ...measure import STEP_CONTEXT, step_ratio, step_time  # noqa: F401
 from ...notebook import format_table
 from ...speculative import expected_speedup, expected_tokens_per_call, speculative_generate
-from ..options import positive_int_list
+from ..options import count, nonnegative_float_list, positive_int_list
 from .common import (
     BenchmarkError,
     add_output_args,
     figure_dir,
+    new_tokens_in_context,
     progress,
     save_figure,
     time_paired,
@@ -52,13 +53,14 @@ def parse_args(argv):
     p = argparse.ArgumentParser(
         prog="python -m minillm bench speculative", description=__doc__.splitlines()[0]
     )
-    p.add_argument("--tokens", type=int, default=200, help="new tokens per prompt (default 200)")
-    p.add_argument("--prompts", type=int, default=3, help="prompts from the validation split (default 3)")
-    p.add_argument("--prompt-len", type=int, default=48, help="characters per prompt (default 48)")
+    p.add_argument("--tokens", type=count, default=200, help="new tokens per prompt (default 200)")
+    p.add_argument("--prompts", type=count, default=3, help="prompts from the validation split (default 3)")
+    p.add_argument("--prompt-len", type=count, default=48, help="characters per prompt (default 48)")
     p.add_argument("--ks", type=positive_int_list, default="1,2,3,4,5,6,7,8", help="draft lengths K (default 1..8)")
-    p.add_argument("--temperatures", default="0,1", help="temperatures (default 0,1; 0 = greedy)")
+    p.add_argument("--temperatures", type=nonnegative_float_list, default="0,1",
+                   help="temperatures (default 0,1; 0 = greedy)")
     p.add_argument("--drafts", default=",".join(DRAFT_NAMES), help="drafts to try: draft,int8,bigram")
-    p.add_argument("--repeat", type=int, default=3, help="timed runs per configuration (median)")
+    p.add_argument("--repeat", type=count, default=3, help="timed runs per configuration (median)")
     add_output_args(p)
     p.add_argument("--no-plot", action="store_true", help="do not write the figure")
     p.add_argument("--target", default="target", help="target model: 'target' or a .npz path")
@@ -67,7 +69,6 @@ def parse_args(argv):
     args = common_parse_args(p, argv)
     if args.quick:
         args.ks, args.prompts, args.repeat = [1, 2, 4, 8], 2, 1
-    args.temperatures = [float(t) for t in args.temperatures.split(",")]
     args.drafts = [d.strip() for d in args.drafts.split(",")]
     unknown = set(args.drafts) - set(DRAFT_NAMES)
     if unknown or args.tokens < 2 or args.repeat < 1:
@@ -140,7 +141,7 @@ def main(argv: list[str]) -> int:
               "bigram": BigramDraft.from_corpus(tok)}
     drafts = {name: drafts[name] for name in args.drafts}
     prompts = validation_prompts(tok, args.prompts, args.prompt_len)
-    n_new = min(args.tokens, target.config.block_size - args.prompt_len)
+    n_new = new_tokens_in_context(args.tokens, max(len(p) for p in prompts), target.config.block_size)
     print(f"target: {target.num_params():,} params; drafts: "
           + ", ".join(f"{n} ({d.num_params():,})" for n, d in drafts.items())
           + f"; {len(prompts)} prompts x {n_new} new tokens; K in {args.ks}")

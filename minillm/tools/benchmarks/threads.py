@@ -8,7 +8,8 @@ Every workload runs on the idle machine and again beside ``--load`` busy process
 loops, one core each: a browser tab, another notebook), which is what a laptop looks like.
 
 A run that passes ``--timeout`` seconds is stopped and reported as ">timeout" (the slow policy
-under load can take tens of minutes otherwise).
+under load can take tens of minutes otherwise). Every process the benchmark starts dies with it,
+however it ends (Ctrl-C, SIGTERM, even SIGKILL on Linux: ``start_child``).
 
 Part 1 (``--forwards``, in this process) shows why: one forward of the shipped target over T tokens
 with one BLAS thread and with all of them, idle and loaded, T from a decode step (1) to a prefill
@@ -18,7 +19,9 @@ with one BLAS thread and with all of them, idle and loaded, T from a decode step
 from __future__ import annotations
 
 import argparse
+import ctypes
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -29,6 +32,7 @@ from ...backend import BLAS_THREADS_ENV, xp
 from ...kv_cache import KVCache
 from ...notebook import format_table
 from ...registry import load_model
+from ..options import count, int_in, list_of, positive_float
 from .common import parse_args as common_parse_args
 
 POLICIES = ("1", "all")  # MINILLM_BLAS_THREADS values compared
@@ -41,14 +45,49 @@ WORKLOADS = {  # name -> arguments after `python`
     "pytest tests/test_speculative.py": ["-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/test_speculative.py"],
 }
 BUSY_LOOP = "while True: pass"
+MAX_LOAD = 256  # busy processes --load may start
 FORWARD_TOKENS = (1, 5, 17, 64, 256)  # a decode step, verifications of K = 4 and 16, prefills
 FORWARD_CONTEXT = 100  # tokens already cached when a decode step or a verification is timed
+
+
+PR_SET_PDEATHSIG = 1  # prctl(2): the signal a Linux process receives when its parent dies
+
+
+def parent_death_signal():
+    """A ``preexec_fn`` that makes Linux SIGKILL the child when this process dies (however it dies);
+    None where prctl is not available (there the SIGTERM handler of ``main`` and the finally blocks
+    stop the children)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        prctl = ctypes.CDLL(None, use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def start_child(argv: list[str], **kwargs) -> subprocess.Popen:
+    """``subprocess.Popen(argv)`` for a process that must not outlive this one."""
+    return subprocess.Popen(argv, preexec_fn=parent_death_signal(), **kwargs)
+
+
+@contextmanager
+def stopped_by_sigterm():
+    """Within the block SIGTERM raises SystemExit (exit 143), so the finally blocks stop the children."""
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 @contextmanager
 def background_load(n: int):
     """Start n busy processes (one core each) for the duration of the block."""
-    procs = [subprocess.Popen([sys.executable, "-c", BUSY_LOOP]) for _ in range(n)]
+    procs = [start_child([sys.executable, "-c", BUSY_LOOP]) for _ in range(n)]
     try:
         time.sleep(0.5 if n else 0)  # let them get scheduled
         yield
@@ -62,12 +101,19 @@ def run_once(args: list[str], threads: str, timeout: float) -> float:
     """Wall seconds of ``python *args`` with MINILLM_BLAS_THREADS=threads (inf if it timed out)."""
     env = {**os.environ, BLAS_THREADS_ENV: threads}
     t0 = time.perf_counter()
-    try:
-        r = subprocess.run([sys.executable, *args], env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return float("inf")
-    if r.returncode != 0:
-        raise RuntimeError(f"`python {' '.join(args)}` failed (exit {r.returncode}): {r.stderr.strip()[-500:]}")
+    with start_child([sys.executable, *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                     text=True) as proc:
+        try:
+            _, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+            return float("inf")
+        finally:
+            if proc.poll() is None:  # interrupted: the run stops with us
+                proc.kill()
+    if proc.returncode != 0:
+        raise RuntimeError(f"`python {' '.join(args)}` failed (exit {proc.returncode}): {err.strip()[-500:]}")
     return time.perf_counter() - t0
 
 
@@ -112,26 +158,31 @@ def fmt_seconds(s: float, timeout: float) -> str:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m minillm bench threads", description=__doc__.splitlines()[0])
-    p.add_argument("--repeat", type=int, default=2, help="pairs per workload and load (default 2)")
-    p.add_argument("--load", type=int, default=2, help="busy processes in the loaded runs (default 2)")
-    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a run is stopped (default 300)")
+    p.add_argument("--repeat", type=count, default=2, help="pairs per workload and load (default 2)")
+    p.add_argument("--load", type=int_in(0, MAX_LOAD), default=2, help="busy processes in the loaded runs (default 2)")
+    p.add_argument("--timeout", type=positive_float, default=300.0,
+                   help="seconds before a run is stopped (default 300)")
     p.add_argument("--forwards-only", action="store_true", help="part 1 only (the forwards, in this process)")
-    p.add_argument("--workloads", default=",".join(str(i) for i in range(len(WORKLOADS))),
+    p.add_argument("--workloads", type=list_of(int_in(0, len(WORKLOADS) - 1)),
+                   default=",".join(str(i) for i in range(len(WORKLOADS))),
                    help="indices of the workloads to run: " + "; ".join(f"{i} {n}" for i, n in enumerate(WORKLOADS)))
-    args = common_parse_args(p, argv)
-    if args.repeat < 1 or args.load < 0 or args.timeout <= 0:
-        p.error("--repeat must be >= 1, --load >= 0 and --timeout > 0")
-    return args
+    return common_parse_args(p, argv)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    with stopped_by_sigterm():
+        return run(args)
+
+
+def run(args) -> int:
+    """The benchmark, with parsed options (``main``)."""
     print("1. one forward of the shipped target over T tokens, one BLAS thread vs all, idle and loaded (median ms)")
     print(format_table(forward_rows(0) + forward_rows(args.load)))
     if args.forwards_only:
         return 0
     names = list(WORKLOADS)
-    chosen = [names[int(i)] for i in args.workloads.split(",")]
+    chosen = [names[i] for i in args.workloads]
     print("\n2. the commands users run, each a new process")
     print(f"pairs of runs ({BLAS_THREADS_ENV}=1 then =all), {args.repeat} per row; seconds, median of the pairs\n")
     header = f"{'workload':36s} {'load':>5s} {'1 thread':>9s} {'all':>9s} {'all / 1':>8s}  pairs (1 | all)"
