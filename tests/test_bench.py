@@ -8,10 +8,9 @@ import pytest
 
 from minillm import format_table, to_numpy
 from minillm import model as model_module
+from minillm.measure import STAND_INS, decode_step_parts, time_fn, time_paired, time_pairs
 from minillm.tools import project
 from minillm.tools.benchmarks import common
-from minillm.tools.benchmarks.common import time_fn, time_paired, time_pairs
-from minillm.tools.benchmarks.kv_cache import STAND_INS, decode_step_parts
 from minillm.tools.project import project_root
 
 # Tests that also run other exercises' code, so they fail until those are solved (minillm.tools.course)
@@ -69,7 +68,7 @@ def test_decode_step_parts_swaps_each_part_and_then_restores_the_model(tiny_mode
 
 def test_each_stand_in_really_replaces_its_part(tiny_model):
     """With the matmuls swapped out, the model's output changes: the stand-in is on the forward's path."""
-    from minillm.tools.benchmarks.kv_cache import swapped
+    from minillm.measure import swapped
 
     idx = np.array([[1, 2, 3]])
     before = to_numpy(tiny_model.forward(idx))

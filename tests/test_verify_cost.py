@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 
 from minillm.config import GPTConfig
+from minillm.measure import STAND_INS
 from minillm.model import GPT
-from minillm.tools.benchmarks.kv_cache import STAND_INS
 from minillm.tools.benchmarks.verify_cost import (
     bound,
     cost_rows,

@@ -23,9 +23,10 @@ from ... import flash_attention as fa
 from ...attention import naive_attention
 from ...backend import is_cupy, synchronize, to_numpy, xp
 from ...kernels.launch import flash_attention_cuda, flash_attention_v2_cuda
+from ...measure import time_fn
 from ...notebook import format_table
 from ..options import positive_int
-from .common import BenchmarkError, add_output_args, figure_dir, parse_args, save_figure, time_fn
+from .common import BenchmarkError, add_output_args, figure_dir, parse_args, save_figure
 
 CPU_NS = [1024, 2048, 4096, 8192, 16384]
 GPU_NS = [1024, 2048, 4096, 8192, 16384]

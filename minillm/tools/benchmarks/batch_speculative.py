@@ -26,11 +26,11 @@ from ...batch_speculative import POLICIES, forward_ragged, generate_batch, specu
 from ...checkpoint import load_model
 from ...data import validation_prompts
 from ...generate import generate
-from ...measure import STEP_CONTEXT
+from ...measure import STEP_CONTEXT, time_fn, time_paired
 from ...notebook import format_table
 from ...paged_kv import PagedKVCache, num_blocks_for
 from ..options import count, nonnegative_float, positive_int_list
-from .common import BenchmarkError, add_output_args, figure_dir, save_figure, time_fn, time_paired
+from .common import BenchmarkError, add_output_args, figure_dir, save_figure
 from .common import parse_args as common_parse_args
 
 PROMPT_STEP = 8  # prompt i is PROMPT_STEP * (i % 4) characters shorter than --prompt-len: ragged rows

@@ -17,7 +17,6 @@ import tempfile
 from pathlib import Path
 
 from ...backend import runtime_summary
-from ...measure import time_fn, time_paired, time_pairs, timed  # noqa: F401  (the benchmarks' timing)
 from ..project import project_root
 
 DEFAULT_FIG_DIR = Path(tempfile.gettempdir()) / "minillm-figures"

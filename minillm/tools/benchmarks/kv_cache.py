@@ -22,19 +22,10 @@ from ...checkpoint import load_model
 from ...data import load_corpus
 from ...generate import generate, generate_naive
 from ...kv_cache import GrowingKVCache, KVCache, PrefixCache, kv_cache_bytes
-from ...measure import STAND_INS, decode_step_parts, swapped  # noqa: F401  (7.; the tests use them from here)
+from ...measure import decode_step_parts, time_fn, time_pairs
 from ...notebook import format_table
 from ..options import positive_int
-from .common import (
-    BenchmarkError,
-    add_output_args,
-    figure_dir,
-    parse_args,
-    progress,
-    save_figure,
-    time_fn,
-    time_pairs,
-)
+from .common import BenchmarkError, add_output_args, figure_dir, parse_args, progress, save_figure
 
 # (name, layers, KV heads, head dim) from the published configs
 KV_MODELS = [

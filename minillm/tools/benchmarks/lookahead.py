@@ -19,12 +19,12 @@ from ...data import validation_prompts
 from ...generate import generate
 from ...kv_cache import KVCache
 from ...lookahead import LOOKAHEAD_G, LOOKAHEAD_N, LOOKAHEAD_W, Lookahead, jacobi_generate
-from ...measure import STEP_CONTEXT
+from ...measure import STEP_CONTEXT, time_pairs
 from ...notebook import format_table
 from ...registry import SMOLLM2, load_model
 from ...token_tree import tree_generate
 from ..options import count, nonnegative_count, positive_int, positive_int_list
-from .common import BenchmarkError, new_tokens_in_context, parse_args, time_pairs
+from .common import BenchmarkError, new_tokens_in_context, parse_args
 
 FORWARD_PAIRS = 15  # alternating (1-token, n-token) forward pairs per cost measurement
 

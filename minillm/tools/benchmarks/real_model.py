@@ -24,10 +24,11 @@ import numpy as np
 
 from ...backend import runtime_summary, to_numpy
 from ...kv_cache import KVCache, kv_cache_bytes
+from ...measure import time_pairs
 from ...notebook import format_table
 from ...registry import SMOLLM2, SMOLLM2_FILE, load_model, smollm2_path
 from ..options import MAX_COUNT, count, int_in
-from .common import BenchmarkError, parse_args, time_pairs
+from .common import BenchmarkError, parse_args
 
 LOGIT_ATOL = 1e-3  # minillm vs transformers, float32 both
 CONTEXTS = (256, 1024)  # section 2

@@ -46,20 +46,13 @@ from ...drafts import quantize_weights
 from ...generate import GenerationResult, generate
 from ...kv_cache import KVCache, MaskedView
 from ...lookahead import Lookahead
-from ...measure import STEP_CONTEXT
+from ...measure import STEP_CONTEXT, time_paired
 from ...medusa import MedusaHeads, MedusaProposer, shipped_heads_path
 from ...notebook import format_table
 from ...speculative import speculative_generate
 from ...token_tree import Proposal, TokenTree, round_inputs, tree_generate
 from ..options import positive_int
-from .common import (
-    BenchmarkError,
-    add_output_args,
-    figure_dir,
-    progress,
-    save_figure,
-    time_paired,
-)
+from .common import BenchmarkError, add_output_args, figure_dir, progress, save_figure
 from .common import parse_args as common_parse_args
 from .verify_cost import check_cached_forward, forward_seconds, prefix_ids
 

@@ -29,19 +29,11 @@ from ...checkpoint import load_model
 from ...data import validation_prompts
 from ...drafts import BigramDraft, quantize_weights
 from ...generate import generate
-from ...measure import STEP_CONTEXT, step_ratio, step_time  # noqa: F401
+from ...measure import step_ratio, step_time, time_paired
 from ...notebook import format_table
 from ...speculative import expected_speedup, expected_tokens_per_call, speculative_generate
 from ..options import count, nonnegative_float_list, positive_int_list
-from .common import (
-    BenchmarkError,
-    add_output_args,
-    figure_dir,
-    new_tokens_in_context,
-    progress,
-    save_figure,
-    time_paired,
-)
+from .common import BenchmarkError, add_output_args, figure_dir, new_tokens_in_context, progress, save_figure
 from .common import (
     parse_args as common_parse_args,
 )

@@ -31,20 +31,12 @@ import numpy as np
 from ...backend import xp
 from ...data import load_corpus
 from ...kv_cache import KVCache, kv_cache_bytes
+from ...measure import STAND_INS, decode_step_parts, timed
 from ...model import GPT
 from ...notebook import format_table
 from ...registry import load_model
 from ..options import positive_int, positive_int_list
-from .common import (
-    BenchmarkError,
-    add_output_args,
-    figure_dir,
-    parse_args,
-    progress,
-    save_figure,
-    timed,
-)
-from .kv_cache import STAND_INS, decode_step_parts
+from .common import BenchmarkError, add_output_args, figure_dir, parse_args, progress, save_figure
 
 NS = "1,2,3,4,6,8,12,16,24,32,48,64"
 PARTS_NS = "1,4,8,16"
