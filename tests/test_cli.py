@@ -289,8 +289,11 @@ def test_train_refuses_an_existing_out_file_before_any_work(tmp_path, capsys):
     assert notes.read_text() == "my notes" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
-def start_generate(checkpoint_path, tokens="3000"):
-    """`python -m minillm generate` streaming a long text to a pipe; -> the process, once it has printed."""
+def start_generate(checkpoint_path, tokens="1000000"):
+    """`python -m minillm generate` streaming a long text to a pipe; -> the process, once it has printed.
+
+    Long enough (about 20 minutes of tokens) that it is still writing when the test acts, however long a
+    busy machine keeps the test from running: 3,000 tokens fit in the pipe and were all written by then."""
     import os
 
     proc = subprocess.Popen([sys.executable, "-m", "minillm", "generate", "--model", checkpoint_path, "--prompt",
