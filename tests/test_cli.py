@@ -289,42 +289,46 @@ def test_train_refuses_an_existing_out_file_before_any_work(tmp_path, capsys):
     assert notes.read_text() == "my notes" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
-def start_generate(checkpoint_path, tokens="1000000"):
-    """`python -m minillm generate` streaming a long text to a pipe; -> the process, once it has printed.
+@pytest.fixture
+def generating(tiny_checkpoint):
+    """`python -m minillm generate` streaming a long text to a pipe -> the process, once it has printed;
+    killed at the end of the test whatever happened.
 
     Long enough (about 20 minutes of tokens) that it is still writing when the test acts, however long a
     busy machine keeps the test from running: 3,000 tokens fit in the pipe and were all written by then."""
     import os
 
-    proc = subprocess.Popen([sys.executable, "-m", "minillm", "generate", "--model", checkpoint_path, "--prompt",
-                             "abc", "--max-new-tokens", tokens, "--no-cache"],
+    proc = subprocess.Popen([sys.executable, "-m", "minillm", "generate", "--model", tiny_checkpoint, "--prompt",
+                             "abc", "--max-new-tokens", "1000000", "--no-cache"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=os.environ | {"PYTHONUNBUFFERED": "1"})
-    assert proc.stdout.read(5)  # the prompt and the first tokens: generation is under way
-    return proc
+    try:
+        assert proc.stdout.read(5)  # the prompt and the first tokens: generation is under way
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait()
 
 
 @pytest.mark.host_only
-def test_ctrl_c_during_generate_is_one_line_and_exit_130(tiny_checkpoint):
+def test_ctrl_c_during_generate_is_one_line_and_exit_130(generating):
     """Ctrl-C during generate printed a KeyboardInterrupt traceback: one line, exit 130 (what the shell
     reports for SIGINT); the text printed so far stays."""
     import signal
 
-    proc = start_generate(tiny_checkpoint)
-    proc.send_signal(signal.SIGINT)
-    out, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130, err
+    generating.send_signal(signal.SIGINT)
+    out, err = generating.communicate(timeout=60)
+    assert generating.returncode == 130, err
     assert "Traceback" not in err.decode() and err.decode().strip().splitlines()[-1] == "interrupted"
 
 
 @pytest.mark.host_only
-def test_output_into_a_closed_pipe_ends_quietly(tiny_checkpoint):
+def test_output_into_a_closed_pipe_ends_quietly(generating):
     """`generate | head` ended with "error: [Errno 32] Broken pipe" (exit 1): it stops quietly, with
     the status a shell gives `yes | head` (141), and nothing on stderr."""
-    proc = start_generate(tiny_checkpoint)
-    proc.stdout.close()  # the reader goes, as head does after its lines
-    err = proc.stderr.read().decode()
-    proc.wait(timeout=60)
-    assert proc.returncode == 141 and err == ""
+    generating.stdout.close()  # the reader goes, as head does after its lines
+    err = generating.stderr.read().decode()
+    generating.wait(timeout=60)
+    assert generating.returncode == 141 and err == ""
 
 
 def test_generate_speculate_medusa_loads_heads_from_the_file_the_hint_names(tmp_path, capsys):
