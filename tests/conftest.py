@@ -1,10 +1,56 @@
-"""Shared fixtures: small random models that run in milliseconds on a CPU."""
+"""Shared fixtures (small random models that run in milliseconds on a CPU) and the exercises' grading.
+
+A test that grades an exercise says so: ``@pytest.mark.exercise("3.1")``; a test that runs an
+exercise's code without grading it, so that it fails until the exercise is solved, says
+``@pytest.mark.uses_exercise("3.1", "3.3")`` (both may sit on one parameter: ``pytest.param(...,
+marks=...)``). ``python -m pytest tests/test_kv_cache.py --exercise 3.1`` runs exercise 3.1's grading
+tests; ``--uses-exercise 3.1`` the others that run its code. EXERCISE_DEPENDS below is the one table
+of what each exercise's grading tests also run. The course kit (minillm.tools.course) reads the
+marks and the table from the source; docs/instructors.md explains them.
+"""
 
 import numpy as np
 import pytest
 from hypothesis import Phase, settings
 
 from minillm import GPT, GPTConfig
+
+# exercise -> the other exercises its grading tests run (solve those first), found by running each
+# exercise's grading tests in a student edition where it is solved and every other exercise is
+# stubbed (tests/test_course.py checks each entry the same way)
+EXERCISE_DEPENDS = {
+}
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("minillm exercises")
+    group.addoption("--exercise", action="append", default=[], metavar="ID",
+                    help="run only the tests that grade exercise ID (@pytest.mark.exercise), e.g. 3.1")
+    group.addoption("--uses-exercise", action="append", default=[], metavar="ID",
+                    help="run only the tests that run exercise ID's code (@pytest.mark.uses_exercise)")
+
+
+def marked_exercises(item, marker: str) -> set:
+    return {ex_id for mark in item.iter_markers(marker) for ex_id in mark.args}
+
+
+def pytest_collection_modifyitems(config, items):
+    wanted = {marker: set(config.getoption(option)) for marker, option in
+              (("exercise", "exercise"), ("uses_exercise", "uses_exercise"))}
+    if not any(wanted.values()):
+        return
+    keep = [item for item in items if any(marked_exercises(item, m) & ids for m, ids in wanted.items())]
+    config.hook.pytest_deselected(items=[item for item in items if item not in keep])
+    items[:] = keep
+
+
+def pytest_report_header(config):
+    lines = []
+    for ex_id in config.getoption("exercise"):
+        depends = EXERCISE_DEPENDS.get(ex_id)
+        lines.append(f"exercise {ex_id}: its tests also run exercise(s) {depends}" if depends else
+                     f"exercise {ex_id}")
+    return lines
 
 
 @pytest.fixture
