@@ -18,6 +18,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -320,10 +321,23 @@ def test_project_root_is_found_or_named(tmp_path):
         project.project_root(tmp_path)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def edition(tmp_path_factory):
-    out = tmp_path_factory.mktemp("h9_student") / "edition"
+    """The full student edition, built once per test run through the CLI and shared (read only) by
+    the tests below, across pytest-xdist's workers too: the first one builds it, the others wait."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    base = tmp_path_factory.getbasetemp().parent / f"edition-{run}" if run else tmp_path_factory.mktemp("student")
+    out, done = base / "edition", base / "built"
+    try:
+        base.mkdir(parents=True, exist_ok=False)  # atomic: this worker builds
+    except FileExistsError:
+        deadline = time.monotonic() + 600
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert done.read_text() == "ok", done.read_text()
+        return out
     r = run_cli("course", "student-edition", str(out))
+    done.write_text("ok" if r.returncode == 0 else r.stderr or "failed")
     assert r.returncode == 0, r.stderr
     return out
 
@@ -409,32 +423,31 @@ def test_grading_uses_the_instructors_tests_and_manifest_not_the_submissions(tmp
     assert "0/1 exercises pass" in r.stdout
 
 
-def test_edition_notebooks_run_the_editions_code_with_the_reference_installed(edition):
+def test_edition_notebooks_run_the_editions_code_with_the_reference_installed(edition, tmp_path):
     """Opened as MANIFEST.md says (``python -m minillm course lab`` in the edition), a notebook
     imports the edition's minillm, even though this environment has the reference installed; opened
-    by plain Jupyter from its folder, it would not."""
+    by plain Jupyter, it would not. (A kernel runs in its notebook's folder, which holds no minillm:
+    the edition's notebooks/, or here a folder beside it, so the shared edition stays untouched.)"""
     pytest.importorskip("nbclient")
     nbformat = pytest.importorskip("nbformat")
-    page = edition / "notebooks" / "where_is_minillm.ipynb"
+    edition = shutil.copytree(edition, tmp_path / "edition")  # running it writes caches: a copy of its own
+    page = tmp_path / "where_is_minillm.ipynb"
     cell = nbformat.v4.new_code_cell("import minillm\nprint(minillm.__file__)")
     nbformat.write(nbformat.v4.new_notebook(cells=[cell]), page)
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # a student's shell
-    try:
-        def imported(*command):
-            out = page.with_suffix(".out.ipynb")
-            r = subprocess.run([*command, "nbconvert", "--to", "notebook", "--execute", "--output", out.name,
-                                str(page)], cwd=edition, env=env, capture_output=True, text=True, timeout=300)
-            if r.returncode != 0:
-                return r.stderr[-300:]
-            return "".join(o.get("text", "") for o in nbformat.read(out, as_version=4).cells[0].outputs).strip()
 
-        via_lab = imported(sys.executable, "-m", "minillm", "course", "lab")
-        assert Path(via_lab).resolve().is_relative_to(edition.resolve()), via_lab
-        plain = imported(sys.executable, "-m", "jupyter")  # the notebook's folder has no minillm of its own
-        assert not Path(plain).resolve().is_relative_to(edition.resolve()), plain
-    finally:
-        for p in edition.glob("notebooks/where_is_minillm*.ipynb"):
-            p.unlink()
+    def imported(*command):
+        out = page.with_suffix(".out.ipynb")
+        r = subprocess.run([*command, "nbconvert", "--to", "notebook", "--execute", "--output", out.name,
+                            str(page)], cwd=edition, env=env, capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            return r.stderr[-300:]
+        return "".join(o.get("text", "") for o in nbformat.read(out, as_version=4).cells[0].outputs).strip()
+
+    via_lab = imported(sys.executable, "-m", "minillm", "course", "lab")
+    assert Path(via_lab).resolve().is_relative_to(edition.resolve()), via_lab
+    plain = imported(sys.executable, "-m", "jupyter")
+    assert not Path(plain).resolve().is_relative_to(edition.resolve()), plain
 
 
 @pytest.mark.slow
@@ -444,6 +457,7 @@ def test_student_edition_fails_exactly_the_named_tests(edition, tmp_path):
     Not run here: the notebooks (minutes each; named by their chapter's exercises) and the Hugging
     Face oracles (tests named *transformers* / *huggingface*: seconds to a minute of loading torch and
     the weights; they check what the float64 references of test_model and test_llama also cover)."""
+    edition = shutil.copytree(edition, tmp_path / "edition")  # the run writes caches: a copy of its own
     files = sorted(p.relative_to(edition).as_posix() for p in (edition / "tests").glob("test_*.py"))
     halves = [files[0::2], files[1::2]]  # two pytest processes, one per core
 
