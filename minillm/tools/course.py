@@ -167,7 +167,7 @@ def _mark_name(call: ast.Call) -> str | None:
     return None
 
 
-def test_marks(text: str, rel: str) -> list[tuple[str, str, str]]:
+def read_test_marks(text: str, rel: str) -> list[tuple[str, str, str]]:
     """(marker, exercise id, test) for every ``exercise``/``uses_exercise`` mark in the test file's
     source: on a test's decorators, on one of its parameters (``pytest.param(..., marks=...)``) or on
     a module-level parameter list (test ""). CourseError for an id that is not a string literal."""
@@ -223,7 +223,7 @@ def find_exercises(root: Path) -> list[Exercise]:
     for path in sorted((root / "tests").glob("test_*.py")):
         rel = path.relative_to(root).as_posix()
         uses, chapters = set(), set()
-        for name, ex_id, test in test_marks(path.read_text(), rel):
+        for name, ex_id, test in read_test_marks(path.read_text(), rel):
             ex = exercises.get(ex_id)
             if ex is None:
                 raise CourseError(f"{rel}: a {name} mark names exercise {ex_id}, which no source file marks")
@@ -299,11 +299,6 @@ def select(exercises: list[Exercise], chapters=None, ids=None) -> list[Exercise]
     if unknown:
         raise CourseError(f"no exercise {', '.join(unknown)}; exercises: {', '.join(ex.id for ex in exercises)}")
     return [ex for ex in exercises if ex.chapter in (chapters or ()) or ex.id in (ids or ())]
-
-
-def select_chapters(exercises: list[Exercise], chapters=None) -> list[Exercise]:
-    """The exercises of ``chapters`` ("3", "A1"; None: all); CourseError naming an unknown chapter."""
-    return select(exercises, chapters=chapters)
 
 
 # ------------------------------------------------------------------------------------------------
