@@ -134,7 +134,8 @@ def test_marks_and_the_depends_table_are_read_checked_and_written_to_the_stub_an
     """Marks on tests (on a decorator or a parameter) say what grades and what uses an exercise;
     EXERCISE_DEPENDS in tests/conftest.py says what its grading tests also run: the manifest lists
     them, the stub names them in a comment. Unknown ids, a mark whose ids are not literals, an
-    exercise graded in two files, a file grading two chapters, and a self-dependency are refused."""
+    exercise graded in two files, a file grading two chapters, a self-dependency, and a grading test
+    that runs an exercise the table does not name for it are refused."""
     (tmp_path / "minillm").mkdir()
     (tmp_path / "tests").mkdir()
     region = "def {0}():\n    # EXERCISE {1} BEGIN: a\n    return 1\n    # EXERCISE {1} END\n"
@@ -148,7 +149,7 @@ def test_marks_and_the_depends_table_are_read_checked_and_written_to_the_stub_an
     (tmp_path / "tests" / "test_one.py").write_text(one)
     (tmp_path / "tests" / "test_two.py").write_text(two)
     conftest = tmp_path / "tests" / "conftest.py"
-    conftest.write_text('EXERCISE_DEPENDS = {"2.1": "1.1, 1.2", "1.2": "1.1"}\n')
+    conftest.write_text('EXERCISE_DEPENDS = {"2.1": "1.1, 1.2", "1.1": "1.2", "1.2": "1.1"}\n')
     ex = {e.id: e for e in course.find_exercises(tmp_path)}
     assert ex["1.2"].graded_by == ["test_a", "test_b"] and ex["2.1"].tests == "tests/test_two.py"
     assert ex["2.1"].depends == ["1.1", "1.2"] and ex["1.2"].depends == ["1.1"] and ex["2.2"].depends == []
@@ -163,6 +164,7 @@ def test_marks_and_the_depends_table_are_read_checked_and_written_to_the_stub_an
     for name, text, message in [
         ("conftest.py", 'EXERCISE_DEPENDS = {"2.1": "1.9"}\n', "no source file marks"),
         ("conftest.py", 'EXERCISE_DEPENDS = {"2.1": "2.1"}\n', "the exercise itself"),
+        ("conftest.py", 'EXERCISE_DEPENDS = {"1.1": "1.2", "1.2": "1.1"}\n', "test_c grades 2.1 and runs 1.1"),
         ("test_two.py", two.replace('exercise("2.2")', 'exercise("9.9")'), "no source file marks"),
         ("test_two.py", two.replace('exercise("2.2")', "exercise(ID)"), "string literals"),
         ("test_two.py", two.replace('exercise("2.2")', 'exercise("1.1")'), "graded by tests in two files"),

@@ -187,7 +187,7 @@ def test_serve_greedy_equals_solo_generate(shape, chunk, num_blocks, max_num_seq
 
 
 @pytest.mark.exercise("10.1")
-@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "6.2", "6.4", "7.1")
+@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "6.4", "7.1")
 @settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(shape=TRACE, chunk=st.sampled_from([None, 3]), num_blocks=st.sampled_from([6, 10]), seed=st.integers(0, 100))
 def test_serve_prefix_caching_random_traces_equal_solo(shape, chunk, num_blocks, seed):
@@ -354,7 +354,7 @@ def test_serve_chunked_and_one_shot_prefill_give_the_same_cache_and_logits(monke
 
 
 @pytest.mark.exercise("10.1")
-@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "6.2", "6.4", "7.1")
+@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "6.4", "7.1")
 def test_serve_prefix_caching_reuses_a_shared_prompt_prefix():
     """Requests sharing a 12-token prefix reuse its cached blocks (fewer tokens computed) and still
     produce exactly the solo tokens; cached blocks nobody holds are counted free at the end."""

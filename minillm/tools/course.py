@@ -188,6 +188,15 @@ def read_test_marks(text: str, rel: str) -> list[tuple[str, str, str]]:
     return found
 
 
+def _marks_by_test(marks: list[tuple[str, str, str]]) -> list[tuple[str, set, set]]:
+    """[(test, exercises its own marks grade, exercises they use)] of the tests that grade one."""
+    tests: dict[str, tuple[set, set]] = {}
+    for name, ex_id, test in marks:
+        if test:
+            tests.setdefault(test, (set(), set()))[name == USES].add(ex_id)
+    return [(test, graded, used) for test, (graded, used) in tests.items() if graded]
+
+
 def read_depends(root: Path) -> dict[str, list[str]]:
     """The table EXERCISE_DEPENDS of tests/conftest.py: {exercise: [exercises its grading tests also run]}."""
     path = Path(root) / DEPENDS_FILE
@@ -220,10 +229,12 @@ def find_exercises(root: Path) -> list[Exercise]:
                 where = f"{first.file}:{first.begin} and {ex.file}:{ex.begin}"
                 raise CourseError(f"exercise {ex.id} is marked twice: {where}")
             exercises[ex.id] = ex
+    graded_uses = []  # (file, test, exercises it grades, exercises whose code it runs)
     for path in sorted((root / "tests").glob("test_*.py")):
         rel = path.relative_to(root).as_posix()
         uses, chapters = set(), set()
-        for name, ex_id, test in read_test_marks(path.read_text(), rel):
+        marks = read_test_marks(path.read_text(), rel)
+        for name, ex_id, test in marks:
             ex = exercises.get(ex_id)
             if ex is None:
                 raise CourseError(f"{rel}: a {name} mark names exercise {ex_id}, which no source file marks")
@@ -240,6 +251,7 @@ def find_exercises(root: Path) -> list[Exercise]:
             raise CourseError(f"{rel} grades exercises of chapters {', '.join(sorted(chapters))}: one chapter a file")
         for ex_id in sorted(uses, key=exercise_sort_key):
             exercises[ex_id].also_fails.append(Selection(rel, f"--uses-exercise {ex_id}"))
+        graded_uses += [(rel, test, graded, used) for test, graded, used in _marks_by_test(marks)]
     for ex_id, ids in read_depends(root).items():
         for dep in [ex_id, *ids]:
             if dep not in exercises:
@@ -247,6 +259,12 @@ def find_exercises(root: Path) -> list[Exercise]:
         if ex_id in ids:
             raise CourseError(f"{DEPENDS_FILE}: {DEPENDS_TABLE}[{ex_id!r}] names the exercise itself")
         exercises[ex_id].depends = sorted(set(ids), key=exercise_sort_key)
+    for rel, test, graded, used in graded_uses:  # a grading test that runs Y's code is blocked by Y
+        for ex_id in graded:
+            missing = sorted((used | graded) - {ex_id} - set(exercises[ex_id].depends), key=exercise_sort_key)
+            if missing:
+                raise CourseError(f"{rel}::{test} grades {ex_id} and runs {', '.join(missing)}, which "
+                                  f"{DEPENDS_FILE}'s {DEPENDS_TABLE}[{ex_id!r}] does not name")
     chapters: dict[str, list[Exercise]] = {}
     for ex in exercises.values():
         if not ex.tests:
