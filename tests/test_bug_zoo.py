@@ -10,6 +10,7 @@ The mutation score (killed / total) is printed (pytest -s) and recorded in docs/
 
 import os
 import queue
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -53,12 +54,17 @@ def test_mutation_score(tmp_path):
         project = course.copy_project(ROOT, tmp_path / f"project{i}", leave_out=course.INSTRUCTORS_ONLY)
         servers.put(PytestServer(project))
 
+    seconds = {}
+
     def run(mutant):
         server = servers.get()
         try:
             project = server.project
+            t0 = time.perf_counter()
             with patched(project, {mutant.file: mutant.apply((project / mutant.file).read_text())}):
-                return server.run(*zoo_command(mutant, exercises), "-x")
+                result = server.run(*zoo_command(mutant, exercises), "-x")
+            seconds[mutant.name] = time.perf_counter() - t0
+            return result
         finally:
             servers.put(server)
 
@@ -72,6 +78,8 @@ def test_mutation_score(tmp_path):
             f"{'killed' if r.returncode == 1 else 'SURVIVED'} |" for m, r in zip(MUTANTS, results)]
     killed = sum(r.returncode == 1 for r in results)
     print("\n| chapter | mutant | tests run (-x) | result |\n|---|---|---|---|\n" + "\n".join(rows))
+    slowest = sorted(seconds.items(), key=lambda kv: -kv[1])[:5]
+    print("slowest mutants: " + "; ".join(f"{name} {s:.1f} s" for name, s in slowest))
     print(f"mutation score: {killed}/{len(MUTANTS)} killed ({100 * killed / len(MUTANTS):.0f}%)")
     survivors = [f"{m.name}: exit {r.returncode}\n{r.stdout[-1500:]}" for m, r in zip(MUTANTS, results)
                  if r.returncode != 1]
