@@ -3,7 +3,8 @@
 Each test runs the same specification over the contiguous ``KVCache``, the naive ``GrowingKVCache``
 and one sequence of a ``PagedKVCache`` (parameter ids "contiguous", "growing", "paged"): whatever a
 decoding loop or prompt caching may rely on, every cache does. The exercises of chapters 3 and 6
-live inside these caches, so NEEDS names the tests that run them.
+live inside these caches, so each cache's parameter carries the ``uses_exercise`` marks of the
+exercises it runs.
 """
 
 from types import SimpleNamespace
