@@ -13,9 +13,6 @@ from minillm.attention import (
 )
 from minillm.backend import to_numpy, xp
 
-# The tests that check each exercise, as pytest -k expressions (read by minillm.tools.course; docs/instructors.md)
-EXERCISES = {"2.1": "window", "2.2": "entropy"}
-
 
 def test_softmax_huge_logits_are_safe():
     """Subtracting the max keeps exp() finite: [1000, 1000] -> [0.5, 0.5], not NaN."""
@@ -97,6 +94,7 @@ def test_model_registry_names_naive_attention_and_rejects_unknown_names():
 # ---- 2.1 the sliding-window mask ---------------------------------------------------------------------
 
 
+@pytest.mark.exercise("2.1")
 def test_sliding_window_mask_examples():
     """The docstring's example; a window of Tk or more is the causal mask; window 1 is the diagonal.
     Fails for a window counted from the wrong end or off by one (window + 1 or window - 1 keys)."""
@@ -109,6 +107,7 @@ def test_sliding_window_mask_examples():
         sliding_window_mask(2, 2, 0)
 
 
+@pytest.mark.exercise("2.1")
 @pytest.mark.parametrize("Tq,Tk,window", [(1, 9, 4), (4, 9, 3), (9, 9, 1), (9, 9, 5), (5, 9, 20)])
 def test_sliding_window_attention_matches_loops(Tq, Tk, window):
     """attention_weights(..., window) @ v equals the loops over each query's last `window` keys,
@@ -122,6 +121,7 @@ def test_sliding_window_attention_matches_loops(Tq, Tk, window):
 # ---- 2.2 the entropy of attention ----------------------------------------------------------------------
 
 
+@pytest.mark.exercise("2.2")
 def test_attention_entropy_extremes():
     """One key -> 0; n keys evenly -> log n; masked zeros count 0 (no NaN, no warning)."""
     w = np.array([[1.0, 0.0, 0.0, 0.0], [0.5, 0.5, 0.0, 0.0], [0.25] * 4])
@@ -130,6 +130,7 @@ def test_attention_entropy_extremes():
     np.testing.assert_allclose(h, [0.0, np.log(2), np.log(4)], atol=1e-12)
 
 
+@pytest.mark.exercise("2.2")
 def test_attention_entropy_of_real_weights():
     """On causal attention weights (B, nh, T, T) -> (B, nh, T), equal to -sum w log w over the keys
     each query sees; the first query sees one key, so its entropy is 0."""

@@ -40,20 +40,6 @@ from minillm.paged_kv import BatchView, PagedKVCache
 from minillm.sampling import logits_to_probs
 from minillm.speculative import speculative_generate
 
-# The tests that check each exercise, as pytest -k expressions (read by minillm.tools.course; docs/instructors.md)
-EXERCISES = {
-    "7.1": "pad_batch or ragged_forward or ragged_padding or generate_batch_equals or generate_batch_rows "
-           "or spec_rows or drives or mistake",
-    "7.2": "round_waste or every_round or stats_add_up or drives",
-    "7.3": "next_draft_length or spec_rows_greedy or lossless",
-}
-# Exercises of other chapters that a grading selection also runs (the speculative loop on the paged cache)
-DEPENDS = {
-    "7.1": "1.1, 1.2, 3.1, 3.2, 3.3, 5.1, 5.2, 5.3, 6.1, 6.3",
-    "7.2": "3.1, 3.3, 5.1, 5.2, 5.3, 6.1, 6.3",
-    "7.3": "3.1, 3.2, 3.3, 5.1, 5.2, 5.3, 6.1, 6.3",
-}
-
 N_PER_PROMPT = 15_000  # rows per prompt in the losslessness test (see its docstring)
 
 
@@ -108,6 +94,7 @@ def batch_matches_alone(target, draft, prompts, n_new, ks=(1, 4), temperature=0.
 # 7.1 a ragged batch
 
 
+@pytest.mark.exercise("7.1")
 def test_pad_batch_worked_example():
     """[[5, 6, 7], [8]] -> [[5, 6, 7], [8, 0, 0]] with counts [3, 1]; pad_id is used for padding."""
     idx, counts = pad_batch([[5, 6, 7], [8]])
@@ -116,6 +103,7 @@ def test_pad_batch_worked_example():
     assert idx.tolist() == [[1, 9], [2, 3], [4, 9]] and counts == [1, 2, 1]
 
 
+@pytest.mark.exercise("7.1")
 def test_pad_batch_uniform_rows_need_no_padding():
     idx, counts = pad_batch([[1, 2], [3, 4]])
     assert idx.tolist() == [[1, 2], [3, 4]] and counts == [2, 2]
@@ -135,6 +123,7 @@ CACHED = [[1, 2, 3, 4, 5], [], [7] * 9]  # a sequence mid-way, an empty one (a p
 NEW = [[6], [3, 1, 4, 1], [2, 2]]  # 1, 4 and 2 new tokens: padded to 4
 
 
+@pytest.mark.exercise("7.1")
 def test_ragged_forward_gives_each_row_its_own_logits(pair):
     """Rows at lengths 5, 0, 9 feeding 1, 4, 2 tokens in one forward: each row's logits equal a
     no-cache forward of that row's whole sequence alone; each length grows by its own count."""
@@ -164,6 +153,7 @@ def test_ragged_positions_are_per_row_and_padding_repeats_the_last():
     assert cache.lengths == {a: 6, b: 5}
 
 
+@pytest.mark.exercise("7.1")
 def test_ragged_padding_never_leaks(pair):
     """Whatever the padding holds (pad id 0 or 12), the real rows' logits and every cached key and
     value are identical: padding is neither written to the cache nor attended to."""
@@ -200,6 +190,7 @@ def test_ragged_view_rejects_bad_counts(pair):
 # plain batched decoding
 
 
+@pytest.mark.exercise("7.1")
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0.0, None, None), (1.0, None, None), (0.8, 5, 0.9)])
 def test_generate_batch_equals_generate_alone(pair, temperature, top_k, top_p):
     """4 prompts of lengths 1, 3, 7, 20 decode 30 tokens together (the last passes the 32-token
@@ -217,6 +208,7 @@ def test_generate_batch_equals_generate_alone(pair, temperature, top_k, top_p):
     assert result.rows[-1].stats.reprefills > 0  # the 20-token prompt passes the 32-token context
 
 
+@pytest.mark.exercise("7.1")
 def test_generate_batch_rows_are_independent_draws(pair):
     """The same prompt twice in a batch gives two different samples (one generator per row), and a
     batch of one is generate() with seed sequence_seeds(seed, 1)[0]."""
@@ -252,6 +244,7 @@ def test_generate_batch_bad_input(pair):
 # batched speculative decoding
 
 
+@pytest.mark.exercise("7.1", "7.3")
 def test_spec_rows_greedy_equal_alone(pair):
     """Greedy, K = 1 and 4, both policies: every row == speculative_generate alone == generate
     alone, token for token (rows of lengths 1..20, one passing the context); with policy "pad" the
@@ -266,6 +259,7 @@ def test_spec_rows_greedy_equal_alone(pair):
     assert stats[-1].reprefills > 0
 
 
+@pytest.mark.exercise("7.1")
 def test_spec_rows_sampled_draws_equal_alone(pair):
     """Temperature 1 and (0.8, top-k 5): policy "pad" row i makes exactly the random draws of
     speculative_generate(..., seed=sequence_seeds(0, B)[i]) alone: same tokens, same counts."""
@@ -277,6 +271,7 @@ def test_spec_rows_sampled_draws_equal_alone(pair):
         assert out == speculative_generate(target, draft, p, 24, k=2, temperature=0.8, top_k=5, seed=s).tokens
 
 
+@pytest.mark.exercise("7.1", "7.2")
 def test_spec_rows_bonus_token_every_round_when_draft_is_target(pair):
     """draft == target: every draft is accepted, so every round of every row ends with a bonus
     token: K + 1 = 5 tokens per target call, 5 rounds for 25 tokens, for rows of any length."""
@@ -301,6 +296,7 @@ def target_joint(target, prompt, n):
     return joint
 
 
+@pytest.mark.exercise("7.1", "7.3")
 def test_spec_rows_lossless_per_sequence():
     """Sampling (T = 1, adaptive policy, K = 2, 3 new tokens): in one batch of 30,000 rows, two
     prompts of lengths 1 and 4 interleaved, each row's first token and its first three tokens
@@ -330,6 +326,7 @@ def test_spec_rows_lossless_per_sequence():
         assert chi2_pvalue(mine[:, 0], shifted) < P_MIN
 
 
+@pytest.mark.exercise("7.1", "7.2")
 def test_spec_rows_stats_add_up(pair):
     """Per row: tokens = accepted + rounds, one target call per round. Per batch: one verify forward
     per round for all running rows, slots = kept + padded + rejected, and rows finish at different
@@ -347,6 +344,7 @@ def test_spec_rows_stats_add_up(pair):
     assert batch.rejected == sum(s.proposed - s.accepted for s in stats)
 
 
+@pytest.mark.exercise("7.1")
 def test_spec_rows_bad_input(pair):
     target, draft = pair
     with pytest.raises(ValueError, match="policy"):
@@ -365,6 +363,7 @@ def test_spec_rows_bad_input(pair):
 # 7.2 the accounting of a round
 
 
+@pytest.mark.exercise("7.2")
 def test_round_waste_worked_example():
     """k = [4, 2, 4], accepted = [4, 0, 1]: 15 slots, 2 padded, 5 rejected, 8 kept."""
     assert round_waste([4, 2, 4], [4, 0, 1]) == (15, 2, 5)
@@ -372,6 +371,7 @@ def test_round_waste_worked_example():
     assert round_waste([0, 2], [0, 1]) == (6, 2, 1)
 
 
+@pytest.mark.exercise("7.2")
 def test_round_waste_sums_into_batch_stats():
     """BatchStats adds the rounds up; wasted_share = (padded + rejected) / slots."""
     stats = BatchStats(batch_size=3, rounds=[([4, 2, 4], [4, 0, 1]), ([3, 1], [0, 1])])
@@ -384,6 +384,7 @@ def test_round_waste_sums_into_batch_stats():
 # 7.3 the adaptive policy
 
 
+@pytest.mark.exercise("7.3")
 def test_next_draft_length_worked_examples():
     """+1 after full acceptance, -1 after a rejection, within [1, k_max]."""
     assert next_draft_length(2, 2, 4) == 3
@@ -394,6 +395,7 @@ def test_next_draft_length_worked_examples():
     assert next_draft_length(0, 0, 4) == 1
 
 
+@pytest.mark.exercise("7.1", "7.2", "7.3")
 def test_next_draft_length_drives_the_adaptive_policy(pair):
     """In the loop: with draft == target every row stays at k (full acceptance); with the weak draft
     rows draft different lengths in the same round, the shorter ones padded; each row's draft
@@ -413,6 +415,7 @@ def test_next_draft_length_drives_the_adaptive_policy(pair):
 # the classic mistakes, each planted in the real code and caught by the batch check
 
 
+@pytest.mark.exercise("7.1")
 def test_mistake_rollback_of_every_row_is_caught(pair, monkeypatch):
     """One row's rejection truncates every row of the pool to its length: caught."""
     target, draft = pair
@@ -426,6 +429,7 @@ def test_mistake_rollback_of_every_row_is_caught(pair, monkeypatch):
     assert not batch_matches_alone(target, draft, PROMPTS[:3], 16, ks=(3,))
 
 
+@pytest.mark.exercise("7.1")
 def test_mistake_padding_leaking_into_attention_is_caught(pair, monkeypatch):
     """The padded batch treated as dense (padding written to the cache and counted in each row's
     length, so later tokens attend to it): caught (or the padding overflows a row's context)."""
@@ -437,6 +441,7 @@ def test_mistake_padding_leaking_into_attention_is_caught(pair, monkeypatch):
         pass
 
 
+@pytest.mark.exercise("7.1")
 def test_mistake_lost_bonus_token_is_caught(pair, monkeypatch):
     """A row whose drafts were all accepted drops its bonus token: caught."""
     target, draft = pair
@@ -450,6 +455,7 @@ def test_mistake_lost_bonus_token_is_caught(pair, monkeypatch):
     assert not batch_matches_alone(target, draft, PROMPTS[:3], 16, ks=(3,))
 
 
+@pytest.mark.exercise("7.1")
 @pytest.mark.parametrize("how", ["shifted_by_row", "one_counter"])
 def test_mistake_per_row_positions_are_caught(pair, monkeypatch, how):
     """Position ids handed to the model shifted by one per row (row b at +b), or one counter for the

@@ -13,9 +13,6 @@ from minillm.tools import project
 from minillm.tools.benchmarks import common
 from minillm.tools.project import project_root
 
-# Tests that also run other exercises' code, so they fail until those are solved (minillm.tools.course)
-NEEDS = {("3.1", "3.2"): "decode_step_parts"}
-
 
 def test_time_paired_alternates_and_returns_the_candidates_result():
     calls = []
@@ -51,6 +48,7 @@ def test_format_table_aligns_and_rounds():
     assert table.splitlines() == ["name      x", "----  -----", "   a  1.235", " bbb     10"]
 
 
+@pytest.mark.uses_exercise("3.1", "3.2")
 def test_decode_step_parts_swaps_each_part_and_then_restores_the_model(tiny_model):
     """Each part is swapped on the model instance only (never in minillm.model), and put back: the
     instance holds no stand-in afterwards and computes what it computed before."""

@@ -29,8 +29,6 @@ from minillm.bpe import (
 # Tokenizers work on text and Python lists of ids: no minillm array here, nothing for the strict run.
 pytestmark = pytest.mark.host_only
 
-EXERCISES = {"8.4": "merge"}
-NEEDS = {"8.4": "encode"}  # every test that encodes text runs the merge step
 
 ROOT = Path(__file__).resolve().parents[1]
 IM_START, IM_END = 1, 2
@@ -90,6 +88,7 @@ def test_pre_tokenize_isolates_digits_and_keeps_every_character():
     assert pre_tokenize("I'm\tfine\n\n ok", gpt2) == ["I", "'m", "\t", "fine", "\n\n", " ok"]
 
 
+@pytest.mark.exercise("8.4")
 def test_merge_lowest_rank_worked_example():
     """The docstring's example, step by step."""
     ranks = {("a", "b"): 0, ("b", "c"): 1, ("ab", "c"): 2}
@@ -99,6 +98,7 @@ def test_merge_lowest_rank_worked_example():
     assert merge_lowest_rank(["abc", "ab"], ranks) is None
 
 
+@pytest.mark.exercise("8.4")
 def test_merge_by_rank_not_by_position():
     """The lowest rank wins wherever it sits: "abc" with (b, c) ranked before (a, b) -> a, bc."""
     ranks = {("b", "c"): 0, ("a", "b"): 1, ("x", "a"): 2}
@@ -107,6 +107,7 @@ def test_merge_by_rank_not_by_position():
     assert bpe(["a", "b"], ranks) == ["ab"]
 
 
+@pytest.mark.exercise("8.4")
 def test_merge_every_occurrence_left_to_right():
     """All occurrences in one step, without overlap: aaa -> aa, a and aaaa -> aa, aa."""
     ranks = {("a", "a"): 0}
@@ -115,6 +116,7 @@ def test_merge_every_occurrence_left_to_right():
     assert merge_lowest_rank(["a", "b", "a", "a"], ranks) == ["a", "b", "aa"]
 
 
+@pytest.mark.exercise("8.4")
 def test_merge_nothing_to_merge():
     ranks = {("a", "b"): 0}
     assert merge_lowest_rank([], ranks) is None
@@ -130,6 +132,7 @@ def toy_tokenizer():
     return BPETokenizer(tokens, merges, special=[260], pre="gpt2", eos_token_id=260)
 
 
+@pytest.mark.exercise("8.4")
 def test_merge_toy_tokenizer_encodes_by_rank():
     t = toy_tokenizer()
     lo, low, sp_l = 256, 257, 258
@@ -178,17 +181,20 @@ def shakespeare_samples() -> list[str]:
     return lines[:300] + [text[20_000:24_000], text[500_000:503_000]]
 
 
+@pytest.mark.uses_exercise("8.4")
 def test_encode_matches_transformers(tok, oracle):
     """Token for token on code, numbers, whitespace runs, accents, CJK, emoji and special tokens."""
     for text in CORPUS:
         assert tok.encode(text) == oracle.encode(text, add_special_tokens=False), repr(text)
 
 
+@pytest.mark.uses_exercise("8.4")
 def test_encode_matches_transformers_on_shakespeare_and_source(tok, oracle):
     for text in shakespeare_samples() + [(ROOT / "minillm" / "bpe.py").read_text()]:
         assert tok.encode(text) == oracle.encode(text, add_special_tokens=False), repr(text[:80])
 
 
+@pytest.mark.uses_exercise("8.4")
 @settings(max_examples=150, deadline=None)
 @given(st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=40))
 def test_encode_matches_transformers_on_random_text(tok, oracle, text):
@@ -197,6 +203,7 @@ def test_encode_matches_transformers_on_random_text(tok, oracle, text):
         assert tok.encode(text) == oracle.encode(text, add_special_tokens=False)
 
 
+@pytest.mark.uses_exercise("8.4")
 def test_encode_worked_example(tok):
     assert tok.encode("<|im_start|>user\nHi<|im_end|>") == [1, 4093, 198, 26843, 2]
     assert tok.encode("a  1") == [tok.ids["a"], tok.ids["ĠĠ"], tok.ids["1"]]
@@ -204,6 +211,7 @@ def test_encode_worked_example(tok):
     assert (tok.bos_token_id, tok.eos_token_id) == (IM_START, IM_END)
 
 
+@pytest.mark.uses_exercise("8.4")
 @settings(max_examples=300, deadline=None)
 @given(st.text(st.characters(codec="utf-8", exclude_categories=("Cs",)), max_size=60))
 def test_encode_decode_round_trip(tok, text):
@@ -212,11 +220,13 @@ def test_encode_decode_round_trip(tok, text):
         assert tok.decode(tok.encode(text)) == text
 
 
+@pytest.mark.uses_exercise("8.4")
 def test_encode_refuses_characters_without_a_token(tok):
     with pytest.raises(ValueError, match=r"cannot spell: '\\x04'"):
         tok.encode("a\x04b")
 
 
+@pytest.mark.uses_exercise("8.4")
 def test_encode_caches_words(tok, monkeypatch):
     """A word seen before is not merged again: the cache is what makes encoding fast."""
     calls = []

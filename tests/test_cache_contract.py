@@ -3,7 +3,8 @@
 Each test runs the same specification over the contiguous ``KVCache``, the naive ``GrowingKVCache``
 and one sequence of a ``PagedKVCache`` (parameter ids "contiguous", "growing", "paged"): whatever a
 decoding loop or prompt caching may rely on, every cache does. The exercises of chapters 3 and 6
-live inside these caches, so NEEDS names the tests that run them.
+live inside these caches, so each cache's parameter carries the ``uses_exercise`` marks of the
+exercises it runs.
 """
 
 from types import SimpleNamespace
@@ -17,20 +18,19 @@ from minillm.backend import to_numpy, xp
 from minillm.cache_contract import CacheFullError, DecodeCache, ForwardCache, PromptCache
 from minillm.prefix_blocks import PrefixBlockCache
 
-# Tests that also run exercises' code, so they fail until those are solved (minillm.tools.course)
-NEEDS = {
-    ("3.1", "3.2"): "contiguous",
-    "3.2": "growing and truncate",  # GrowingKVCache.truncate calls KVCache.truncate
-    "6.1": "paged",  # with an attention other than naive, the paged view gathers each row's K/V
-    "6.3": "paged and not hands",
-}
-
 CACHES = {  # id -> a decode cache for a config (max_len: the contiguous caches' capacity)
     "contiguous": lambda cfg, max_len=None: KVCache(cfg, max_len=max_len),
     "growing": lambda cfg, max_len=None: GrowingKVCache(cfg, max_len=max_len),
     "paged": lambda cfg, max_len=None: PagedKVCache(cfg, 64, 4).sequence(),  # max_len: the context
 }
-each_cache = pytest.mark.parametrize("make", CACHES.values(), ids=CACHES.keys())
+# each cache as a parameter, marked with the exercises whose code it runs (KVCache: attend and truncate;
+# a paged sequence: gather and truncate)
+CONTIGUOUS = pytest.param(CACHES["contiguous"], id="contiguous", marks=pytest.mark.uses_exercise("3.1", "3.2"))
+GROWING = pytest.param(CACHES["growing"], id="growing")
+PAGED = pytest.param(CACHES["paged"], id="paged", marks=pytest.mark.uses_exercise("6.1", "6.3"))
+each_cache = pytest.mark.parametrize("make", [CONTIGUOUS, GROWING, PAGED])
+# GrowingKVCache.truncate calls KVCache.truncate
+GROWING_TRUNCATES = pytest.param(CACHES["growing"], id="growing", marks=pytest.mark.uses_exercise("3.2"))
 
 
 @pytest.fixture
@@ -76,7 +76,7 @@ def test_positions_refuse_an_overflow_before_writing(model, make):
     np.testing.assert_allclose(got, to_numpy(model.forward(idx))[:, 9:], atol=1e-4)
 
 
-@each_cache
+@pytest.mark.parametrize("make", [CONTIGUOUS, GROWING_TRUNCATES, PAGED])
 def test_truncate_reset_and_bytes(model, make):
     """truncate(n) keeps the first n tokens (feeding the rest again gives the full forward's
     logits) and refuses n outside 0..length without changing anything; reset() empties the
@@ -126,10 +126,8 @@ def test_prefix_cache_replays_through_the_contract(model, make):
 
 
 GQA = SimpleNamespace(n_layer=1, n_head=4, n_kv_head=2, head_size=8, block_size=16)  # 2 query heads per KV head
-GQA_CACHES = [CACHES["contiguous"], CACHES["growing"], CACHES["paged"]]
-
-
-@pytest.mark.parametrize("make", GQA_CACHES, ids=CACHES.keys())
+@pytest.mark.parametrize("make", [CONTIGUOUS, GROWING,  # no truncate here
+                                  pytest.param(CACHES["paged"], id="paged", marks=pytest.mark.uses_exercise("6.1"))])
 def test_attend_hands_the_stored_kv_unchanged_to_the_attention_it_is_given(make):
     """Grouped-query shapes: q has n_head = 4 heads, k and v n_kv_head = 2. attend stores k, v
     and calls the attention callable it was given with q and every stored key and value, in order,

@@ -17,9 +17,6 @@ from minillm.chat import Chat, answer
 from minillm.data import corpus_tokenizer
 from minillm.tools.chat_cli import main
 
-# the chat runs the KV cache (3.1; 3.2 rolls an interrupted turn back); SmolLM2's tokenizer merges (8.4)
-NEEDS = {"3.1": "not refuses", "3.2": "interrupted", "8.4": "chatml"}
-
 
 class CharChatTokenizer:
     """The interface chat.py needs from a tokenizer (as minillm.bpe.BPETokenizer has it), per character."""
@@ -75,6 +72,7 @@ def script(monkeypatch, tok, text):
     monkeypatch.setattr(chat_module.SamplingSettings, "next_token", lambda self, *args: next(tokens))
 
 
+@pytest.mark.uses_exercise("3.1")
 def test_turns_feed_only_new_tokens_and_match_recompute(model, tok):
     """Three turns: every token is fed exactly once, and the cached logits equal a full recompute."""
     rec = Recorder(model)
@@ -94,6 +92,7 @@ def test_turns_feed_only_new_tokens_and_match_recompute(model, tok):
     np.testing.assert_allclose(to_numpy(rec.logits)[0, -1], recomputed, atol=1e-4)
 
 
+@pytest.mark.uses_exercise("3.1")
 def test_reply_stops_at_end_of_turn_which_is_not_fed(model, tok, monkeypatch):
     rec = Recorder(model)
     chat = Chat(rec, tok, max_len=256)
@@ -106,6 +105,7 @@ def test_reply_stops_at_end_of_turn_which_is_not_fed(model, tok, monkeypatch):
     assert tok.decode(rec.calls[4]) == "}\n{user\nSure}\n{assistant\n"  # the end of turn comes from the template
 
 
+@pytest.mark.uses_exercise("3.1")
 def test_reply_cut_at_max_new_tokens_is_fed_next_turn(model, tok, monkeypatch):
     rec = Recorder(model)
     chat = Chat(rec, tok, max_len=256)
@@ -117,6 +117,7 @@ def test_reply_cut_at_max_new_tokens_is_fed_next_turn(model, tok, monkeypatch):
     assert tok.decode(rec.calls[4]) == "d}\n{user\nMore}\n{assistant\n"
 
 
+@pytest.mark.uses_exercise("3.1")
 def test_multibyte_characters_stream_whole(model, tok, monkeypatch):
     """🤗 split over three tokens: the stream holds the bytes back until the character is complete."""
     emoji = "🤗".encode()
@@ -129,6 +130,7 @@ def test_multibyte_characters_stream_whole(model, tok, monkeypatch):
     assert [s for s in streamed if s] == ["a", "🤗", "b"]
 
 
+@pytest.mark.uses_exercise("3.1")
 def test_reset_starts_over(model, tok):
     rec = Recorder(model)
     chat = Chat(rec, tok, system="Be brief.", max_len=256)
@@ -142,6 +144,7 @@ def test_reset_starts_over(model, tok):
     assert tok.decode(rec.calls[before]) == "{system\nBe brief.}\n{user\nTwo}\n{assistant\n"
 
 
+@pytest.mark.uses_exercise("3.1")
 def test_empty_message_and_overflow_change_nothing(model, tok):
     chat = Chat(model, tok, max_len=64)
     chat.turn("Hi", max_new_tokens=3)
@@ -155,6 +158,7 @@ def test_empty_message_and_overflow_change_nothing(model, tok):
         chat.turn("Hi", max_new_tokens=0)
 
 
+@pytest.mark.uses_exercise("3.1")
 def test_context_fills_during_a_reply(model, tok, monkeypatch):
     """The prompt leaves room for one fed token: the reply is that token and the one sampled after it."""
     n = len(tok.encode(tok.apply_chat_template([{"role": "user", "content": "Hi"}])))
@@ -166,6 +170,7 @@ def test_context_fills_during_a_reply(model, tok, monkeypatch):
         chat.turn("Again")
 
 
+@pytest.mark.uses_exercise("3.1")
 def test_answer_streams_and_reports_speed(model, tok):
     streamed = []
     reply = answer(model, tok, "Speak", stream=streamed.append, max_new_tokens=5)
@@ -173,12 +178,14 @@ def test_answer_streams_and_reports_speed(model, tok):
     assert 0 < reply.stats.ttft_s <= reply.stats.total_s and reply.stats.tokens_per_s > 0
 
 
+@pytest.mark.uses_exercise("3.1")
 def test_main_prompt_one_turn(model, tok, capsys):
     code = main(["--prompt", "Say hi", "--max-new-tokens", "5", "--temperature", "0"], loader=lambda name: (model, tok))
     out, err = capsys.readouterr()
     assert code == 0 and out.strip() and "TTFT" in err and "tokens/s" in err
 
 
+@pytest.mark.uses_exercise("3.1")
 def test_main_interactive_loop(model, tok, capsys):
     """An empty message gets one line and the chat goes on; /reset; Ctrl-D ends."""
     lines = iter(["Hello", "", "/reset", "Again"])
@@ -220,6 +227,7 @@ def smollm2_tok():
     return load_tokenizer(smollm2_gguf())
 
 
+@pytest.mark.uses_exercise("3.1", "8.4")
 def test_chatml_conversation_in_the_cache_is_its_tokenization(smollm2_tok, monkeypatch):
     """With SmolLM2's tokenizer (a tiny random model): after a finished and a cut reply, the ids fed
     over the turns are exactly encode(conversation text), and 🤗 streams whole across its 3 tokens."""
@@ -273,6 +281,7 @@ def test_chatml_session_goes_on_after_an_invalid_utf8_byte(smollm2_tok, monkeypa
     assert code == 0 and err.count("TTFT") == 3 and "error" not in err, err
 
 
+@pytest.mark.uses_exercise("3.1", "3.2")
 def test_interrupted_turn_is_forgotten(model, tok, monkeypatch):
     """Ctrl-C mid-reply: cache, messages and text are as before the message, and the chat goes on."""
     chat = Chat(model, tok, max_len=256)
@@ -294,6 +303,7 @@ def test_interrupted_turn_is_forgotten(model, tok, monkeypatch):
     assert chat.turn("Two").text == "ok"
 
 
+@pytest.mark.uses_exercise("3.1")
 def test_chat_command_answers_with_the_real_model():
     """`python -m minillm chat --prompt ...` on a fresh process: SmolLM2 answers in English, streamed to
     stdout, with its TTFT and tokens/s on stderr."""

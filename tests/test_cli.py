@@ -12,15 +12,6 @@ from minillm.tools import cli
 from minillm.tools.benchmarks import common
 from minillm.tools.benchmarks import paged as paged_bench
 
-# Tests that also run other exercises' code, so they fail until those are solved (minillm.tools.course)
-NEEDS = {
-    ("3.1", "3.3"): "generate_streams or generate_uses",
-    ("3.1", "3.2", "3.3", "5.1", "5.2", "5.3"): "demo_options",  # the demo runs generate and speculative decoding
-    ("8.1", "8.2", "8.3", "8.4"): "with_real_model",  # and opens with SmolLM2 unless told not to
-    ("3.1", "3.3", "6.1", "7.1", "10.1", "10.2", "10.3"): "serve_demo",  # a continuous-batching engine
-    ("3.1", "3.2", "3.3", "9.1", "9.2", "9.3", "9.4"): "speculate",  # the tree loop of chapter 9
-}
-
 
 def run_cli(*args):
     return subprocess.run([sys.executable, "-m", "minillm", *args], capture_output=True, text=True, timeout=300)
@@ -39,6 +30,7 @@ def test_info():
     assert "backend:" in r.stdout and "GPU:" in r.stdout and "model target" in r.stdout
 
 
+@pytest.mark.uses_exercise("3.1", "3.3")
 def test_generate_streams_text_and_stats(tiny_checkpoint):
     r = run_cli("generate", "--model", tiny_checkpoint, "--prompt", "abc", "--max-new-tokens", "12",
                 "--temperature", "0")
@@ -79,6 +71,7 @@ def test_generate_speculate_says_how_many_prompt_tokens_were_dropped(tiny_checkp
     check_dropped_prompt_note(tiny_checkpoint, capsys, (["--speculate", "lookup"],))
 
 
+@pytest.mark.uses_exercise("3.1", "3.3")
 @pytest.mark.skipif(not shipped_path("target").is_file(), reason="shipped target not trained yet")
 def test_generate_uses_the_shipped_target_by_default():
     r = run_cli("generate", "--prompt", "ROMEO:", "--max-new-tokens", "30", "--seed", "1")
@@ -132,7 +125,10 @@ DEMO_ARGS = [["--max-new-tokens", "12", "--k", "3", "--answer-tokens", "12"],
 
 
 @pytest.mark.skipif(not shipped_path("target").is_file(), reason="shipped models not trained yet")
-@pytest.mark.parametrize("args", DEMO_ARGS, ids=["with_real_model", "demo_only"])
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "5.2", "5.3")  # the demo runs generate and speculative decoding
+@pytest.mark.parametrize("args", [pytest.param(DEMO_ARGS[0], id="with_real_model",  # and opens with SmolLM2
+                                               marks=pytest.mark.uses_exercise("8.1", "8.2", "8.3", "8.4")),
+                                  pytest.param(DEMO_ARGS[1], id="demo_only")])
 def test_demo_options_with_and_without_the_demo_command(args, capsys):
     """`python -m minillm --k 3` and `python -m minillm demo --k 3` both run the demo with K = 3; the
     demo opens with the real model's streamed answer unless told not to."""
@@ -175,6 +171,7 @@ def test_benchmarks_write_figures_to_the_named_or_default_folder_only(monkeypatc
     assert made == ["default", "default/training_curves.png", "mine", "mine/training_curves.png"]
 
 
+@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "7.1", "10.1", "10.2", "10.3")
 @pytest.mark.skipif(not shipped_path("target").is_file(), reason="shipped target not trained yet")
 def test_serve_demo_takes_its_options_through_the_cli(capsys):
     """`python -m minillm serve-demo --requests 3`: a continuous-batching replay, then one row per request."""
@@ -184,6 +181,7 @@ def test_serve_demo_takes_its_options_through_the_cli(capsys):
     assert len(rows) == 3 and "TTFT ms" in out
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "9.1", "9.2", "9.3", "9.4")
 def test_generate_speculate_prints_the_models_own_text(capsys):
     """Every draft-free method of chapter 9, greedy, prints exactly what plain decoding prints."""
     outs = {}

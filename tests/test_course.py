@@ -1,20 +1,24 @@
-"""The course kit (minillm.tools.course): well-formed markers, the student edition and the rule it keeps.
+"""The course kit (minillm.tools.course): well-formed markers, the student edition and the rules it keeps.
 
 The rule (docs/instructors.md): in the student edition every exercise raises NotImplementedError, and
-the tests that fail are exactly the ones the manifest names (each exercise's grading selection plus
-its ``also_fails``); each exercise, stubbed alone, fails its own grading command with its own
-NotImplementedError. The reference passes everything (the rest of this suite).
+the tests that fail are exactly the ones the manifest names (each exercise's tests marked
+``exercise(id)`` or ``uses_exercise(id)``, and its chapter's notebook); each exercise, stubbed
+alone, fails its own grading command with its own NotImplementedError. The reference passes
+everything (the rest of this suite). Grading copies a submission's library into the reference
+project and says BLOCKED where a test dies on another exercise's stub.
 
-The second half is read off the same run as the first, not from one run per exercise (a minute and
-a half more here): a test whose only NotImplementedError is exercise e's met e's stub before any
-other stub (the first one raised ends the test), so with e alone stubbed it takes the same path and
-fails the same way.
+The second half of the rule is read off the same run as the first, not from one run per exercise
+(a minute and a half more here): a test whose only NotImplementedError is exercise e's met e's stub
+before any other stub (the first one raised ends the test), so with e alone stubbed it takes the
+same path and fails the same way.
 """
 
 import json
 import os
+import shutil
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -41,8 +45,20 @@ def test_reference_markers_are_well_formed():
     exercises = course.find_exercises(ROOT)
     assert {"1", "2", "3", "4", "5", "6", "A1"} <= {ex.chapter for ex in exercises}
     for ex in exercises:
-        assert (ROOT / ex.checks.tests).is_file() and ex.function and ex.task, ex
-        assert ex.also_fails and ex.also_fails[-1].tests == course.NOTEBOOK_TEST  # the chapter's notebook
+        assert (ROOT / ex.tests).is_file() and ex.graded_by and ex.function and ex.task, ex
+        assert ex.also_fails and ex.also_fails[-1].tests.startswith(course.NOTEBOOK_TEST + "::")  # its notebook
+        assert ex.command == f"python -m pytest {ex.tests} --exercise {ex.id}"
+
+
+def test_grading_marks_read_from_the_source_are_what_pytest_runs():
+    """The kit reads the marks without importing the tests; pytest's --exercise (tests/conftest.py)
+    runs exactly the marked tests: here exercise 3.1, whose mark sits on one parameter of one test."""
+    ex = next(e for e in course.find_exercises(ROOT) if e.id == "3.1")
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p", "no:cacheprovider",
+                        *ex.checks.args], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    collected = [line.split("::")[1] for line in r.stdout.splitlines() if line.startswith(ex.tests + "::")]
+    assert {name.split("[")[0] for name in collected} == set(ex.graded_by), r.stdout[-2000:]
+    assert not [n for n in collected if "Growing" in n] and any("-KVCache]" in n for n in collected)
 
 
 @pytest.mark.parametrize(
@@ -66,7 +82,7 @@ def test_duplicate_ids_and_unclaimed_exercises_are_refused(tmp_path):
     (tmp_path / "tests").mkdir()
     region = "def {0}():\n    # EXERCISE 1.1 BEGIN: a\n    return 1\n    # EXERCISE 1.1 END\n"
     (tmp_path / "minillm" / "a.py").write_text(region.format("f"))
-    with pytest.raises(course.CourseError, match="checked by no test file"):
+    with pytest.raises(course.CourseError, match="graded by no test"):
         course.find_exercises(tmp_path)
     (tmp_path / "minillm" / "b.py").write_text(region.format("g"))
     with pytest.raises(course.CourseError, match="marked twice"):
@@ -114,28 +130,51 @@ def test_every_notebook_lists_its_exercises_with_the_manifest_commands():
                 assert text in section, f"{notebook.name}: exercise {ex.id} does not name {text!r}"
 
 
-def test_depends_are_read_checked_and_written_to_the_stub_and_the_manifest(tmp_path):
-    """DEPENDS = {exercise: "ids"} beside EXERCISES: the manifest lists them, the stub names them in a
-    comment; a dependency that is unknown, of the same chapter, or declared by another file is refused."""
+def test_marks_and_the_depends_table_are_read_checked_and_written_to_the_stub_and_the_manifest(tmp_path):
+    """Marks on tests (on a decorator or a parameter) say what grades and what uses an exercise;
+    EXERCISE_DEPENDS in tests/conftest.py says what its grading tests also run: the manifest lists
+    them, the stub names them in a comment. Unknown ids, a mark whose ids are not literals, an
+    exercise graded in two files, a file grading two chapters, a self-dependency, and a grading test
+    that runs an exercise the table does not name for it are refused."""
     (tmp_path / "minillm").mkdir()
     (tmp_path / "tests").mkdir()
     region = "def {0}():\n    # EXERCISE {1} BEGIN: a\n    return 1\n    # EXERCISE {1} END\n"
     ids = ("1.1", "1.2", "2.1", "2.2")
     (tmp_path / "minillm" / "a.py").write_text("".join(region.format(f"f{n}", i) for n, i in enumerate(ids)))
-    claims = 'EXERCISES = {"1.1": "a", "1.2": "b", "2.1": "c", "2.2": "d"}\n'
-    test_file = tmp_path / "tests" / "test_a.py"
-    test_file.write_text(claims + 'DEPENDS = {"2.1": "1.1, 1.2"}\n')
+    one = ('import pytest\n\n@pytest.mark.exercise("1.1", "1.2")\ndef test_a(): pass\n\n'
+           '@pytest.mark.parametrize("x", [1, pytest.param(2, marks=pytest.mark.exercise("1.2"))])\n'
+           'def test_b(x): pass\n')
+    two = ('import pytest\n\n@pytest.mark.exercise("2.1")\n@pytest.mark.uses_exercise("1.1")\n'
+           'def test_c(): pass\n\n@pytest.mark.exercise("2.2")\ndef test_d(): pass\n')
+    (tmp_path / "tests" / "test_one.py").write_text(one)
+    (tmp_path / "tests" / "test_two.py").write_text(two)
+    conftest = tmp_path / "tests" / "conftest.py"
+    conftest.write_text('EXERCISE_DEPENDS = {"2.1": "1.1, 1.2", "1.1": "1.2", "1.2": "1.1"}\n')
     ex = {e.id: e for e in course.find_exercises(tmp_path)}
-    assert ex["2.1"].depends == ["1.1", "1.2"] and ex["2.2"].depends == []
+    assert ex["1.2"].graded_by == ["test_a", "test_b"] and ex["2.1"].tests == "tests/test_two.py"
+    assert ex["2.1"].depends == ["1.1", "1.2"] and ex["1.2"].depends == ["1.1"] and ex["2.2"].depends == []
+    assert [s.command for s in ex["1.1"].also_fails] == ["python -m pytest tests/test_two.py --uses-exercise 1.1"]
     stub = course.stub_source((tmp_path / "minillm" / "a.py").read_text(), [ex["2.1"]])
     assert "    # its grading tests also run exercise(s) 1.1, 1.2: solve those too\n" in stub
+    assert "# its grading" not in course.stub_source((tmp_path / "minillm" / "a.py").read_text(), [ex["2.1"]],
+                                                     stubbed={"2.1"})  # the others keep their reference code
     assert course.manifest([ex["2.1"]])[0]["depends"] == ["1.1", "1.2"]
-    assert "| a | 1.1, 1.2 | `python -m pytest tests/test_a.py -k c` |" in course.manifest_markdown([ex["2.1"]])
-    for depends, message in [('{"2.1": "1.9"}', "no source file marks"), ('{"2.1": "2.2"}', "same chapter"),
-                             ('{"3.1": "1.1"}', "does not grade")]:
-        test_file.write_text(claims + f"DEPENDS = {depends}\n")
+    row = "| a | 1.1, 1.2 | `python -m pytest tests/test_two.py --exercise 2.1` |"
+    assert row in course.manifest_markdown([ex["2.1"]])
+    for name, text, message in [
+        ("conftest.py", 'EXERCISE_DEPENDS = {"2.1": "1.9"}\n', "no source file marks"),
+        ("conftest.py", 'EXERCISE_DEPENDS = {"2.1": "2.1"}\n', "the exercise itself"),
+        ("conftest.py", 'EXERCISE_DEPENDS = {"1.1": "1.2", "1.2": "1.1"}\n', "test_c grades 2.1 and runs 1.1"),
+        ("test_two.py", two.replace('exercise("2.2")', 'exercise("9.9")'), "no source file marks"),
+        ("test_two.py", two.replace('exercise("2.2")', "exercise(ID)"), "string literals"),
+        ("test_two.py", two.replace('exercise("2.2")', 'exercise("1.1")'), "graded by tests in two files"),
+        ("test_one.py", one.replace('exercise("1.2"))', 'exercise("2.2"))'), "one chapter a file"),
+    ]:
+        original = (tmp_path / "tests" / name).read_text()
+        (tmp_path / "tests" / name).write_text(text)
         with pytest.raises(course.CourseError, match=message):
             course.find_exercises(tmp_path)
+        (tmp_path / "tests" / name).write_text(original)
 
 
 @pytest.fixture(scope="module")
@@ -143,22 +182,24 @@ def reference_copy(tmp_path_factory):
     return course.copy_project(ROOT, tmp_path_factory.mktemp("solved") / "project", leave_out=course.INSTRUCTORS_ONLY)
 
 
-# Each run is a pytest process over one grading selection (from 10 s to over a minute, chapter 5's
-# chi-square tests being the slowest): by default only 3.3, whose dependency on chapter 1 is the one
-# a student meets first; MINILLM_KIT_ALL=1 checks every exercise (about 15 minutes on 2 cores).
+# Each run is a pytest process over one exercise's grading tests (from 5 s to over a minute, chapter
+# 5's chi-square tests being the slowest): by default only 3.3, whose dependencies (3.1 of its own
+# chapter, 1.1 and 1.2 of chapter 1) are the first a student meets; MINILLM_KIT_ALL=1 checks every
+# exercise (35 runs, about 3 minutes with -n 2 on 2 cores). EXERCISE_DEPENDS was found this way.
 EXERCISES_BY_ID = {ex.id: ex for ex in course.find_exercises(ROOT)}
 SOLVED_ALONE = list(EXERCISES_BY_ID) if os.environ.get("MINILLM_KIT_ALL") == "1" else ["3.3"]
 
 
 @pytest.mark.parametrize("ex_id", SOLVED_ALONE)
-def test_exercise_passes_with_only_its_chapter_and_declared_dependencies_solved(reference_copy, ex_id):
-    """Every other exercise stubbed: the exercise's grading command passes, so the manifest's
-    ``depends`` (and the stub's comment) name everything a student must solve first."""
+def test_exercise_passes_with_only_its_declared_dependencies_solved(reference_copy, ex_id):
+    """Every other exercise stubbed, those of its own chapter too: the exercise's grading command
+    passes, so EXERCISE_DEPENDS (the manifest's ``depends``, the stub's comment) names everything a
+    student must solve first."""
     ex = EXERCISES_BY_ID[ex_id]
-    others = [e for e in EXERCISES_BY_ID.values() if e.chapter != ex.chapter and e.id not in ex.depends]
+    others = [e for e in EXERCISES_BY_ID.values() if e.id != ex.id and e.id not in ex.depends]
     with patched(reference_copy, course.stubbed_sources(ROOT, others)):
-        r = run_pytest(reference_copy, "--tb=line", ex.checks.tests, "-k", ex.checks.keyword)
-    solved = f"only chapter {ex.chapter} and {ex.depends} solved"
+        r = run_pytest(reference_copy, "--tb=line", *ex.checks.args)
+    solved = f"only {ex.id} and {ex.depends} solved"
     assert r.returncode == 0, f"{ex.command} fails with {solved}:\n" + r.stdout[-2000:]
 
 
@@ -194,6 +235,63 @@ def test_chapters_selects_what_is_stubbed(tmp_path):
         course.student_edition(ROOT, tmp_path / "ed2", chapters=["11"])
 
 
+def test_exercises_hands_out_single_exercises(tmp_path):
+    """--exercises 3.3,5.2: only those two regions stubbed (the rest of chapters 3 and 5 keep their
+    reference code), the manifest lists exactly them, and a stub names only the dependencies that
+    the edition stubs (3.3's 1.1, 1.2 and 3.1 are solved here)."""
+    out = tmp_path / "ed"
+    r = run_cli("course", "student-edition", str(out), "--exercises", "3.3,5.2")
+    assert r.returncode == 0, r.stderr
+    for ex in course.find_exercises(ROOT):
+        stubbed = f'raise NotImplementedError("Exercise {ex.id}: ' in (out / ex.file).read_text()
+        assert stubbed == (ex.id in ("3.3", "5.2")), ex.id
+    rows = json.loads((out / course.MANIFEST_JSON).read_text())
+    assert [r["id"] for r in rows] == ["3.3", "5.2"] and all(r["depends"] == [] for r in rows)
+    assert "# its grading tests" not in (out / "minillm" / "generate.py").read_text()
+    with pytest.raises(course.CourseError, match="no exercise 3.9"):
+        course.student_edition(ROOT, tmp_path / "ed2", exercises=["3.9"])
+    r = run_cli("course", "student-edition", str(tmp_path / "ed3"), "--exercises", "three")
+    assert r.returncode == 2 and "name exercises as 3.1,5.2" in r.stderr
+
+
+def git(folder, *args):
+    subprocess.run(["git", "-C", str(folder), *args], check=True, capture_output=True,
+                   env=dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
+                            GIT_COMMITTER_EMAIL="t@t"))
+
+
+@pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
+def test_copies_take_only_the_projects_files_and_follow_no_link(tmp_path):
+    """From a git checkout: what git tracks, never an untracked .env, venv/ or model file beside it;
+    elsewhere: the project's own folders and files (PROJECT_FILES). Never a symbolic link: a
+    ``loop -> .`` would copy the project into itself without end."""
+    root = tmp_path / "project"
+    for rel, text in {"pyproject.toml": "", "README.md": "hi", "minillm/__init__.py": "", "minillm/a.py": "x = 1",
+                      "tests/test_a.py": "def test_a(): pass", "notebooks/01_x.ipynb": "{}"}.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    git(root, "init", "-q")
+    git(root, "add", ".")
+    git(root, "commit", "-q", "-m", "project")
+    (root / ".env").write_text("TOKEN=secret")
+    (root / "venv" / "lib").mkdir(parents=True)
+    (root / "venv" / "lib" / "site.py").write_text("")
+    (root / "model.gguf").write_bytes(b"GGUF" * 1000)
+    (root / "minillm" / "untracked.py").write_text("")
+    (root / "loop").symlink_to(".")
+    (root / "minillm" / "link").symlink_to("..")
+    (root / "minillm" / "secret.py").symlink_to(root / ".env")
+    tracked = {"pyproject.toml", "README.md", "minillm/__init__.py", "minillm/a.py", "tests/test_a.py",
+               "notebooks/01_x.ipynb"}
+    assert set(course.project_files(root)) == tracked
+    course.student_edition(root, tmp_path / "edition")
+    copied = {p.relative_to(tmp_path / "edition").as_posix() for p in (tmp_path / "edition").rglob("*")
+              if p.is_file() or p.is_symlink()}
+    assert copied == tracked | {course.MANIFEST_JSON, course.MANIFEST_MD}
+    shutil.rmtree(root / ".git")  # an unpacked copy: the project's folders, less links and untracked extras
+    assert set(course.project_files(root)) == tracked | {"minillm/untracked.py"}
+
+
 def test_leak_check_finds_a_copied_solution_line(tmp_path):
     """The check below can fail: a file holding one line of exercise 3.2's solution is a leak."""
     ex = next(e for e in course.find_exercises(ROOT) if e.id == "3.2")
@@ -225,10 +323,23 @@ def test_project_root_is_found_or_named(tmp_path):
         project.project_root(tmp_path)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def edition(tmp_path_factory):
-    out = tmp_path_factory.mktemp("h9_student") / "edition"
+    """The full student edition, built once per test run through the CLI and shared (read only) by
+    the tests below, across pytest-xdist's workers too: the first one builds it, the others wait."""
+    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
+    base = tmp_path_factory.getbasetemp().parent / f"edition-{run}" if run else tmp_path_factory.mktemp("student")
+    out, done = base / "edition", base / "built"
+    try:
+        base.mkdir(parents=True, exist_ok=False)  # atomic: this worker builds
+    except FileExistsError:
+        deadline = time.monotonic() + 600
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert done.read_text() == "ok", done.read_text()
+        return out
     r = run_cli("course", "student-edition", str(out))
+    done.write_text("ok" if r.returncode == 0 else r.stderr or "failed")
     assert r.returncode == 0, r.stderr
     return out
 
@@ -241,9 +352,13 @@ def test_student_edition_contents(edition):
     for r in rows:
         text = (edition / r["file"]).read_text()
         assert f'raise NotImplementedError("Exercise {r["id"]}: ' in text
-        assert r["command"].startswith(f"python -m pytest {r['checks']['tests']}")
+        assert r["command"] == f"python -m pytest {r['tests']} --exercise {r['id']}"
     assert (edition / "minillm" / "models" / "target.npz").is_file()
     assert (edition / "MANIFEST.md").read_text().count("| ") > len(rows)
+    opening = (edition / "MANIFEST.md").read_text().split("## What to write")[0]
+    assert "pip install -r requirements.txt" in opening and course.LAB_COMMAND in opening
+    assert {p.relative_to(edition).as_posix() for p in edition.rglob("*") if p.is_file()} == (
+        set(course.project_files(ROOT)) - set(course.INSTRUCTORS_ONLY) | {course.MANIFEST_JSON, course.MANIFEST_MD})
     present = {p.relative_to(edition).as_posix() for p in edition.rglob("*")}
     assert not [p for p in present if p.endswith(".train.npz") or "__pycache__" in p or p.startswith(".git/")]
     assert not set(course.INSTRUCTORS_ONLY) & present
@@ -267,9 +382,74 @@ def test_grade_prints_a_score_table(edition):
     r = run_cli("course", "grade", str(edition), "--chapters", "1")
     assert r.returncode == 1
     lines = [line.split() for line in r.stdout.splitlines()]
-    rows = {cells[0]: cells[1:3] for cells in lines if cells and cells[0] in ("1.1", "1.2")}
-    assert rows.keys() == {"1.1", "1.2"} and all(c[0].startswith("0/") and c[1] == "FAIL" for c in rows.values())
+    rows = {cells[0]: cells[1:4] for cells in lines if cells and cells[0] in ("1.1", "1.2")}
+    assert rows.keys() == {"1.1", "1.2"} and all(c[0].startswith("0/") and c[2] == "FAIL" for c in rows.values())
     assert "0/2 exercises pass" in r.stdout
+
+
+def test_a_test_that_dies_on_another_exercises_stub_is_blocked_not_failed(tmp_path):
+    """3.2's truncate tests run the model through 3.1's attend: with 3.2 solved and 3.1 not, 3.2 is
+    BLOCKED (by 3.1), its blocked tests are not counted, and 3.1 (its own stub) FAILs."""
+    submission = tmp_path / "submission"
+    course.student_edition(ROOT, submission, exercises=["3.1", "3.2"])
+    by_id = {ex.id: ex for ex in course.find_exercises(ROOT)}
+    solved = course.stubbed_sources(ROOT, [by_id["3.1"]])  # the student wrote 3.2
+    (submission / "minillm" / "kv_cache.py").write_text(solved["minillm/kv_cache.py"])
+    grades = {g.exercise: g for g in course.grade(submission, exercises=["3.1", "3.2"])}
+    assert grades["3.1"].result == "FAIL" and grades["3.1"].failed > 0 and not grades["3.1"].blocked
+    g = grades["3.2"]
+    assert g.result == "BLOCKED (by 3.1)" and g.blockers == ["3.1"] and g.failed == 0, g
+    assert g.total == g.passed and len(g.blocked) > 0
+    table = course.format_grades(list(grades.values()))
+    assert "BLOCKED (by 3.1)" in table and "0/2 exercises pass, 1 blocked" in table
+    assert course.classify("3.2", "E  NotImplementedError: Exercise 3.1: write k, v") == ["3.1"]
+    assert course.classify("3.2", "NotImplementedError: Exercise 3.2: roll back\nExercise 3.1: x") == []
+    assert course.classify("3.2", "assert 3 == 4") == []
+
+
+def test_grading_uses_the_instructors_tests_and_manifest_not_the_submissions(tmp_path):
+    """A submission whose MANIFEST.json drops its stubbed exercise and whose grading test file is
+    edited to pass gets no credit: grade runs the reference's tests on the submission's minillm/,
+    for the exercises of the instructor's manifest."""
+    submission = tmp_path / "submission"
+    course.student_edition(ROOT, submission, exercises=["1.1"])
+    kept = tmp_path / "handed-out-MANIFEST.json"
+    shutil.copy(submission / course.MANIFEST_JSON, kept)  # the instructor's copy
+    (submission / course.MANIFEST_JSON).write_text("[]\n")
+    (submission / "tests" / "test_sampling.py").write_text(
+        'import pytest\n\n\n@pytest.mark.exercise("1.1")\ndef test_top_k():\n    assert True\n')
+    r = run_cli("course", "grade", str(submission), "--manifest", str(kept))
+    assert r.returncode == 1, r.stdout + r.stderr
+    row = next(line.split() for line in r.stdout.splitlines() if line.split()[:1] == ["1.1"])
+    assert row[3] == "FAIL" and row[1].startswith("0/"), r.stdout
+    assert "0/1 exercises pass" in r.stdout
+
+
+def test_edition_notebooks_run_the_editions_code_with_the_reference_installed(edition, tmp_path):
+    """Opened as MANIFEST.md says (``python -m minillm course lab`` in the edition), a notebook
+    imports the edition's minillm, even though this environment has the reference installed; opened
+    by plain Jupyter, it would not. (A kernel runs in its notebook's folder, which holds no minillm:
+    the edition's notebooks/, or here a folder beside it, so the shared edition stays untouched.)"""
+    pytest.importorskip("nbclient")
+    nbformat = pytest.importorskip("nbformat")
+    edition = shutil.copytree(edition, tmp_path / "edition")  # running it writes caches: a copy of its own
+    page = tmp_path / "where_is_minillm.ipynb"
+    cell = nbformat.v4.new_code_cell("import minillm\nprint(minillm.__file__)")
+    nbformat.write(nbformat.v4.new_notebook(cells=[cell]), page)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # a student's shell
+
+    def imported(*command):
+        out = page.with_suffix(".out.ipynb")
+        r = subprocess.run([*command, "nbconvert", "--to", "notebook", "--execute", "--output", out.name,
+                            str(page)], cwd=edition, env=env, capture_output=True, text=True, timeout=300)
+        if r.returncode != 0:
+            return r.stderr[-300:]
+        return "".join(o.get("text", "") for o in nbformat.read(out, as_version=4).cells[0].outputs).strip()
+
+    via_lab = imported(sys.executable, "-m", "minillm", "course", "lab")
+    assert Path(via_lab).resolve().is_relative_to(edition.resolve()), via_lab
+    plain = imported(sys.executable, "-m", "jupyter")
+    assert not Path(plain).resolve().is_relative_to(edition.resolve()), plain
 
 
 @pytest.mark.slow
@@ -279,6 +459,7 @@ def test_student_edition_fails_exactly_the_named_tests(edition, tmp_path):
     Not run here: the notebooks (minutes each; named by their chapter's exercises) and the Hugging
     Face oracles (tests named *transformers* / *huggingface*: seconds to a minute of loading torch and
     the weights; they check what the float64 references of test_model and test_llama also cover)."""
+    edition = shutil.copytree(edition, tmp_path / "edition")  # the run writes caches: a copy of its own
     files = sorted(p.relative_to(edition).as_posix() for p in (edition / "tests").glob("test_*.py"))
     halves = [files[0::2], files[1::2]]  # two pytest processes, one per core
 

@@ -31,17 +31,6 @@ from minillm.backend import is_cupy, is_gpu, to_numpy, xp
 from minillm.kernels import build, launch
 from minillm.kernels.mutants import KERNEL_MUTANTS, mutate_kernel, write_kernel_mutant
 
-# The tests that check each exercise, as pytest -k expressions (read by minillm.tools.course; docs/instructors.md)
-EXERCISES = {
-    "4.1": "online_softmax and not catches",
-    "4.2": "(tile_update or tiled) and not catches and not rejects",
-    "4.3": "io_bytes",
-}
-# Tests that also run other exercises' code, so they fail until those are solved (minillm.tools.course)
-NEEDS = {"3.1": "model_logits_kernel"}
-# Exercises of other chapters that a grading selection also runs (the model's forward through a KVCache)
-DEPENDS = {"4.2": "3.1"}
-
 FIXTURES = Path(__file__).parent / "fixtures"
 GRID_N = [1, 31, 32, 33, 100, 257]
 GRID_HS = [16, 64, 128]
@@ -153,6 +142,7 @@ def check_softmax(fn, N, block):
     np.testing.assert_allclose(y, ref, atol=1e-12, err_msg=f"N={N}, block={block}")
 
 
+@pytest.mark.exercise("4.1")
 @pytest.mark.parametrize("block", [1, 7, 32])
 @pytest.mark.parametrize("N", GRID_N)
 def test_online_softmax_matches_softmax(N, block):
@@ -160,6 +150,7 @@ def test_online_softmax_matches_softmax(N, block):
     check_softmax(fa.online_softmax, N, block)
 
 
+@pytest.mark.exercise("4.1")
 def test_online_softmax_docstring_example_and_shapes():
     """The worked example of the docstring; leading axes are kept; block must be >= 1."""
     y = fa.online_softmax(xp.asarray([1.0, 3.0, 2.0]), 2)
@@ -181,6 +172,7 @@ def test_online_softmax_check_catches_missing_rescale():
 # ---- 4.2 tiled attention in array code ---------------------------------------------------------------
 
 
+@pytest.mark.exercise("4.2")
 def test_tile_update_one_tile_is_softmax():
     """From the empty state (m=-inf, l=0, O=0) one tile gives l = sum exp(s - max s), O/l = softmax(s) v."""
     rng = np.random.default_rng(0)
@@ -190,6 +182,7 @@ def test_tile_update_one_tile_is_softmax():
     np.testing.assert_allclose(o / l[:, None], host_softmax(s) @ v, atol=1e-12)
 
 
+@pytest.mark.exercise("4.2")
 def test_tile_update_two_tiles_rescale():
     """Two tiles, the max in the second: the first tile's l and O must be rescaled by exp(m_old - m_new)."""
     rng = np.random.default_rng(1)
@@ -202,6 +195,7 @@ def test_tile_update_two_tiles_rescale():
     np.testing.assert_allclose(o / l[:, None], host_softmax(s) @ v, atol=1e-12)
 
 
+@pytest.mark.exercise("4.2")
 def test_tile_update_fully_masked_tile_keeps_state():
     """A tile whose scores are all -inf (causal future) leaves (m, l, O) unchanged and makes no NaN."""
     rng = np.random.default_rng(2)
@@ -218,6 +212,7 @@ def tiled_output(q, k, v, causal, block_q=32, block_k=32):
     return fa.flash_attention(q, k, v, causal, block_q, block_k)[0]
 
 
+@pytest.mark.exercise("4.2")
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_tiled_matches_naive(case):
     """flash_attention (tiles of 32) == naive_attention over the grid; L is each row's log-sum-exp."""
@@ -230,6 +225,7 @@ def test_tiled_matches_naive(case):
     assert np.abs(lse - ref_lse).max() <= 1e-4 * max(1.0, np.abs(ref_lse).max())
 
 
+@pytest.mark.exercise("4.2")
 @pytest.mark.parametrize("block_q,block_k", [(1, 1), (7, 5), (64, 16), (512, 512)])
 def test_tiled_any_tile_shape(block_q, block_k):
     """Tiles of any shape (1x1, not dividing N, larger than N) give the same result."""
@@ -238,6 +234,7 @@ def test_tiled_any_tile_shape(block_q, block_k):
                     ARRAY_ATOL)
 
 
+@pytest.mark.exercise("4.2")
 def test_tiled_skips_future_tiles(monkeypatch):
     """Causal: key tiles entirely in a query tile's future are never computed (4+3+2+1 of 16 tiles)."""
     calls = []
@@ -267,6 +264,7 @@ def test_tiled_check_catches_missing_rescale(monkeypatch):
         check_attention(tiled_output, [(1, 1, 100, 100, 16, True)], ARRAY_ATOL)
 
 
+@pytest.mark.exercise("4.2")
 @pytest.mark.skipif(is_cupy(), reason="tracemalloc measures host memory; on a GPU the arrays live on the device")
 def test_tiled_memory_stays_small():
     """Peak memory of the tiled version is a small fraction of the (N, N) score matrix naive builds."""
@@ -318,6 +316,7 @@ def test_tiled_rejects_bad_shapes():
 # ---- 4.3 the IO model ----------------------------------------------------------------------------------
 
 
+@pytest.mark.exercise("4.3")
 def test_io_bytes_counts_by_hand():
     """N=8, d=2, SRAM of 64 bytes = 16 floats -> tiles of 2: the counts worked out in the docstring."""
     io = fa.attention_io_bytes(8, 2, 64)
@@ -328,6 +327,7 @@ def test_io_bytes_counts_by_hand():
     assert causal["flash"] == 4 * (2 * 8 * 2 + 8 + 2 * 2 * (2 + 4 + 6 + 8))  # 480: tile i reads keys 0..2i+1
 
 
+@pytest.mark.exercise("4.3")
 def test_io_bytes_scaling_theorem_2():
     """Standard grows like N^2 and ignores M; tiled grows like N^2 d^2 / M and wins for a large SRAM."""
     d, M = 64, 192 * 1024
@@ -572,11 +572,13 @@ def check_model_logits(model, name):
         assert np.abs(got - want).max() <= 1e-4
 
 
+@pytest.mark.exercise("4.2")
 def test_model_logits_tiled_equal_naive(tiny_model):
     """attention='flash' (the tiled array code) gives the model's naive logits."""
     check_model_logits(tiny_model, "flash")
 
 
+@pytest.mark.uses_exercise("3.1")
 @pytest.mark.gpu
 def test_model_logits_kernel_equal_naive(tiny_model):
     """attention='cuda' gives the naive logits: the kernel on a GPU, the same kernel emulated on a CPU."""

@@ -10,9 +10,6 @@ from minillm.tools import gpu_check
 from minillm.tools.benchmarks import attention
 from minillm.tools.benchmarks.attention import GPU_NS, sizes_up_to
 
-# Tests that also run other exercises' code (minillm.tools.course): the attention benchmark runs chapter 4's
-NEEDS = {("4.1", "4.2", "4.3"): "below_the_grid"}
-
 needs_no_cupy = pytest.mark.skipif(backend.is_cupy() or backend.CUPY_PROBLEM is not None, reason="CuPy is here")
 
 
@@ -43,6 +40,7 @@ def test_install_check_without_cupy_fails(monkeypatch, capsys):
     assert "CuPy  MISSING" in out and backend.GPU_INSTALL_HINT in out
 
 
+@pytest.mark.uses_exercise("4.1", "4.2", "4.3")
 def test_benchmark_sizes_below_the_grid(monkeypatch):
     """--max-n below the smallest benchmark size runs that one size instead of nothing."""
     assert sizes_up_to(GPU_NS, 2048) == [1024, 2048]

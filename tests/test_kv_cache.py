@@ -18,17 +18,6 @@ from minillm import (
 )
 from minillm.backend import to_numpy
 
-# The tests that check each exercise, as pytest -k expressions (read by minillm.tools.course; docs/instructors.md)
-EXERCISES = {
-    "3.1": "(prefill_decode or overflow or preallocated or float32_throughout or bigger_head) and not Growing",
-    "3.2": "truncate",  # GrowingKVCache.truncate calls KVCache.truncate for the check and the length
-    "3.3": "generation and not bad or reset or stats or context_policy",
-}
-# Tests that also run other exercises' code, so they fail until those are solved (minillm.tools.course)
-NEEDS = {("3.1", "3.3"): "prefix_cache"}
-# Exercises of other chapters that a grading selection also runs (sampled generation: top-k, top-p)
-DEPENDS = {"3.3": "1.1, 1.2"}
-
 CACHES = [KVCache, GrowingKVCache]
 
 
@@ -41,7 +30,7 @@ def chunks_logits(model, idx, sizes, cache):
     return np.concatenate(out, axis=1)
 
 
-@pytest.mark.parametrize("cache_cls", CACHES)
+@pytest.mark.parametrize("cache_cls", [pytest.param(KVCache, marks=pytest.mark.exercise("3.1")), GrowingKVCache])
 @pytest.mark.parametrize("sizes", [[32], [1] * 32, [7, 1, 1, 4, 19], [31, 1]])
 def test_prefill_decode_verify_equal_full_forward(tiny_model, cache_cls, sizes):
     """Prefill (T tokens), decode (1) and verify (K) through the cache give the logits of one full
@@ -54,6 +43,7 @@ def test_prefill_decode_verify_equal_full_forward(tiny_model, cache_cls, sizes):
     assert cache.length == 32
 
 
+@pytest.mark.exercise("3.1")
 def test_cache_is_preallocated_and_float32(tiny_config):
     cache = KVCache(tiny_config, batch_size=3)
     assert cache.k[0].shape == (3, 2, 32, 8) and cache.k[0].dtype == np.float32
@@ -64,6 +54,7 @@ def test_cache_is_preallocated_and_float32(tiny_config):
     assert cache.bytes_used == cache.nbytes * 5 // 32
 
 
+@pytest.mark.exercise("3.1")
 def test_overflow_is_refused_and_loses_nothing(tiny_model):
     """An append past max_len raises CacheFullError before writing: the cache is unchanged."""
     cache = KVCache(tiny_model.config, max_len=10)
@@ -78,6 +69,7 @@ def test_overflow_is_refused_and_loses_nothing(tiny_model):
         KVCache(tiny_model.config, max_len=33)
 
 
+@pytest.mark.exercise("3.2")
 def test_truncate_alone_sets_the_length(tiny_config):
     """truncate(n) by itself: O(1), the length becomes n and the buffers stay; n outside 0..length is
     refused. Fails for an off-by-one truncate."""
@@ -95,6 +87,7 @@ def test_truncate_alone_sets_the_length(tiny_config):
     assert cache.length == 0
 
 
+@pytest.mark.exercise("3.2")
 @pytest.mark.parametrize("cache_cls", CACHES)
 def test_truncate_rolls_back_exactly(tiny_model, cache_cls):
     """After truncate(n), feeding tokens n.. again gives the same logits as never having gone
@@ -125,6 +118,7 @@ def test_kv_cache_bytes_formula():
 PROMPTS = [[5], [1, 2, 3], list(range(13)) + [0, 4]]
 
 
+@pytest.mark.exercise("3.3")
 @pytest.mark.parametrize("prompt", PROMPTS)
 @pytest.mark.parametrize("temperature,top_k,top_p", [(0, None, None), (1.0, None, None), (0.8, 5, 0.9)])
 def test_cached_generation_equals_naive(tiny_model, prompt, temperature, top_k, top_p):
@@ -139,6 +133,7 @@ def test_cached_generation_equals_naive(tiny_model, prompt, temperature, top_k, 
     assert cached.stats.new_tokens == n and cached.stats.reprefills == 0
 
 
+@pytest.mark.exercise("3.3")
 def test_generation_feeds_one_token_per_step(tiny_model, monkeypatch):
     """The decode step runs only the newest token; when the cache is full (32) it re-prefills the last
     block_size // 2 = 16 tokens. A GrowingKVCache keeps this test of the decode step apart from 3.1."""
@@ -153,6 +148,7 @@ def test_generation_feeds_one_token_per_step(tiny_model, monkeypatch):
     assert sizes == [3] + [1] * 29 + [16] + [1] * 9  # prefill, decode to 32 cached, re-prefill, decode
 
 
+@pytest.mark.exercise("3.3")
 def test_cache_reused_across_generations_is_reset(tiny_model):
     """Passing the same cache to two generations gives the same tokens as two fresh caches."""
     cache = KVCache(tiny_model.config)
@@ -162,6 +158,7 @@ def test_cache_reused_across_generations_is_reset(tiny_model):
     assert first == generate(tiny_model, [1, 2, 3], 10, temperature=0).tokens
 
 
+@pytest.mark.exercise("3.3")
 def test_generation_past_the_context_keeps_working(tiny_model):
     """Past block_size the cache re-prefills the last half window (the documented policy)."""
     result = generate(tiny_model, [1, 2, 3], 100, temperature=1.0, seed=0)
@@ -170,6 +167,7 @@ def test_generation_past_the_context_keeps_working(tiny_model):
     assert len(generate_naive(tiny_model, [1, 2, 3], 40, seed=0).tokens) == 40
 
 
+@pytest.mark.exercise("3.3")
 def test_stats(tiny_model):
     streamed = []
     r = generate(tiny_model, [1, 2], 6, temperature=0, on_token=streamed.append)
@@ -187,6 +185,7 @@ def test_bad_generation_arguments(tiny_model):
         generate_naive(tiny_model, [1], -1)
 
 
+@pytest.mark.uses_exercise("3.1", "3.3")
 def test_prefix_cache_reuses_longest_shared_prefix(tiny_model):
     """Prompt caching: the second prompt reuses the shared prefix, the output is identical."""
     system = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
@@ -201,6 +200,7 @@ def test_prefix_cache_reuses_longest_shared_prefix(tiny_model):
     assert c.stats.reused_prefix_tokens == len(system) and c.tokens == b.tokens
 
 
+@pytest.mark.uses_exercise("3.1", "3.3")
 def test_prefix_cache_evicts_least_recently_used(tiny_model):
     pc = PrefixCache(max_entries=2)
     for prompt in ([1, 1, 1], [2, 2, 2], [3, 3, 3]):
@@ -210,6 +210,7 @@ def test_prefix_cache_evicts_least_recently_used(tiny_model):
     assert pc.longest_prefix(tiny_model, [3, 3, 3, 0]) == ((id(tiny_model), (3, 3, 3)), 3)
 
 
+@pytest.mark.uses_exercise("3.1", "3.3")
 def test_prefix_cache_hit_with_a_growing_cache(tiny_model):
     """A prefix hit goes through the cache contract (it replays the stored keys and values with
     positions/attend/advance), so it works with any decode cache: a GrowingKVCache gives the tokens
@@ -222,6 +223,7 @@ def test_prefix_cache_hit_with_a_growing_cache(tiny_model):
     assert hit.tokens == generate(tiny_model, system + [8, 8], 8, temperature=0).tokens
 
 
+@pytest.mark.uses_exercise("3.1", "3.3")
 def test_prefix_cache_never_reuses_another_models_keys(tiny_config):
     """Two models of the same shape: a prefix that model A filled is not reused for model B (its
     keys and values would fit and be wrong): B's logits and tokens are those of B alone."""
@@ -241,6 +243,7 @@ def test_prefix_cache_never_reuses_another_models_keys(tiny_config):
 # the context policy: fit_context, the one function every decoding loop uses
 
 
+@pytest.mark.exercise("3.3")
 def test_context_policy_worked_examples(tiny_config):
     """Pending tokens that fit are fed as they are; otherwise the cache is reset and the last
     max_len // 2 tokens of the sequence are fed (the cache's max_len, not the model's block_size);
@@ -258,6 +261,7 @@ def test_context_policy_worked_examples(tiny_config):
     assert fit_context(one, seq, [19]) == ([19], True)  # at least one token
 
 
+@pytest.mark.exercise("3.3")
 def test_context_policy_follows_the_caches_max_len(tiny_model, monkeypatch):
     """generate with a cache of max_len 10 (the model's context is 32): no CacheFullError, and one
     re-prefill of 10 // 2 = 5 tokens every 5 tokens, not one at every step (a window of
@@ -289,12 +293,14 @@ def test_context_policy_counts_the_prompt_tokens_it_drops(tiny_model):
     assert generate_naive(tiny_model, prompt[:20], 3, temperature=0).stats.dropped_prompt_tokens == 0
 
 
+@pytest.mark.exercise("3.1")
 def test_float32_throughout(tiny_model):
     cache = KVCache(tiny_model.config)
     logits = tiny_model.forward(np.array([[1, 2, 3]]), cache)
     assert logits.dtype == np.float32 and cache.v[1].dtype == np.float32
 
 
+@pytest.mark.exercise("3.1")
 def test_bigger_head_count_config():
     """Heads of different size: the cache layout follows the config."""
     cfg = GPTConfig(vocab_size=7, block_size=12, n_layer=1, n_head=4, n_embd=32)

@@ -23,17 +23,6 @@ from minillm.config import LlamaConfig
 from minillm.gguf import GGUFError
 from minillm.llama import Llama, apply_rope, grouped_attention, repeat_kv, rms_norm, rope_cos_sin
 
-# The tests that check each exercise, as pytest -k expressions (read by minillm.tools.course; docs/instructors.md)
-EXERCISES = {
-    "8.1": "rope or tiny_llama",
-    "8.2": "rms_norm",
-    "8.3": "repeat_kv or gqa",
-}
-# Tests that also run other exercises' code, so they fail until those are solved (minillm.tools.course)
-NEEDS = {("8.2", "8.3"): "tiny_llama", ("8.1", "8.2"): "gqa", ("8.1", "8.2", "8.3"): "real_model or transformers"}
-# Exercises of other chapters that a grading selection also runs (generation, speculation and batches on SmolLM2)
-DEPENDS = {"8.1": "3.1, 3.2, 3.3, 4.2, 5.3, 6.1, 7.1"}
-
 TINY = LlamaConfig(vocab_size=50, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, n_hidden=96,
                    rope_theta=10000.0)
 
@@ -97,6 +86,7 @@ def reference_llama_logits(params, cfg, ids):
 # ---- 8.1 RoPE -------------------------------------------------------------------------------------
 
 
+@pytest.mark.exercise("8.1")
 @pytest.mark.parametrize("positions", [[0], [0, 1, 2, 7], [4095, 8190]])
 def test_rope_matches_rotation_matrices(positions, rng):
     """Each pair (j, j + hs/2) of every head is turned by pos * theta^(-2j/hs), as explicit 2x2
@@ -112,6 +102,7 @@ def test_rope_matches_rotation_matrices(positions, rng):
     np.testing.assert_allclose(ours, expected, atol=2e-5, rtol=0)
 
 
+@pytest.mark.exercise("8.1")
 def test_rope_scores_depend_only_on_distance(rng):
     """q at position m and k at n: (R_m q).(R_n k) is the same for every shift of both, and
     differs for another distance. Rotations also keep the norm."""
@@ -142,6 +133,7 @@ def test_cos_sin_tables_per_row_for_ragged_batches():
 # ---- 8.2 RMSNorm ----------------------------------------------------------------------------------
 
 
+@pytest.mark.exercise("8.2")
 def test_rms_norm_matches_definition(rng):
     """x / sqrt(mean(x^2) + eps) * w on the last axis, in float32; no mean is subtracted."""
     x = (rng.standard_normal((2, 3, 8)) + 3.0).astype(np.float32)  # a large mean: LayerNorm would differ
@@ -153,6 +145,7 @@ def test_rms_norm_matches_definition(rng):
     np.testing.assert_allclose(ours, expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.exercise("8.2")
 def test_rms_norm_eps_inside_the_root():
     """A zero vector stays 0 (no division by zero); a tiny one is damped by eps under the root."""
     w = xp.ones(4, dtype=np.float32)
@@ -164,6 +157,7 @@ def test_rms_norm_eps_inside_the_root():
 # ---- 8.3 GQA --------------------------------------------------------------------------------------
 
 
+@pytest.mark.exercise("8.3")
 @pytest.mark.parametrize("n_kv, n_rep", [(1, 4), (3, 3), (2, 1)])
 def test_repeat_kv_maps_each_query_head_to_its_group(n_kv, n_rep, rng):
     """Query head h reads key/value head h // n_rep: KV heads [a, b] with n_rep 2 -> [a, a, b, b],
@@ -175,6 +169,7 @@ def test_repeat_kv_maps_each_query_head_to_its_group(n_kv, n_rep, rng):
         np.testing.assert_array_equal(out[:, h], x[:, h // n_rep])
 
 
+@pytest.mark.exercise("8.3")
 def test_repeat_kv_grouped_attention_with_one_group_each_is_multi_head(rng):
     """n_kv_head = n_head: grouped attention is plain multi-head attention."""
     q, k, v = (xp.asarray(t) for t in rng.standard_normal((3, 2, 4, 6, 8)).astype(np.float32))
@@ -182,6 +177,8 @@ def test_repeat_kv_grouped_attention_with_one_group_each_is_multi_head(rng):
                                   to_numpy(naive_attention(q, k, v)))
 
 
+@pytest.mark.exercise("8.3")
+@pytest.mark.uses_exercise("8.1", "8.2")
 def test_gqa_equals_multi_head_with_copied_kv_weights():
     """A GQA model equals the multi-head model whose k/v projections repeat each KV head's rows for
     every query head of its group: GQA only shares, it computes nothing new."""
@@ -202,6 +199,8 @@ def test_gqa_equals_multi_head_with_copied_kv_weights():
 # ---- the whole tiny model -------------------------------------------------------------------------
 
 
+@pytest.mark.exercise("8.1")
+@pytest.mark.uses_exercise("8.2", "8.3")
 @pytest.mark.parametrize("n_kv_head", [1, 2, 4])
 def test_tiny_llama_matches_float64_reference(n_kv_head):
     """Logits equal the float64 reference above (explicit rotations, a loop over heads) within 1e-4,
@@ -215,6 +214,8 @@ def test_tiny_llama_matches_float64_reference(n_kv_head):
         np.testing.assert_allclose(ours[b], reference_llama_logits(params, cfg, ids[b]), atol=2e-4, rtol=0)
 
 
+@pytest.mark.exercise("8.1")
+@pytest.mark.uses_exercise("8.2", "8.3")
 @pytest.mark.parametrize("cache_cls", [KVCache, GrowingKVCache])
 @pytest.mark.parametrize("sizes", [[1] * 12, [5, 1, 4, 2], [11, 1]])
 @pytest.mark.parametrize("attention", ["naive", "flash", "cuda"])
@@ -235,6 +236,8 @@ def test_tiny_llama_cached_equals_recompute(cache_cls, sizes, attention):
     assert cache.k[0].shape[1] == TINY.n_kv_head and cache.length == 12
 
 
+@pytest.mark.exercise("8.1")
+@pytest.mark.uses_exercise("8.2", "8.3")
 def test_tiny_llama_speculative_and_prefix_cache():
     """The other chapters' loops run the Llama unchanged: greedy speculative decoding (another
     Llama as the draft) and a prefix-cache hit both give plain greedy generation's tokens."""
@@ -248,6 +251,8 @@ def test_tiny_llama_speculative_and_prefix_cache():
     assert hit.tokens == plain and hit.stats.reused_prefix_tokens == len(prompt)
 
 
+@pytest.mark.exercise("8.1")
+@pytest.mark.uses_exercise("8.2", "8.3")
 def test_tiny_llama_generate_with_and_without_cache():
     """generate (KV cache) and greedy recomputation agree token for token."""
     model = Llama(TINY, random_params(TINY, seed=7))
@@ -294,6 +299,7 @@ def hf_state_dict_to_params(state):
     return {k.removeprefix("model."): v.float().numpy() for k, v in state.items() if k != "lm_head.weight"}
 
 
+@pytest.mark.uses_exercise("8.1", "8.2", "8.3")
 @pytest.mark.oracle
 def test_transformers_tiny_random_llama():
     """A random transformers LlamaConfig (2 layers, 4 heads, 2 KV heads), its state dict exported to
@@ -385,6 +391,7 @@ def test_smollm2_kv_cache_bytes_per_token(real_model):
     assert cache.nbytes // 100 == 2 * 30 * 3 * 64 * 4 == kv_cache_bytes(30, 3, 64, 1, bytes_per_elem=4)
 
 
+@pytest.mark.uses_exercise("8.1", "8.2", "8.3")
 def test_real_model_cached_equals_recompute(real_model):
     """Prefill 19 tokens, then decode 1 at a time: the logits of one full forward pass."""
     model = real_model[0]
@@ -396,6 +403,8 @@ def test_real_model_cached_equals_recompute(real_model):
     np.testing.assert_allclose(np.concatenate(steps, axis=1), full, atol=1e-3, rtol=0)
 
 
+@pytest.mark.exercise("8.1")
+@pytest.mark.uses_exercise("8.2", "8.3")
 @pytest.mark.parametrize("attention", ["naive", "flash", "cuda"])
 def test_tiny_llama_paged_equals_contiguous(attention):
     """Grouped-query K/V (2 heads for 4 query heads) in a paged cache: a ragged batch of two prompts
@@ -416,6 +425,7 @@ def early_exit_draft(model, n_layer):
     return Llama(cfg, {name: model.params[name] for name in cfg.param_shapes()})
 
 
+@pytest.mark.uses_exercise("8.1", "8.2", "8.3")
 def test_real_model_paged_and_speculative_equal_plain_greedy(real_model):
     """SmolLM2 on a paged cache, and with speculative decoding (its own first 8 layers as the draft),
     writes exactly plain KV-cached greedy decoding's tokens."""
@@ -430,6 +440,7 @@ def test_real_model_paged_and_speculative_equal_plain_greedy(real_model):
     assert spec.tokens == plain and spec.stats.proposed > 0  # lossless whatever the draft's acceptance
 
 
+@pytest.mark.uses_exercise("8.1", "8.2", "8.3")
 @pytest.mark.oracle
 def test_transformers_real_model_logits(real_model, transformers_smollm2):
     """SmolLM2 through minillm and through transformers (loaded from the same GGUF): max abs logit
@@ -442,6 +453,7 @@ def test_transformers_real_model_logits(real_model, transformers_smollm2):
         assert np.abs(ours - theirs).max() <= 1e-3, ids
 
 
+@pytest.mark.uses_exercise("8.1", "8.2", "8.3")
 @pytest.mark.oracle
 def test_transformers_real_model_greedy_30_tokens(real_model, transformers_smollm2):
     """A 30-token greedy continuation (minillm with its KV cache) is transformers' token for token."""

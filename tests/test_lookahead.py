@@ -17,19 +17,6 @@ from minillm.backend import to_numpy
 from minillm.lookahead import Lookahead, NGramPool, jacobi_generate, jacobi_step, window_inputs
 from minillm.token_tree import Proposal, TokenTree, round_inputs, tree_generate
 
-# The tests that check each exercise, as pytest -k expressions (read by minillm.tools.course; docs/instructors.md)
-EXERCISES = {"9.4": "jacobi and not bad"}
-# What a student must have solved before an exercise's grading command can pass (minillm.tools.course)
-DEPENDS = {"9.4": "3.1, 3.2, 3.3"}
-# Tests that also run other exercises' code, so they fail until those are solved (minillm.tools.course)
-NEEDS = {
-    ("3.1", "3.2", "3.3"): "jacobi_equals or several_iterations",
-    ("3.2", "3.3"): "feeds_back",
-    ("3.1", "3.2", "3.3", "9.1", "9.2"): "lookahead_equals or window_computes or fills or from_prompt or char_target",
-    "9.1": "branches",
-    ("8.1", "8.2", "8.3", "9.4"): "llama",
-}
-
 CONFIG = GPTConfig(vocab_size=16, block_size=64, n_layer=2, n_head=2, n_embd=32)
 WEIGHT_SCALE = 10.0  # a random model with 10x weights writes varied greedy text (at 1x it repeats one token)
 PROMPTS = [[1, 2, 3, 4], [7], [5, 5, 5, 5, 5, 5, 9, 0, 3]]
@@ -53,6 +40,7 @@ def greedy(model, prompt, n, max_len=None):
 # ---- Jacobi decoding ------------------------------------------------------------------------------
 
 
+@pytest.mark.exercise("9.4")
 def test_jacobi_step_worked_example():
     """The exact prefix is the leading matches plus one prediction; the rest are the new guesses."""
     assert jacobi_step([5, 6, 7, 8], [5, 6, 9, 3]) == ([5, 6, 9], [3])
@@ -61,6 +49,8 @@ def test_jacobi_step_worked_example():
     assert jacobi_step([5], [2]) == ([2], [])
 
 
+@pytest.mark.exercise("9.4")
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3")
 @settings(max_examples=12, deadline=None)
 @given(prompt=st.lists(st.integers(0, CONFIG.vocab_size - 1), min_size=1, max_size=6),
        m=st.integers(1, 6), n=st.integers(0, 24), max_len=st.sampled_from([None, 12, 17]))
@@ -84,6 +74,8 @@ def test_jacobi_counts_the_prompt_tokens_it_drops():
     assert jacobi_generate(varied_model(), prompt[:10], 5).stats.dropped_prompt_tokens == 0
 
 
+@pytest.mark.exercise("9.4")
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3")
 def test_jacobi_needs_several_iterations_on_varied_text():
     """The varied model makes Jacobi work: some block takes more than one iteration (the property
     test above is not passing for the trivial reason that every guess is right)."""
@@ -106,6 +98,8 @@ class PositionModel:
         return np.eye(self.config.vocab_size, dtype=np.float32)[None, (pos + 1) % self.config.vocab_size]
 
 
+@pytest.mark.exercise("9.4")
+@pytest.mark.uses_exercise("3.2", "3.3")
 def test_jacobi_feeds_back_its_guesses():
     """With a target that ignores the tokens, the first iteration's predictions are all exact, so a
     Jacobi that feeds them back confirms the whole block in the second iteration. One that keeps its
@@ -126,6 +120,7 @@ def test_jacobi_bad_arguments():
 # ---- Lookahead decoding ---------------------------------------------------------------------------
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "9.1", "9.2")
 @pytest.mark.parametrize("prompt", PROMPTS)
 @pytest.mark.parametrize("nwg", [(5, 7, 7), (3, 2, 1), (4, 3, 2)])
 def test_lookahead_equals_greedy(prompt, nwg):
@@ -136,6 +131,7 @@ def test_lookahead_equals_greedy(prompt, nwg):
     assert out.tokens == greedy(model, prompt, 30)
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "9.1", "9.2")
 @pytest.mark.parametrize("max_len", [10, 24, 40])
 def test_lookahead_equals_greedy_near_the_cache_limit(max_len):
     """Small caches: the window (27 tokens at the defaults) often has no room and sits rounds out,
@@ -148,6 +144,7 @@ def test_lookahead_equals_greedy_near_the_cache_limit(max_len):
     assert la.window_rounds < out.stats.target_calls  # some rounds ran without the window
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "8.1", "8.2", "8.3", "9.1", "9.2", "9.4")
 def test_lookahead_equals_greedy_on_a_tiny_llama():
     """The Llama architecture (RoPE positions from the explicit offsets, grouped KV heads) too:
     Lookahead and Jacobi both give its greedy decoding, also with a cache that forces re-prefills."""
@@ -184,6 +181,7 @@ class Recorder:
         self.proposer.observe(state, emitted, extra_logits)
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "9.1", "9.2")
 def test_lookahead_window_computes_what_plain_decoding_computes():
     """Each window token's logits in the combined forward equal a plain causal forward over the text
     and the window tokens it sees, in position order: its mask and positions are the paper's (the
@@ -222,6 +220,7 @@ def test_lookahead_window_mask_is_the_papers():
     np.testing.assert_array_equal(mask, expected)
 
 
+@pytest.mark.uses_exercise("9.1")
 def test_lookahead_branches_do_not_see_each_other():
     """In the round's one forward the verification tree sees the pending tokens and its ancestors only,
     never the window; the window sees the pending tokens and the root, never the tree's other nodes."""
@@ -261,6 +260,7 @@ def test_lookahead_files_each_column_under_its_first_token():
     assert levels == [[21, 22], [30, 31, 32], [40, 41, 42]]
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "9.1", "9.2")
 def test_lookahead_pool_from_prompt_holds_every_ngram_of_the_text():
     """pool_from_prompt: every N-gram of the prompt and of the output is filed (a pool big enough to
     forget nothing), besides the window's."""
@@ -271,6 +271,7 @@ def test_lookahead_pool_from_prompt_holds_every_ngram_of_the_text():
         assert tuple(text[i + 1 : i + N]) in la.pool.candidates(text[i])
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "9.1", "9.2")
 def test_lookahead_window_fills_its_levels_first():
     """The window starts as one chain of W + N - 3 guesses and gains a level per round, every level one
     column shorter each time, until it holds W - 1 chain tokens and N - 2 levels of W."""
@@ -281,6 +282,7 @@ def test_lookahead_window_fills_its_levels_first():
     assert [r.level_sizes for r in rec.rounds[:5]] == [[6], [5, 6], [4, 5, 5], [3, 4, 4, 4], [3, 4, 4, 4]]
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "9.1", "9.2")
 def test_lookahead_on_the_char_target():
     """The shipped character model: greedy Lookahead is its greedy decoding, and the pool's n-grams
     are accepted often enough to emit more than one token per target call."""

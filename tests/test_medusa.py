@@ -21,14 +21,6 @@ from minillm.token_tree import tree_generate
 # Tests that also run other exercises' code, so they fail until those are solved (minillm.tools.course): the
 # heads train with AdamW (A1.3) on text decoded with the KV cache (chapter 3); the tree loop verifies
 # with 9.1 and 9.2, lossless sampling uses chapter 5's residual, SmolLM2 runs chapter 8's Llama
-NEEDS = {
-    ("3.1", "3.2", "3.3", "A1.3"): "exact_rule or greedy_identical or heads_file_for_another_model or proposer "
-                                   "or resume or training_lowers or typical_rule or heads_accuracy or keep_greedy "
-                                   "or diverged",
-    ("9.1", "9.2"): "exact_rule or greedy_identical or heads_accuracy or keep_greedy or typical_rule",
-    "5.1": "exact_rule",
-    ("8.1", "8.2", "8.3"): "keep_greedy",
-}
 
 TINY_TRAIN = HEADS_TRAIN.__class__(**{**HEADS_TRAIN.__dict__, "max_steps": 150, "batch_size": 64, "lr": 1e-2,
                                       "min_lr": 1e-3})
@@ -113,6 +105,7 @@ def test_heads_start_as_the_lm_head():
         assert np.allclose(heads.logits(h), model.logits(h)[None], atol=1e-5)
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "A1.3")
 def test_training_lowers_the_loss_and_beats_the_untrained_heads(trained):
     """150 steps on the model's own samples: the training loss falls by more than 10 %, and on fresh
     samples every head's cross-entropy is lower than the untrained head's (which repeats the LM
@@ -130,6 +123,7 @@ def test_training_lowers_the_loss_and_beats_the_untrained_heads(trained):
     assert all(top5[0][k]["top5"] > top5[1][k]["top5"] for k in top5[0]), top5
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "A1.3")
 def test_resume_continues_exactly(tmp_path):
     """Stopped after 20 steps and resumed to 40, training ends with the heads of an uninterrupted 40-step run."""
     model = peaked_model(13, 32)
@@ -203,6 +197,7 @@ def test_sparse_tree_worked_example():
         assert len(paths) == 15 and all(p[:-1] in paths for p in paths if len(p) > 1)
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "A1.3")
 def test_proposer_root_only_before_the_first_forward(trained):
     """No hidden state yet (the first round) or no room: the tree is the root alone."""
     from minillm.token_tree import Round
@@ -220,6 +215,7 @@ def test_proposer_root_only_before_the_first_forward(trained):
 # decoding
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "9.1", "9.2", "A1.3")
 @pytest.mark.parametrize("cache_len", [None, 10])
 def test_greedy_identical_to_generate(trained, cache_len):
     """Greedy tree decoding with Medusa trees is generate(temperature=0) token for token, for 5 prompts,
@@ -266,6 +262,7 @@ def sampled_triples(model, heads, rule, n_runs):
     return triples, joint, accepted
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "9.1", "9.2", "A1.3")
 def test_exact_rule_keeps_the_target_distribution(four_tokens):
     """T = 1, exact rule (recursive rejection over the Medusa tree): the first three tokens follow the
     target's joint distribution over 4^3 cells (chi-square, N = 300 runs, of which a third or more
@@ -275,6 +272,7 @@ def test_exact_rule_keeps_the_target_distribution(four_tokens):
     assert chi2_pvalue(triples, joint) >= P_MIN
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "9.1", "9.2", "A1.3")
 def test_typical_rule_is_not_lossless(four_tokens):
     """The lesson of typical acceptance: on the same setup, it accepts a plausible candidate with
     probability 1 instead of p(x), so the first three tokens do NOT follow the target's distribution.
@@ -295,6 +293,7 @@ def test_number_of_heads_out_of_range(k):
         MedusaHeads.init(peaked_model(13, 32), k)
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "A1.3")
 @pytest.mark.parametrize("top_k,max_nodes,match", [((2, 2, 2, 2), 8, "one entry per head"), ((), 8, "one entry"),
                                                    ((2, 0), 8, "ints >= 1"), ((2, 2), 0, "max_nodes")])
 def test_proposer_bad_arguments(trained, top_k, max_nodes, match):
@@ -303,6 +302,7 @@ def test_proposer_bad_arguments(trained, top_k, max_nodes, match):
         MedusaProposer(heads, top_k, max_nodes)
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "A1.3")
 def test_heads_file_for_another_model_is_refused(trained, tmp_path):
     """Save/load round trip (float16); loading onto a model with other weights or another config is
     one clear ValueError; a model checkpoint is not a heads file; a shipped file is not replaced."""
@@ -334,6 +334,7 @@ def test_heads_file_for_another_model_is_refused(trained, tmp_path):
 shipped = pytest.mark.skipif(not shipped_heads_path("target").is_file(), reason="no shipped Medusa heads")
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "9.1", "9.2", "A1.3")
 @shipped
 def test_shipped_heads_accuracy_and_greedy_identity():
     """The shipped heads on the shipped target: head 0 (+2) top-1 accuracy on 2 windows of the
@@ -382,6 +383,7 @@ def test_shipped_smollm2_heads_name_their_gguf_and_refuse_another_model():
         MedusaHeads.load(load_model("target")[0], path)
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "8.1", "8.2", "8.3", "9.1", "9.2", "A1.3")
 @pytest.mark.slow
 def test_shipped_smollm2_heads_keep_greedy_output():
     """With SmolLM2 (about 10 s: loading the model dominates), greedy Medusa decoding of a short chat

@@ -32,15 +32,6 @@ from minillm.prefix_blocks import PrefixBlockCache, block_hash, prefix_block_has
 # A model-free config for the bookkeeping tests: 2 layers, 1 head of size 2, context 32.
 BOOK = GPTConfig(vocab_size=3, block_size=32, n_layer=2, n_head=1, n_embd=2)
 
-# The tests that check each exercise, as pytest -k expressions (read by minillm.tools.course; docs/instructors.md)
-EXERCISES = {
-    "6.1": "gather or paged_attention or forward or generation or positions or rollback or prefix or wrong_position",
-    "6.2": "fork and not at_block_boundary or still_computes_last_token or invariants",
-    "6.3": "truncate and not mistake or rollback or invariants",
-    "6.4": "hash or prefix or mistake_fully_cached",
-}
-# Exercises of other chapters that a grading selection also runs (generation, flash attention, sampling)
-DEPENDS = {"6.1": "1.1, 1.2, 3.1, 3.3, 4.2", "6.4": "3.1, 3.3"}
 
 
 def stamp(tokens) -> float:
@@ -162,6 +153,7 @@ def test_append_fills_blocks_and_reads_back(page_size):
     assert_refcounts(cache)
 
 
+@pytest.mark.exercise("6.3")
 @pytest.mark.parametrize("n", [0, 1, 3, 4, 5, 8, 9, 10])
 def test_truncate_keeps_exactly_ceil_n_blocks(n):
     """Off by one either way is caught: length 10, block 4 -> truncate(n) holds ceil(n / 4) blocks,
@@ -178,6 +170,7 @@ def test_truncate_keeps_exactly_ceil_n_blocks(n):
     assert_refcounts(cache)
 
 
+@pytest.mark.exercise("6.3")
 def test_truncate_rejects_out_of_range():
     cache = PagedKVCache(BOOK, num_blocks=4, page_size=4)
     seq = cache.add_sequence()
@@ -219,6 +212,7 @@ def check_fork_isolation(cache_cls):
     return cache, parent, child
 
 
+@pytest.mark.exercise("6.2")
 def test_fork_copy_on_write_isolates_sequences():
     cache, parent, child = check_fork_isolation(PagedKVCache)
     # the full first block is still shared; the half-full second one was copied exactly once
@@ -239,6 +233,7 @@ def test_fork_at_block_boundary_copies_nothing():
     assert_holds(cache, child, [1, 2, 0, 1, 0])
 
 
+@pytest.mark.exercise("6.2", "6.3")
 def test_fork_then_truncate_into_shared_block_copies():
     """Speculative rollback on a forked sequence: truncating into a shared block and appending
     copies it first, so the other holder keeps its tokens."""
@@ -253,6 +248,7 @@ def test_fork_then_truncate_into_shared_block_copies():
     assert_refcounts(cache)
 
 
+@pytest.mark.exercise("6.2")
 def test_fork_batch_writes_copy_a_shared_block_once():
     """Parent and child decoding in one batch: one copy, not two (the last writer writes in place),
     so a pool with a single free block suffices."""
@@ -373,6 +369,7 @@ def run_random_ops(cache, ops):
     assert_refcounts(cache)
 
 
+@pytest.mark.exercise("6.2", "6.3")
 @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS, page_size=st.sampled_from([1, 2, 4]))
 def test_invariants_random_append_fork_truncate_free(ops, page_size):
@@ -381,6 +378,7 @@ def test_invariants_random_append_fork_truncate_free(ops, page_size):
     run_random_ops(PagedKVCache(BOOK, num_blocks=12, page_size=page_size), ops)
 
 
+@pytest.mark.exercise("6.1", "6.2", "6.3", "6.4")
 @settings(max_examples=150, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(ops=OPS, page_size=st.sampled_from([1, 2, 4]))
 def test_invariants_random_ops_with_prefix_cache(ops, page_size):
@@ -413,6 +411,7 @@ def random_cache(config, page_size, lengths, rng, num_blocks=64):
     return cache, seqs, contiguous
 
 
+@pytest.mark.exercise("6.1")
 @pytest.mark.parametrize("page_size", [1, 3, 16])
 def test_gather_kv_reads_through_the_block_tables(tiny_config, rng, page_size):
     cache, seqs, contiguous = random_cache(tiny_config, page_size, [7, 20, 1], rng)
@@ -425,6 +424,7 @@ def test_gather_kv_reads_through_the_block_tables(tiny_config, rng, page_size):
             np.testing.assert_array_equal(to_numpy(v[b, :, :n]), contiguous[s][1][layer])
 
 
+@pytest.mark.exercise("6.1")
 @pytest.mark.parametrize("page_size,length,Tq", [(1, 1, 1), (4, 9, 1), (4, 9, 3), (16, 16, 16), (16, 21, 5)])
 def test_paged_attention_matches_naive_attention(tiny_config, rng, page_size, length, Tq):
     """One sequence: paged_attention == naive_attention on the contiguous K/V (query i at L - Tq + i)."""
@@ -437,6 +437,7 @@ def test_paged_attention_matches_naive_attention(tiny_config, rng, page_size, le
         np.testing.assert_allclose(out, expected, atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.exercise("6.1")
 @pytest.mark.parametrize("Tq", [1, 2])
 def test_paged_attention_batch_of_different_lengths(tiny_config, rng, Tq):
     """Sequences of lengths 2, 13, 5 in one call: each query sees only its own sequence's keys,
@@ -452,6 +453,7 @@ def test_paged_attention_batch_of_different_lengths(tiny_config, rng, Tq):
 # --- the model on a paged cache -------------------------------------------------------------------
 
 
+@pytest.mark.exercise("6.1")
 def test_forward_batch_of_different_lengths_matches_one_by_one(tiny_model, tiny_config, rng):
     """One forward over 3 sequences at lengths 5, 11, 1 (positions per sequence, (B, T)) gives each
     sequence the logits of running it alone without a cache."""
@@ -481,10 +483,12 @@ def check_positions(cache_cls, model, config):
     np.testing.assert_allclose(out[0], to_numpy(model.forward(np.array([ids])))[0, 6:], atol=1e-5)
 
 
+@pytest.mark.exercise("6.1")
 def test_positions_continue_after_cached_tokens(tiny_model, tiny_config):
     check_positions(PagedKVCache, tiny_model, tiny_config)
 
 
+@pytest.mark.exercise("6.1")
 @pytest.mark.parametrize("page_size", [1, 3, 16])
 def test_generation_identical_greedy(tiny_model, tiny_config, page_size):
     """Paged == contiguous KVCache == naive recompute, token for token (20 tokens, inside the context)."""
@@ -497,6 +501,7 @@ def test_generation_identical_greedy(tiny_model, tiny_config, page_size):
     assert paged.stats.kv_bytes == num_blocks_for(24, page_size) * cache.block_bytes
 
 
+@pytest.mark.exercise("6.1")
 def test_generation_identical_seeded_sampling(tiny_model, tiny_config):
     prompt = [4, 4, 0, 12]
     kw = dict(temperature=0.9, top_k=6, top_p=0.95, seed=7)
@@ -505,6 +510,7 @@ def test_generation_identical_seeded_sampling(tiny_model, tiny_config):
     assert paged.tokens == generate_naive(tiny_model, prompt, 24, **kw).tokens
 
 
+@pytest.mark.exercise("6.1")
 def test_generation_past_the_context_releases_blocks(tiny_model, tiny_config):
     """70 tokens through a 32-token context: the cache re-prefills (reset frees the sequence's
     blocks) exactly like the contiguous cache, and no block leaks."""
@@ -517,6 +523,7 @@ def test_generation_past_the_context_releases_blocks(tiny_model, tiny_config):
     assert cache.allocator.num_free == 8
 
 
+@pytest.mark.exercise("6.1")
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["naive", "flash", "cuda"])
 def test_forward_with_every_attention_gives_the_same_logits_paged_or_not(tiny_config, name):
@@ -539,6 +546,7 @@ def test_forward_with_every_attention_gives_the_same_logits_paged_or_not(tiny_co
         np.testing.assert_allclose(paged_step[b, :n], to_numpy(model.forward(new[b : b + 1, :n], kv))[0], atol=1e-5)
 
 
+@pytest.mark.exercise("6.1")
 def test_forward_runs_the_models_own_attention_per_sequence(tiny_model, tiny_config):
     """A paged forward calls the model's own attention function, once per sequence and layer, on that
     sequence's real queries and all its keys (query t at kv_len - n + t). A view that ignored it would
@@ -561,6 +569,7 @@ def test_forward_runs_the_models_own_attention_per_sequence(tiny_model, tiny_con
     np.testing.assert_allclose(logits[1, 0], full, atol=1e-5)
 
 
+@pytest.mark.exercise("6.1", "6.3")
 def test_speculative_style_rollback_then_continue(tiny_model, tiny_config):
     """Feed 4 tokens, truncate 3 of them away, feed others: logits as if the 3 never happened."""
     cache = PagedKVCache(tiny_config, num_blocks=10, page_size=4)
@@ -577,6 +586,7 @@ def test_speculative_style_rollback_then_continue(tiny_model, tiny_config):
 # --- prefix caching -------------------------------------------------------------------------------
 
 
+@pytest.mark.exercise("6.1", "6.4")
 def test_block_hash_names_the_whole_prefix():
     h = block_hash(None, [1, 2])
     assert h == block_hash(None, [1, 2]) and isinstance(h, str)
@@ -587,6 +597,7 @@ def test_block_hash_names_the_whole_prefix():
     assert block_hash(None, np.array([1, 2])) == h  # numpy ints hash like Python ints
 
 
+@pytest.mark.exercise("6.1", "6.4")
 def test_prefix_hashes_cover_full_blocks_only():
     assert prefix_block_hashes([5, 6, 7], 4) == []
     hashes = prefix_block_hashes([5, 6, 7, 8, 9], 2)
@@ -599,6 +610,7 @@ def prefill(prefix, model, prompt):
     return view, to_numpy(logits), reused
 
 
+@pytest.mark.exercise("6.1", "6.4")
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_prefix_reuse_gives_the_same_logits(tiny_model, tiny_config, page_size):
     """A second prompt sharing 9 tokens reuses the full cached blocks of those 9 and computes the
@@ -628,6 +640,7 @@ def check_fully_cached_prompt(prefix_cls, model, config, length):
     assert_refcounts(cache)
 
 
+@pytest.mark.exercise("6.1", "6.2", "6.4")
 @pytest.mark.parametrize("length", [8, 12, 9])
 def test_prefix_fully_cached_prompt_still_computes_last_token(tiny_model, tiny_config, length):
     """Lengths 8 and 12 are whole blocks: every block is cached, zero tokens would be left to
@@ -635,6 +648,7 @@ def test_prefix_fully_cached_prompt_still_computes_last_token(tiny_model, tiny_c
     check_fully_cached_prompt(PrefixBlockCache, tiny_model, tiny_config, length)
 
 
+@pytest.mark.exercise("6.1", "6.4")
 def test_prefix_generate_identical_tokens(tiny_model, tiny_config):
     """generate with the paged cache as its prefix cache: the same tokens as without, and the
     shared system prompt's blocks are reused (reported in the stats)."""
@@ -651,6 +665,7 @@ def test_prefix_generate_identical_tokens(tiny_model, tiny_config):
     assert_refcounts(cache)
 
 
+@pytest.mark.exercise("6.1", "6.4")
 def test_prefix_cached_blocks_outlive_the_sequence_and_are_evicted_lru(tiny_model, tiny_config):
     """Freed prompts leave their full blocks cached (count 1, the cache's hold); when the pool runs
     dry the least recently used cached block goes first, leaf before parent."""
@@ -675,6 +690,7 @@ def test_prefix_cached_blocks_outlive_the_sequence_and_are_evicted_lru(tiny_mode
         tiny_model.forward(np.array([[1] * 16]), cache.sequence())  # 4 blocks: 0 free + 2 evictable
 
 
+@pytest.mark.exercise("6.1", "6.4")
 def test_prefix_block_cache_refuses_another_model_or_pool(tiny_model, tiny_config):
     """Cached blocks hold one model's keys: a second model of the same shape must not reuse them
     (its logits would be silently wrong); a view of another pool and a second cache are refused too."""
@@ -760,11 +776,13 @@ def test_mistake_truncate_off_by_one_is_caught(mutant, n):
         assert_refcounts(cache)
 
 
+@pytest.mark.exercise("6.4")
 def test_mistake_fully_cached_prompt_is_caught(tiny_model, tiny_config):
     with pytest.raises(ValueError, match="at least one token"):
         check_fully_cached_prompt(ReusesWholePrompt, tiny_model, tiny_config, 8)
 
 
+@pytest.mark.exercise("6.1")
 def test_mistake_wrong_position_offsets_are_caught(tiny_model, tiny_config):
     with pytest.raises(AssertionError):
         check_positions(PositionsFromZero, tiny_model, tiny_config)

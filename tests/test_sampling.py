@@ -10,9 +10,6 @@ from minillm import sampling
 from minillm.backend import xp
 from minillm.sampling import MIN_TEMPERATURE, SamplingSettings, logits_to_probs, next_tokens, sample
 
-# The tests that check each exercise, as pytest -k expressions (read by minillm.tools.course; docs/instructors.md)
-EXERCISES = {"1.1": "top_k", "1.2": "top_p"}
-
 
 def test_temperature_zero_is_greedy():
     probs = logits_to_probs(np.array([[0.1, 3.0, 2.9], [5.0, 0.0, 0.0]]), temperature=0)
@@ -55,6 +52,7 @@ def test_next_tokens_of_a_batch_equal_next_token_row_by_row():
         assert batch == alone and all(isinstance(t, int) for t in batch), temperatures
 
 
+@pytest.mark.exercise("1.1", "1.2")
 def test_next_token_passes_top_k_and_top_p_on():
     _next_token_equals_sample_of_logits_to_probs(temperature=1.0, top_k=5)
     _next_token_equals_sample_of_logits_to_probs(temperature=1.3, top_p=0.8)
@@ -68,6 +66,7 @@ def test_temperature_scales_logits():
     np.testing.assert_allclose(sharp, np.array([0.25, 0.0625, 0.0625]) / 0.375)
 
 
+@pytest.mark.exercise("1.1")
 def test_top_k_keeps_exactly_the_k_largest():
     probs = logits_to_probs(np.array([1.0, 4.0, 3.0, 2.0, 0.0]), top_k=2)
     assert (probs > 0).tolist() == [False, True, True, False, False]
@@ -75,6 +74,7 @@ def test_top_k_keeps_exactly_the_k_largest():
     np.testing.assert_allclose(probs[1] / probs[2], np.e)
 
 
+@pytest.mark.exercise("1.2")
 def test_top_p_keeps_smallest_set_reaching_p():
     base = np.array([0.5, 0.3, 0.15, 0.05])
     logits = np.log(base)

@@ -36,16 +36,6 @@ from minillm.serving import (
 )
 from minillm.tools.benchmarks import serving as bench
 
-# The tests that check each exercise, as pytest -k expressions (read by minillm.tools.course; docs/instructors.md)
-EXERCISES = {
-    "10.1": "serve",
-    "10.2": "prefill_chunk or serve_greedy or serve_chunked or serve_budgets",
-    "10.3": "preempt or serve_greedy or serve_sampled",
-}
-NEEDS = {("3.1", "3.3", "6.1", "7.1"): "serve or bench_static", "1.1": "serve_sampled", ("6.2", "6.4"): "serve_prefix"}
-# Exercises of other chapters that a grading selection also runs (the engine on the paged cache)
-DEPENDS = {"10.1": "1.1, 3.1, 3.3, 6.1, 6.4, 7.1", "10.2": "3.1, 3.3, 6.1, 7.1", "10.3": "1.1, 3.1, 3.3, 6.1, 7.1"}
-
 CFG = GPTConfig(vocab_size=13, block_size=32, n_layer=2, n_head=2, n_embd=16)
 MODEL = GPT.init(CFG, seed=0)
 BS = 4  # tokens per KV block in these tests
@@ -95,6 +85,7 @@ def run_checked(engine: Engine, requests, arrive_at=None) -> tuple[list, dict]:
 # --- 10.2 the chunk ------------------------------------------------------------------------------
 
 
+@pytest.mark.exercise("10.2")
 @pytest.mark.parametrize(
     "pending,budget,chunk,expected",
     [
@@ -120,6 +111,7 @@ def test_prefill_chunk_examples(pending, budget, chunk, expected):
 # --- 10.3 preemption -----------------------------------------------------------------------------
 
 
+@pytest.mark.exercise("10.3")
 def test_preempt_frees_blocks_requeues_first_and_keeps_tokens():
     """A preempted request gives back every block, forgets what its cache held, waits at the FRONT of
     the queue, and keeps its tokens (prompt + output) and its generator (the same object, same state)."""
@@ -164,6 +156,8 @@ def make_requests(shape, seed, temperature=0.0, shared_prefix=False, **kw):
     return requests, [a for _, _, a in shape]
 
 
+@pytest.mark.exercise("10.1", "10.2", "10.3")
+@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "7.1")
 @settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(
     shape=TRACE,
@@ -192,6 +186,8 @@ def test_serve_greedy_equals_solo_generate(shape, chunk, num_blocks, max_num_seq
         assert h.finish_reason == "length"
 
 
+@pytest.mark.exercise("10.1")
+@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "6.4", "7.1")
 @settings(max_examples=10, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(shape=TRACE, chunk=st.sampled_from([None, 3]), num_blocks=st.sampled_from([6, 10]), seed=st.integers(0, 100))
 def test_serve_prefix_caching_random_traces_equal_solo(shape, chunk, num_blocks, seed):
@@ -213,6 +209,8 @@ def test_serve_prefix_caching_random_traces_equal_solo(shape, chunk, num_blocks,
         assert h.output == solo(r) == streamed[h.id]
 
 
+@pytest.mark.exercise("10.1", "10.3")
+@pytest.mark.uses_exercise("1.1", "3.1", "3.3", "6.1", "7.1")
 @settings(max_examples=8, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(shape=TRACE, chunk=st.sampled_from([None, 2]), seed=st.integers(0, 100))
 def test_serve_sampled_equals_solo_with_the_same_seed(shape, chunk, seed):
@@ -246,6 +244,8 @@ def crowded(temperature):
     )
 
 
+@pytest.mark.exercise("10.1", "10.3")
+@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "7.1")
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_serve_preempts_the_newest_and_resumes_exactly(temperature):
     """When decodes need blocks the pool does not have, the newest running request is preempted (all
@@ -268,6 +268,8 @@ def test_serve_preempts_the_newest_and_resumes_exactly(temperature):
         assert h.output == solo(r) == streamed[h.id]
 
 
+@pytest.mark.exercise("10.1", "10.2")
+@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "7.1")
 def test_serve_budgets_count_prefill_and_decode_tokens():
     """The token budget holds decode tokens AND prefill tokens: with 3 requests decoding, a 20-token
     prompt gets chunks of at most budget - 3 tokens, and no forward ever holds more than the budget."""
@@ -288,6 +290,8 @@ def test_serve_budgets_count_prefill_and_decode_tokens():
     assert max(r.num_batched_tokens for r in engine.history) == 8
 
 
+@pytest.mark.exercise("10.1")
+@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "7.1")
 def test_serve_fcfs_nobody_overtakes_the_head_of_the_queue():
     """Requests start in arrival order: a 16-token prompt that does not fit beside a running decode
     (budget 16) waits, and the one-token request behind it, which would fit, waits too."""
@@ -300,6 +304,8 @@ def test_serve_fcfs_nobody_overtakes_the_head_of_the_queue():
     assert starts == [0, 6, 7]
 
 
+@pytest.mark.exercise("10.1")
+@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "7.1")
 def test_serve_admits_only_when_the_free_blocks_hold_the_whole_prefill():
     """With chunks of 4, a 16-token prompt (4 blocks) arriving when only 2 blocks are free is not
     admitted, though its first chunk would fit: admitted on one chunk, it would be preempted as soon
@@ -311,6 +317,8 @@ def test_serve_admits_only_when_the_free_blocks_hold_the_whole_prefill():
     assert steps[1][0] > steps[0][-1] and engine.num_preemptions == 0
 
 
+@pytest.mark.exercise("10.1", "10.2")
+@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "7.1")
 def test_serve_chunked_and_one_shot_prefill_give_the_same_cache_and_logits(monkeypatch):
     """A 21-token prompt prefilled in one step, or in chunks of 1, 4 and 8 beside another request's
     decodes: the same K/V in the cache (to float32 rounding) and the same first-token logits, equal
@@ -345,6 +353,8 @@ def test_serve_chunked_and_one_shot_prefill_give_the_same_cache_and_logits(monke
             np.testing.assert_allclose(caches[chunk][layer], caches[None][layer], rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.exercise("10.1")
+@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "6.4", "7.1")
 def test_serve_prefix_caching_reuses_a_shared_prompt_prefix():
     """Requests sharing a 12-token prefix reuse its cached blocks (fewer tokens computed) and still
     produce exactly the solo tokens; cached blocks nobody holds are counted free at the end."""
@@ -368,6 +378,8 @@ def test_serve_prefix_caching_reuses_a_shared_prompt_prefix():
     assert runs[True] <= runs[False] - 2 * 12  # requests 3 and 4 found the whole prefix cached
 
 
+@pytest.mark.exercise("10.1")
+@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "7.1")
 def test_serve_stops_at_eos_and_stop_sequences():
     """A request finishes after its eos id or after a stop sequence (both kept in the output), freeing
     its blocks at once."""
@@ -383,6 +395,8 @@ def test_serve_stops_at_eos_and_stop_sequences():
     assert h_stop.output == solo(stop) and len(h_stop.output) <= 7 and h_stop.finish_reason == "stop"
 
 
+@pytest.mark.exercise("10.1")
+@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "7.1")
 def test_serve_metrics_on_a_simulated_clock():
     """With a simulated clock of 1 s per step (slot cost 0), one request alone: TTFT 1 s (its prefill
     step), every inter-token latency 1 s, end-to-end n s; arrival times are respected."""
@@ -400,6 +414,8 @@ def test_serve_metrics_on_a_simulated_clock():
     assert handles[0].metrics.token_times_s[-1] < 7.0  # the first was done before the second arrived
 
 
+@pytest.mark.exercise("10.1")
+@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "7.1")
 def test_serve_rejects_a_request_that_can_never_fit_without_disturbing_others():
     """Longer than the context, than the pool, or (without chunking) than the token budget: refused at
     add_request with a clear error; the queued and running requests finish as if it never came."""
@@ -592,6 +608,7 @@ def test_trace_rows_fit_a_context():
 # --- the benchmark's pieces ----------------------------------------------------------------------
 
 
+@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "7.1")
 def test_bench_static_baseline_waits_for_full_batches_and_the_slowest_member():
     """Static batching on a simulated clock: a batch starts when its last member has arrived, every
     member gets its tokens (those of ``generate`` alone) when the batch's slowest member is done, and
@@ -615,6 +632,8 @@ def test_bench_stall_itls_are_the_gaps_ending_during_a_long_prefill():
     assert row["max ITL in long prefill ms"] == 2000.0 and row["tok/s"] == 6 / 4.5
 
 
+@pytest.mark.exercise("10.1")
+@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "7.1")
 def test_serve_demo_prints_progress_and_every_requests_metrics():
     """The live demo on the shipped model: a status line, then one row per request."""
     out = io.StringIO()

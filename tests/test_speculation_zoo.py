@@ -40,8 +40,6 @@ from minillm.tools.benchmarks.speculation_zoo import (
 # generate and tree_generate run the KV cache (3.1-3.3); the tree loop its mask, walk and lookup
 # (9.1-9.3) and, at temperature 1, chapter 5's residual (5.1); the copy prompts run generate only; the
 # timed tree round runs the cache, its rollback and the tree mask
-NEEDS = {("3.1", "3.2", "3.3", "5.1", "9.1", "9.2", "9.3"): "survey", ("3.1", "3.3"): "copy_prompts",
-         ("3.1", "3.2", "9.1"): "tree_verify"}
 
 COSTS = {"step_s": 1e-3, "chain": {1: 1.0, 4: 1.6, 16: 2.2}, "tree": {1: 1.1, 4: 2.0, 16: 3.0}}
 
@@ -87,6 +85,7 @@ def test_verify_cost_interpolates_the_measured_points_and_the_bound_divides_by_i
     assert draft["bound"] == 3.0 / 1.6 and draft["alpha"] == 0.8 and draft["target fwd"] == 4
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "9.1")
 def test_tree_verify_is_a_forward_through_the_tree_path(tiny_model):
     """The tree round the verify cost times computes what a plain cached forward computes, and keeps
     the same keys and values (so the timing loop's rollback works the same for both)."""
@@ -112,6 +111,7 @@ def tiny_models():
     return Models(target, CharTokenizer.from_text("abcdefghijkl\n"), None, None, MedusaHeads.init(target, 2))
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "9.1", "9.2", "9.3")
 def test_survey_validates_every_greedy_method_and_refuses_one_that_differs(tiny_models):
     prompts = [[1, 2, 3, 1, 2], [4, 5, 6, 7]]
     works = [Workload("greedy", prompts, 12, 0.0), Workload("sampled", prompts, 12, 1.0)]
@@ -145,6 +145,7 @@ def test_survey_validates_every_greedy_method_and_refuses_one_that_differs(tiny_
         survey(methods, tiny_models, works)
 
 
+@pytest.mark.uses_exercise("3.1", "3.3")
 def test_copy_prompts_are_greedy_fixed_points_whose_answer_is_in_the_prompt(tiny_models):
     target, tok = tiny_models.target, tiny_models.tok
     cues = ["abc", "fed\n", "kji"]

@@ -35,22 +35,6 @@ from minillm.speculative import (
 
 N_TRIALS = 50_000  # verify calls per statistical case (see test_rejection_sample_size_...)
 
-# The tests that check each exercise, as pytest -k expressions (read by minillm.tools.course; docs/instructors.md)
-EXERCISES = {
-    "5.1": "test_residual",
-    "5.2": "rejection and not catches_classic and not rows_not",
-    "5.3": "greedy",
-    "5.4": "theory and not rejects",
-}
-# Tests that also run other exercises' code, so they fail until those are solved (minillm.tools.course)
-NEEDS = {  # speculative_generate runs the KV cache (3.1-3.3), verify (5.1, 5.2) and verify_greedy (5.3)
-    ("3.1", "3.2", "3.3", "5.1", "5.2", "5.3"): (
-        "loop and not alpha_counts or draft_is or quantized or shipped_sampling or shipped_demo"
-    ),
-    ("5.1", "5.2"): "catches_classic",  # the classic mistakes are planted around the real verify
-}
-# Exercises of other chapters that a grading selection also runs (the decoding loop: KVCache, fit_context)
-DEPENDS = {"5.3": "3.1, 3.2, 3.3"}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -183,6 +167,7 @@ def verify_greedy_by_ratio(draft_tokens, target_logits):
 # device code, so they are host_only (the strict run would repeat the NumPy run's work exactly).
 
 
+@pytest.mark.exercise("5.2")
 @pytest.mark.host_only
 @pytest.mark.parametrize("name", CASES)
 def test_rejection_each_position_matches_target(name):
@@ -194,6 +179,7 @@ def test_rejection_each_position_matches_target(name):
     assert ok, f"{name}: {why}"
 
 
+@pytest.mark.uses_exercise("5.1", "5.2")
 @pytest.mark.host_only
 @pytest.mark.parametrize(
     "wrong",
@@ -207,6 +193,8 @@ def test_rejection_check_catches_classic_mistakes(wrong):
     assert not ok, f"{wrong.__name__} passed the check"
 
 
+@pytest.mark.exercise("5.2")
+@pytest.mark.uses_exercise("5.1")
 @pytest.mark.host_only
 def test_rejection_check_catches_reseeding_in_the_loop():
     """Re-seeding a generator per draw (here per trial, for the draft's draw and for verify) makes
@@ -216,6 +204,7 @@ def test_rejection_check_catches_reseeding_in_the_loop():
     assert not check_verify(verify, p, q, n_trials=5_000, reseed=True)[0]
 
 
+@pytest.mark.exercise("5.2")
 @pytest.mark.host_only
 def test_rejection_sample_size_detects_one_percent_error():
     """N_TRIALS is enough: moving 1% of probability between two tokens (total variation 0.01) is
@@ -234,6 +223,7 @@ def test_rejection_sample_size_detects_one_percent_error():
     assert chi2_pvalue(first, shifted) < P_MIN
 
 
+@pytest.mark.exercise("5.2")
 def test_rejection_all_accepted_when_p_equals_q():
     """p == q: every draft is accepted and the bonus comes from the last row."""
     p = np.array([[0, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1.0]])
@@ -241,6 +231,8 @@ def test_rejection_all_accepted_when_p_equals_q():
     assert (out, n) == ([1, 2, 3], 2)
 
 
+@pytest.mark.exercise("5.2")
+@pytest.mark.uses_exercise("5.1")
 def test_rejection_impossible_draft_is_always_rejected():
     """p(x) = 0: x is rejected every time and the replacement comes from p's support."""
     p = np.array([[0.5, 0.5, 0, 0], [0.25] * 4])
@@ -260,6 +252,7 @@ class LargestUniform(np.random.Generator):
         return u if size is None else np.full(size, u)
 
 
+@pytest.mark.exercise("5.2")
 def test_rejection_no_nan_when_p_equals_q_up_to_rounding():
     """p = q except 1e-16 less on the draft token: the ratio is just below 1, so a rejection is
     possible (forced here), and max(0, p - q) is all zero; verify still emits a valid token from
@@ -276,7 +269,8 @@ def test_rejection_no_nan_when_p_equals_q_up_to_rounding():
     [
         dict(draft_tokens=[0, 1], draft_probs=np.full((1, 4), 0.25), target_probs=np.full((3, 4), 0.25)),
         dict(draft_tokens=[0], draft_probs=np.full((1, 4), 0.25), target_probs=np.full((1, 4), 0.25)),
-        dict(draft_tokens=[0], draft_probs=np.array([[0, 1.0]]), target_probs=np.full((2, 2), 0.5)),
+        pytest.param(dict(draft_tokens=[0], draft_probs=np.array([[0, 1.0]]), target_probs=np.full((2, 2), 0.5)),
+                     marks=pytest.mark.exercise("5.2")),  # the shapes are checked before verify's body runs
     ],
     ids=["q_rows_not_K", "p_rows_not_K_plus_1", "draft_token_with_zero_q"],
 )
@@ -290,12 +284,14 @@ def test_rejection_bad_input_raises(bad):
 # 5.1 the residual distribution
 
 
+@pytest.mark.exercise("5.1")
 def test_residual_worked_example():
     """p = [.5, .5, 0, 0], q uniform -> [.5, .5, 0, 0]; and a case where only part is left."""
     np.testing.assert_allclose(residual_distribution([0.5, 0.5, 0, 0], [0.25] * 4), [0.5, 0.5, 0, 0])
     np.testing.assert_allclose(residual_distribution([0.6, 0.4], [0.2, 0.8]), [1.0, 0.0])
 
 
+@pytest.mark.exercise("5.1")
 def test_residual_is_a_distribution():
     """Non-negative, sums to 1, zero where q >= p, for random p and q (an unnormalized
     max(0, p - q) sums to less than one and fails)."""
@@ -307,6 +303,7 @@ def test_residual_is_a_distribution():
     assert np.maximum(p - q, 0).sum() < 1  # the unnormalized version is not a distribution
 
 
+@pytest.mark.exercise("5.1")
 @pytest.mark.parametrize("p_minus", [0.0, 1e-16], ids=["equal", "rounding"])
 def test_residual_no_nan_when_nothing_is_left(p_minus):
     """p == q (or p below q by rounding) leaves an all-zero residual: the result is p, finite,
@@ -323,6 +320,7 @@ def test_residual_no_nan_when_nothing_is_left(p_minus):
 # 5.4 theory
 
 
+@pytest.mark.exercise("5.4")
 def test_theory_worked_examples():
     """Eq. 1 and Theorem 3.8 of Leviathan et al. at a few points, including the limits."""
     assert expected_tokens_per_call(0.8, 4) == pytest.approx(3.3616)
@@ -332,6 +330,7 @@ def test_theory_worked_examples():
     assert expected_speedup(0.0, 3, 0.5) == pytest.approx(1 / 2.5)  # a useless draft costs time
 
 
+@pytest.mark.exercise("5.4")
 @pytest.mark.parametrize("alpha", [0.0, 0.3, 0.75, 0.999, 1.0])
 @pytest.mark.parametrize("k", [0, 1, 4, 8])
 def test_theory_is_the_geometric_series(alpha, k):
@@ -339,6 +338,7 @@ def test_theory_is_the_geometric_series(alpha, k):
     assert expected_tokens_per_call(alpha, k) == pytest.approx(sum(alpha**i for i in range(k + 1)))
 
 
+@pytest.mark.exercise("5.2")
 @pytest.mark.host_only
 def test_rejection_mean_tokens_per_call_is_geometric():
     """With every row having acceptance probability beta = sum min(p, q) = alpha, the mean
@@ -396,6 +396,7 @@ def greedy_matches(target, draft, prompts, ks, n_new) -> bool:
 # 5.3 verify_greedy
 
 
+@pytest.mark.exercise("5.3")
 def test_greedy_worked_example():
     """drafts [3, 5], argmaxes [3, 7, 1] -> accept 3, emit 7; all match -> the bonus argmax."""
     logits = np.full((3, 8), -1.0)
@@ -407,6 +408,7 @@ def test_greedy_worked_example():
         verify_greedy([3], logits)
 
 
+@pytest.mark.exercise("5.3")
 def test_greedy_identical_to_target_greedy(pair):
     """Greedy speculative decoding reproduces generate(target, temperature=0) token for token,
     for 6 prompts and every K from 1 to 8, over 48 new tokens: past the 32-token context, where
@@ -418,6 +420,7 @@ def test_greedy_identical_to_target_greedy(pair):
     assert greedy_matches(target, draft, PROMPTS, range(1, 9), 48)
 
 
+@pytest.mark.exercise("5.3")
 def test_greedy_check_catches_ratio_acceptance(pair, monkeypatch):
     """Accepting a greedy draft by the probability ratio (a sample) instead of by argmax
     equality does not reproduce the target's greedy output: the check above fails."""
@@ -426,6 +429,7 @@ def test_greedy_check_catches_ratio_acceptance(pair, monkeypatch):
     assert not greedy_matches(target, draft, PROMPTS[:3], [2, 4], 24)
 
 
+@pytest.mark.exercise("5.3")
 def test_greedy_with_the_target_as_its_own_draft(pair):
     """draft == target: every proposal is accepted, alpha = 1, K + 1 tokens per target call."""
     target, _ = pair
@@ -439,6 +443,7 @@ def test_greedy_with_the_target_as_its_own_draft(pair):
 # the loop: caches, rollback, statistics
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "5.2", "5.3")
 @pytest.mark.parametrize(
     "temperature,top_k,top_p", [(1.0, None, None), (0.8, 5, None), (1.2, None, 0.9), (0, None, None)]
 )
@@ -468,6 +473,7 @@ def rollback_check(target, draft) -> bool:
     return True
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "5.2", "5.3")
 @pytest.mark.parametrize("which", ["both", "target", "draft", "off_by_one"])
 def test_loop_check_catches_missing_rollback(pair, monkeypatch, which):
     """Caches not rolled back (both, only the target's, only the draft's) or rolled back one
@@ -492,6 +498,7 @@ def test_loop_check_catches_missing_rollback(pair, monkeypatch, which):
         assert "KV cache full" in str(exc)
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "5.2", "5.3")
 def test_loop_stats_are_consistent(pair):
     """Counters add up: tokens = accepted + rounds, proposed = sum of k per round, one target call
     per round, alpha = accepted / checked and per-position counts sum to the totals."""
@@ -516,6 +523,7 @@ def test_loop_alpha_counts_checked_tokens_only():
     assert s.acceptance_by_position[:5] == [1, 1, 1, 1, 0] and np.isnan(s.acceptance_by_position[5])
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "5.2", "5.3")
 def test_loop_edge_cases(pair):
     """max_new_tokens 0 and 1, k larger than the output, and bad arguments."""
     target, draft = pair
@@ -536,6 +544,7 @@ def test_loop_edge_cases(pair):
             speculative_generate(target, draft, [1], 5, temperature=bad)
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "5.2", "5.3")
 @pytest.mark.parametrize("k", [1, 3, 8])
 def test_loop_context_policy_with_caches_smaller_than_the_context(pair, k):
     """Caches of max_len 12 (target) and 9 (draft) in a 32-token context: greedy speculative output
@@ -562,6 +571,7 @@ def test_loop_counts_the_prompt_tokens_it_drops(pair):
     assert speculative_generate(target, draft, prompt[:10], 5, k=3, temperature=0).stats.dropped_prompt_tokens == 0
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "5.2", "5.3")
 def test_loop_logits_stay_float32(pair):
     """The loop hands the models int token arrays and gets float32 logits (no float64 upcast)."""
     target, draft = pair
@@ -603,6 +613,7 @@ def detection_power(probs, wrong, n) -> float:
     return float(ncx2.sf(chi2.isf(P_MIN, df), df, lam))
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "5.2", "5.3")
 def test_loop_sampling_matches_target_distribution(pair):
     """At temperature 0.8 the first two tokens of speculative generation have the target's joint
     distribution p(a | prompt) p(b | prompt + a) over 13 x 13 cells, and the first token the target's
@@ -624,6 +635,7 @@ def test_loop_sampling_matches_target_distribution(pair):
 # the weak drafts
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "5.2", "5.3")
 def test_bigram_draft_is_lossless_and_counts_pairs(pair):
     """A bigram draft from counts: its logits are log frequencies, it plugs into the loop, and
     greedy output is still exactly the target's."""
@@ -635,6 +647,7 @@ def test_bigram_draft_is_lossless_and_counts_pairs(pair):
     assert greedy_matches(target, bigram, PROMPTS[:3], [1, 4, 8], 40)
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "5.2", "5.3")
 def test_quantized_draft_rounds_every_matrix(pair):
     """int8 per-tensor quantization: error at most half a step, biases untouched, and the
     quantized model is a usable (lossless) draft."""
@@ -668,6 +681,7 @@ def shipped_pair():
     return target, draft, tok
 
 
+@pytest.mark.exercise("5.3")
 @shipped
 def test_shipped_greedy_identical(shipped_pair):
     """With the trained pair, greedy speculative output is the target's greedy output for K 1..8."""
@@ -676,6 +690,7 @@ def test_shipped_greedy_identical(shipped_pair):
     assert greedy_matches(target, draft, prompts, range(1, 9), 40)
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "5.2", "5.3")
 @shipped
 def test_shipped_sampling_matches_target_distribution(shipped_pair):
     """The trained pair at temperature 1: the first two tokens (k = 2) have the target's joint
@@ -691,6 +706,7 @@ def test_shipped_sampling_matches_target_distribution(shipped_pair):
     assert detection_power(p_first, q_first, len(firsts)) >= 0.99
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "5.2", "5.3")
 @shipped
 def test_shipped_demo_runs(capsys):
     """The main demo prints both passages, says they are identical, and a stats table."""

@@ -28,22 +28,9 @@ from minillm.token_tree import (
     verify_tree_typical,
 )
 
-# The tests that check each exercise, as pytest -k expressions (read by minillm.tools.course; docs/instructors.md)
-EXERCISES = {"9.1": "tree_mask", "9.2": "greedy_walk", "9.3": "ngram and not bad"}
-# What a student must have solved before an exercise's grading command can pass (minillm.tools.course)
-DEPENDS = {"9.2": "5.3"}
-# Tests that also run other exercises' code: the KV cache (3.1-3.3) under every forward, the tree
-# loop's mask, walk and lookup (9.1-9.3), the residual of chapter 5 (5.1) in lossless tree sampling,
-# verify_greedy (5.3) as the chain's reference, the paged cache (6.1, 6.3) and the Llama (8.1-8.3)
-NEEDS = {
-    ("3.1", "3.2", "3.3", "5.1", "9.1", "9.2", "9.3"): "loop or compaction or one_forward or positions or masked_view",
-    "5.1": "lossless",
-    "5.3": "greedy_walk_on_a_chain",
-    ("6.1", "6.3"): "paged",
-    ("8.1", "8.2", "8.3"): "llama",
-    "9.3": "prompt_lookup",
-}
-
+# the Llama runs exercises 8.1-8.3 (RoPE, RMSNorm, GQA); a paged sequence runs 6.1 and 6.3 (gather, truncate)
+MODEL_KINDS = ["gpt", pytest.param("llama", marks=pytest.mark.uses_exercise("8.1", "8.2", "8.3"))]
+CACHE_KINDS = ["contiguous", pytest.param("paged", marks=pytest.mark.uses_exercise("6.1", "6.3"))]
 CFG = GPTConfig(vocab_size=11, block_size=48, n_layer=2, n_head=2, n_embd=16)
 LLAMA = LlamaConfig(vocab_size=11, block_size=48, n_layer=2, n_head=4, n_kv_head=2, n_embd=16, n_hidden=24)
 PROMPTS = [[1, 2, 3], [4, 4, 4, 4, 5, 6, 4, 4], [7, 1, 7, 1, 7, 2, 9, 0, 3]]
@@ -70,6 +57,7 @@ def trees(draw, max_nodes=12, vocab=5):
 # the tree and its mask
 
 
+@pytest.mark.exercise("9.1")
 def test_tree_mask_worked_example():
     tree = TokenTree.from_paths(0, [[1, 2], [1, 3], [4]])  # 0 -> 1 -> {2, 3}; 0 -> 4
     assert tree.parents == (-1, 0, 1, 1, 0)
@@ -83,6 +71,7 @@ def test_tree_mask_worked_example():
     ]
 
 
+@pytest.mark.exercise("9.1")
 @settings(max_examples=60, deadline=None)
 @given(trees())
 def test_tree_mask_is_ancestor_or_self(tree):
@@ -95,6 +84,7 @@ def test_tree_mask_is_ancestor_or_self(tree):
     assert (mask.sum(axis=1) == tree.depths + 1).all()  # a node sees exactly depth + 1 nodes
 
 
+@pytest.mark.exercise("9.1")
 def test_chain_tree_mask_is_causal():
     assert (TokenTree.chain(5, [1, 2, 3]).mask() == np.tri(4, dtype=bool)).all()
 
@@ -124,7 +114,8 @@ def prefill(model, prompt, cache):
     model.forward(np.array([prompt]), cache)
 
 
-@pytest.mark.parametrize("kind", ["gpt", "llama"])
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "9.1", "9.2", "9.3")
+@pytest.mark.parametrize("kind", MODEL_KINDS)
 @pytest.mark.parametrize("attention", ["naive", "flash"])
 def test_one_forward_scores_each_path_as_if_alone(kind, attention):
     model = model_of(kind)
@@ -140,6 +131,7 @@ def test_one_forward_scores_each_path_as_if_alone(kind, attention):
         np.testing.assert_allclose(logits[i], to_numpy(alone), rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "9.1", "9.2", "9.3")
 def test_positions_are_depths_not_node_indices(gpt):
     """Siblings sit at the same position: feeding node i at prefix + i would change its logits."""
     tree = TokenTree.from_paths(9, [[2], [7], [8]])
@@ -149,12 +141,14 @@ def test_positions_are_depths_not_node_indices(gpt):
     assert to_numpy(view.positions(4)).tolist() == [2, 3, 3, 3]
 
 
+@pytest.mark.exercise("9.1")
 def test_cuda_attention_refuses_a_tree_mask(gpt):
     model = GPT(CFG, gpt.numpy_params(), attention="cuda")
     with pytest.raises(ValueError, match="mask"):
         tree_generate(model, [1, 2], 3, PromptLookup())
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "9.1", "9.2", "9.3")
 def test_masked_view_bad_input(gpt):
     cache = KVCache(CFG)
     with pytest.raises(ValueError, match="mask"):
@@ -178,8 +172,9 @@ CACHES = {
 }
 
 
-@pytest.mark.parametrize("kind", ["gpt", "llama"])
-@pytest.mark.parametrize("cache_kind", sorted(CACHES))
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "9.1", "9.2", "9.3")
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+@pytest.mark.parametrize("cache_kind", CACHE_KINDS)
 def test_compaction_equals_a_recompute(kind, cache_kind):
     """Keep a path that is not a prefix of the node list: the cache must hold exactly what feeding
     the prompt and that path would have stored, and continue to the same logits."""
@@ -211,6 +206,8 @@ def test_compaction_equals_a_recompute(kind, cache_kind):
 # acceptance
 
 
+@pytest.mark.exercise("9.2")
+@pytest.mark.uses_exercise("5.3")
 def test_greedy_walk_on_a_chain_is_verify_greedy(rng):
     for _ in range(50):
         k = int(rng.integers(0, 5))
@@ -220,6 +217,7 @@ def test_greedy_walk_on_a_chain_is_verify_greedy(rng):
         assert (emitted, len(path) - 1) == verify_greedy(drafts, logits)
 
 
+@pytest.mark.exercise("9.2")
 def test_greedy_walk_follows_the_argmax_branch():
     tree = TokenTree.from_paths(0, [[1, 2], [3, 4], [3, 1]])  # nodes 0 | 1 2 | 3 4 | 1 (under 3)
     V = 6
@@ -229,6 +227,7 @@ def test_greedy_walk_follows_the_argmax_branch():
     assert verify_tree_greedy(tree, logits) == ([3, 1, 5], [0, 3, 5])
 
 
+@pytest.mark.exercise("9.2")
 @settings(max_examples=40, deadline=None)
 @given(trees(), st.integers(0, 2**31 - 1))
 def test_greedy_walk_emits_a_tree_path_plus_the_argmax(tree, seed):
@@ -289,6 +288,7 @@ def residual_forgotten(tree, target_probs, rng, draft_probs):
 
 
 # verify_tree works on host probabilities: the statistical checks run no device code (host_only)
+@pytest.mark.uses_exercise("5.1")
 @pytest.mark.host_only
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_tree_sampling_is_lossless_and_catches_a_forgotten_residual(temperature):
@@ -305,6 +305,7 @@ def test_tree_sampling_is_lossless_and_catches_a_forgotten_residual(temperature)
     assert chi2_pvalue(bad, joint) < P_MIN
 
 
+@pytest.mark.uses_exercise("5.1")
 @pytest.mark.host_only
 def test_deterministic_candidates_are_lossless(rng):
     """Candidates without a draft distribution (prompt lookup, Medusa's top-k) count as one-hot q."""
@@ -334,7 +335,8 @@ def proposers(model):
             "skip_all": LayerSkip(model, model.config.n_layer, 4)}
 
 
-@pytest.mark.parametrize("kind", ["gpt", "llama"])
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "9.1", "9.2", "9.3")
+@pytest.mark.parametrize("kind", MODEL_KINDS)
 @pytest.mark.parametrize("max_len", [None, 12])
 def test_loop_greedy_equals_generate(kind, max_len):
     model = model_of(kind)
@@ -355,6 +357,7 @@ def test_loop_counts_the_prompt_tokens_it_drops(gpt):
     assert tree_generate(gpt, prompt[:10], 5, PromptLookup()).stats.dropped_prompt_tokens == 0
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "6.1", "6.3", "9.1", "9.2", "9.3")
 def test_loop_greedy_on_a_paged_cache(gpt):
     paged = PagedKVCache(CFG, 64, 4)
     ref = generate(gpt, PROMPTS[1], 25, temperature=0)
@@ -362,12 +365,14 @@ def test_loop_greedy_on_a_paged_cache(gpt):
     assert out.tokens == ref.tokens
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "9.1", "9.2", "9.3")
 def test_loop_layer_skip_with_all_layers_accepts_everything(gpt):
     """A draft that IS the target (all layers) is always right: every round emits k + 1 tokens."""
     out = tree_generate(gpt, PROMPTS[0], 20, LayerSkip(gpt, CFG.n_layer, 4))
     assert out.stats.alpha == 1.0 and out.stats.target_calls == 4
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "9.1", "9.2", "9.3", "9.3")
 def test_loop_prompt_lookup_on_a_copy_task_needs_few_calls():
     """A model that continues a repeated pattern: prompt lookup proposes the pattern, so a round
     emits many tokens; plain decoding needs one call per token."""
@@ -380,6 +385,7 @@ def test_loop_prompt_lookup_on_a_copy_task_needs_few_calls():
     assert out.stats.verified_per_call > 0
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "9.1", "9.2", "9.3")
 def test_loop_sampling_uses_the_target_distribution_first_token(gpt):
     """At T = 1 the first emitted token of many seeded runs follows the target's distribution."""
     prompt = [1, 5, 2, 1, 5]
@@ -388,6 +394,7 @@ def test_loop_sampling_uses_the_target_distribution_first_token(gpt):
     assert chi2_pvalue(first, p) >= P_MIN
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "9.1", "9.2", "9.3")
 def test_loop_bad_input(gpt):
     with pytest.raises(ValueError, match="rule"):
         tree_generate(gpt, [1, 2], 3, PromptLookup(), rule="greedy")
@@ -408,11 +415,13 @@ def test_loop_bad_input(gpt):
 # prompt lookup
 
 
+@pytest.mark.exercise("9.3")
 def test_ngram_worked_example():
     assert ngram_lookup(list("abcdab")) == list("cdab")
     assert ngram_lookup(list("abcdab"), max_draft=2) == list("cd")
 
 
+@pytest.mark.exercise("9.3")
 def test_ngram_prefers_the_longest_then_the_latest_match():
     #          0 1 2 3 4 5 6 7 8 9
     seq = list("xbcQabcRbc")  # suffix "bc" (2-gram) occurs at 1 and 5 -> latest (5) -> "R b c"
@@ -421,6 +430,7 @@ def test_ngram_prefers_the_longest_then_the_latest_match():
     assert ngram_lookup(seq) == list("QxbcRabc")
 
 
+@pytest.mark.exercise("9.3")
 def test_ngram_never_matches_itself():
     assert ngram_lookup(list("abcd")) == []  # no suffix n-gram occurred before
     assert ngram_lookup([7]) == []
@@ -434,6 +444,7 @@ def test_ngram_bad_input():
         PromptLookup(max_draft=0)
 
 
+@pytest.mark.uses_exercise("9.3")
 def test_prompt_lookup_proposes_the_continuation():
     from minillm.token_tree import Round
 

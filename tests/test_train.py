@@ -11,11 +11,6 @@ from minillm.backend import to_numpy, xp
 
 CFG = GPTConfig(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=8)
 
-# The tests that check each exercise, as pytest -k expressions (read by minillm.tools.course; docs/instructors.md)
-EXERCISES = {"A1.1": "gelu_backward", "A1.2": "layernorm_backward", "A1.3": "adamw"}
-# Tests that run the whole training step, so they fail until these exercises are solved
-NEEDS = {("A1.1", "A1.2", "A1.3"): "gradient_check or loss_equals or float32_training or overfits or resume_continues "
-                                  "or overwrites_a_shipped or finished_run or training_run"}
 
 
 def float64_params(seed=0):
@@ -69,6 +64,7 @@ def numerical_grad(f, x, dout, eps=1e-6):
     return g
 
 
+@pytest.mark.exercise("A1.1")
 def test_gelu_backward_matches_finite_differences():
     """gelu_backward(dout, x) == d/dx sum(gelu(x) * dout), float64, at negative, zero and large x."""
     rng = np.random.default_rng(0)
@@ -77,6 +73,7 @@ def test_gelu_backward_matches_finite_differences():
     np.testing.assert_allclose(to_numpy(tr.gelu_backward(dout, x)), numerical_grad(tr.gelu, x, dout), atol=1e-8)
 
 
+@pytest.mark.exercise("A1.2")
 def test_layernorm_backward_matches_finite_differences():
     """layernorm_backward gives dx, dw, db of sum(layer_norm(x, w, b) * dout) (float64, (B, T, C))."""
     rng = np.random.default_rng(1)
@@ -88,6 +85,7 @@ def test_layernorm_backward_matches_finite_differences():
     np.testing.assert_allclose(db, numerical_grad(lambda t: tr.layer_norm(x, w, t), b.copy(), dout), atol=1e-7)
 
 
+@pytest.mark.uses_exercise("A1.1", "A1.2", "A1.3")
 def test_gradient_check_every_parameter(batch):
     """Every parameter tensor's gradient matches finite differences in float64 (rel err <= 1e-5)."""
     params = float64_params()
@@ -97,6 +95,7 @@ def test_gradient_check_every_parameter(batch):
     assert not bad, bad
 
 
+@pytest.mark.uses_exercise("A1.1", "A1.2", "A1.3")
 def test_gradient_check_catches_a_wrong_backward(batch, monkeypatch):
     """The check bites: LayerNorm backward without its mean-subtraction term is detected."""
 
@@ -110,6 +109,7 @@ def test_gradient_check_catches_a_wrong_backward(batch, monkeypatch):
     assert max(worst.values()) > 1e-3
 
 
+@pytest.mark.uses_exercise("A1.1", "A1.2", "A1.3")
 def test_loss_equals_model_forward(batch):
     """The training forward and GPT.forward compute the same loss."""
     params = {k: v.astype(np.float32) for k, v in float64_params().items()}
@@ -118,12 +118,14 @@ def test_loss_equals_model_forward(batch):
     assert abs(float(loss) - float(model_loss)) < 1e-5
 
 
+@pytest.mark.uses_exercise("A1.1", "A1.2", "A1.3")
 def test_float32_training_stays_float32(batch):
     model = GPT.init(CFG)
     _, grads = tr.forward_backward(model.params, CFG, *batch)
     assert all(g.dtype == np.float32 for g in grads.values())
 
 
+@pytest.mark.uses_exercise("A1.1", "A1.2", "A1.3")
 def test_tiny_model_overfits_one_batch(batch):
     """200 AdamW steps on one batch drive the loss from ~2.4 (uniform over 11) to below 0.1."""
     model = GPT.init(CFG, seed=0)
@@ -136,6 +138,7 @@ def test_tiny_model_overfits_one_batch(batch):
     assert first > 2.0 and loss < 0.1
 
 
+@pytest.mark.exercise("A1.3")
 def test_adamw_bias_corrected_steps():
     """Step 1 moves each parameter by lr * g / (|g| + eps) (the bias corrections undo the moments'
     zero start); step 2 by lr * m_hat / (sqrt(v_hat) + eps), computed here by hand. In place."""
@@ -153,6 +156,7 @@ def test_adamw_bias_corrected_steps():
     assert params["b"] is original
 
 
+@pytest.mark.exercise("A1.3")
 def test_adamw_decays_matrices_only():
     params = {"w": xp.ones((2, 2), np.float32), "b": xp.ones(2, np.float32)}
     opt = tr.AdamW(params, weight_decay=0.5)
@@ -192,6 +196,7 @@ TINY_TRAIN = tr.TrainConfig(
 TINY_MODEL = GPTConfig(vocab_size=84, block_size=16, n_layer=1, n_head=2, n_embd=16)
 
 
+@pytest.mark.uses_exercise("A1.1", "A1.2", "A1.3")
 def test_resume_continues_exactly(tmp_path, monkeypatch):
     """A run killed during step 5 and resumed from its step-3 checkpoint == an uninterrupted run:
     same loss at every step (same batches, same optimizer state), bit-identical final weights."""
@@ -225,6 +230,7 @@ def test_resume_without_state_names_the_file(tmp_path):
         tr.train("draft", tmp_path / "nothing.npz", resume=True, progress=False)
 
 
+@pytest.mark.uses_exercise("A1.1", "A1.2", "A1.3")
 def test_never_overwrites_a_shipped_model_unless_asked(tmp_path, monkeypatch):
     """Training into a shipped model's path is refused before any work (the file untouched, no state
     written); with overwrite_shipped=True it is replaced, and the state and log go to the working
@@ -256,6 +262,7 @@ def test_steps_below_one_are_refused_before_anything_is_written(tmp_path, steps)
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.uses_exercise("A1.1", "A1.2", "A1.3")
 def test_resuming_a_finished_run_is_refused(tmp_path):
     tr.train("draft", tmp_path / "m.npz", steps=3, train_config=TINY_TRAIN, model_config=TINY_MODEL, progress=False)
     with pytest.raises(ValueError, match="already at step 3 of 3"):

@@ -177,7 +177,8 @@ def cmd_student_edition(args) -> int:
     from .course import student_edition
     from .project import project_root
 
-    exercises = student_edition(project_root(args.root), args.out_dir, chapters=args.chapters)
+    exercises = student_edition(project_root(args.root), args.out_dir, chapters=args.chapters,
+                                exercises=args.exercises)
     chapters = sorted({ex.chapter for ex in exercises})
     print(f"student edition with {len(exercises)} exercises in {len(chapters)} chapters ({', '.join(chapters)}) "
           f"-> {args.out_dir}; see {args.out_dir}/MANIFEST.md")
@@ -187,9 +188,16 @@ def cmd_student_edition(args) -> int:
 def cmd_grade(args) -> int:
     from .course import format_grades, grade
 
-    results = grade(args.project_dir, chapters=args.chapters)
+    results = grade(args.project_dir, root=args.root, chapters=args.chapters, exercises=args.exercises,
+                    manifest_path=args.manifest)
     print(format_grades(results))
-    return 0 if all(r.passed for r in results) else 1
+    return 0 if all(r.ok for r in results) else 1
+
+
+def cmd_lab(args) -> int:
+    from .course import lab, lab_root
+
+    return lab(lab_root(), args.jupyter_args)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -259,17 +267,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the benchmark")
     p.set_defaults(func=cmd_bench)
 
-    p = sub.add_parser("course", help="course kit: the student edition (exercises stubbed) and grading")
+    from .course import exercise_list
+
+    p = sub.add_parser("course", help="course kit: the student edition (exercises stubbed), grading, notebooks")
     course = p.add_subparsers(dest="action", required=True)
     p = course.add_parser("student-edition", help="copy the project with the exercise regions stubbed")
     p.add_argument("out_dir", metavar="OUT_DIR", help="an empty or new folder outside the project")
-    p.add_argument("--chapters", type=chapter_list, default=None, help="stub only these chapters, e.g. 3,5")
+    p.add_argument("--chapters", type=chapter_list, default=None, help="stub these chapters, e.g. 3,5")
+    p.add_argument("--exercises", type=exercise_list, default=None, help="stub these exercises, e.g. 3.1,5.2")
     p.add_argument("--root", default=None, help="the project to copy (default: this checkout)")
     p.set_defaults(func=cmd_student_edition)
-    p = course.add_parser("grade", help="run each exercise's grading tests and print a score table")
-    p.add_argument("project_dir", metavar="DIR", nargs="?", default=".", help="the project to grade (default .)")
-    p.add_argument("--chapters", type=chapter_list, default=None, help="grade only these chapters, e.g. 3,5")
+    p = course.add_parser("grade", help="grade a submission with the reference's tests; print a score table")
+    p.add_argument("project_dir", metavar="DIR", nargs="?", default=".", help="the submission (default .)")
+    p.add_argument("--manifest", default=None, help="grade the exercises of this MANIFEST.json (the one you "
+                   "handed out; the submission's own is never read)")
+    p.add_argument("--chapters", type=chapter_list, default=None, help="grade these chapters, e.g. 3,5")
+    p.add_argument("--exercises", type=exercise_list, default=None, help="grade these exercises, e.g. 3.1,5.2")
+    p.add_argument("--root", default=None, help="the reference project whose tests grade (default: this checkout)")
     p.set_defaults(func=cmd_grade)
+    p = course.add_parser("lab", help="open the notebooks with this folder's minillm (run it in your edition)")
+    p.add_argument("jupyter_args", nargs=argparse.REMAINDER,
+                   help="jupyter's command and options (default: lab notebooks)")
+    p.set_defaults(func=cmd_lab)
     return parser
 
 
