@@ -219,6 +219,7 @@ def test_generate_batch_rows_are_independent_draws(pair):
     assert one[0] == generate(target, [1, 2], 20, temperature=1.0, seed=sequence_seeds(4, 1)[0]).tokens
 
 
+@pytest.mark.exercise("7.1")
 def test_generate_batch_rows_count_the_prompt_tokens_they_drop(pair):
     """Row by row, a prompt longer than the 32-token context keeps its last 16 (``fit_context``) and its
     stats count the dropped ones, as generate's do; a row whose prompt fits drops none."""

@@ -261,6 +261,7 @@ def test_chat_template_matches_transformers(tok, oracle, messages, add_generatio
     assert tok.apply_chat_template(messages, add_generation_prompt=add_generation_prompt) == want
 
 
+@pytest.mark.uses_exercise("8.4")
 def test_encode_pieces_keeps_typed_special_tokens_as_text(tok):
     """A message that types "<|im_end|><|im_start|>system" is spelled as ordinary tokens: only the
     template's own pieces are control tokens, so the user cannot end their turn or open a system

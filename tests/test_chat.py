@@ -249,6 +249,7 @@ def test_chatml_conversation_in_the_cache_is_its_tokenization(smollm2_tok, monke
     assert chat.cached_text.startswith("<|im_start|>system\nYou are a helpful AI assistant named SmolLM")
 
 
+@pytest.mark.uses_exercise("3.1", "8.4")
 def test_chatml_typed_special_tokens_stay_text(smollm2_tok):
     """With SmolLM2's tokenizer: a user who types "<|im_end|><|im_start|>system ..." sends text. The
     ids fed hold the im_end id only where the template ends a turn (the system prompt's and the
@@ -265,6 +266,7 @@ def test_chatml_typed_special_tokens_stay_text(smollm2_tok):
     assert chat.cached_text.startswith(tok.decode(fed))  # the typed tags are in the text the cache holds
 
 
+@pytest.mark.uses_exercise("3.1", "8.4")
 def test_chatml_session_goes_on_after_an_invalid_utf8_byte(smollm2_tok, monkeypatch, capsys):
     """stdin decoded strictly (PYTHONIOENCODING=utf-8) and a line with the byte 0xff: the chat reads it
     as U+FFFD and answers the next lines too (the UnicodeDecodeError ended the session)."""

@@ -59,6 +59,7 @@ def check_dropped_prompt_note(checkpoint, capsys, modes) -> None:
         assert "note:" not in capsys.readouterr().err
 
 
+@pytest.mark.uses_exercise("3.1", "3.3")
 def test_generate_streams_and_says_how_many_prompt_tokens_were_dropped(tiny_checkpoint, capsys):
     """A prompt longer than the model's 32-token context keeps its last 16 tokens (its last 32 without
     a cache): the command says so in one line on stderr; it used to print the whole prompt and say
@@ -66,6 +67,7 @@ def test_generate_streams_and_says_how_many_prompt_tokens_were_dropped(tiny_chec
     check_dropped_prompt_note(tiny_checkpoint, capsys, ([], ["--no-cache"]))
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "9.1", "9.2", "9.3", "9.4")
 def test_generate_speculate_says_how_many_prompt_tokens_were_dropped(tiny_checkpoint, capsys):
     """The same note with --speculate lookup (the tree loop of chapter 9 crops the prompt the same way)."""
     check_dropped_prompt_note(tiny_checkpoint, capsys, (["--speculate", "lookup"],))
@@ -329,6 +331,7 @@ def test_output_into_a_closed_pipe_ends_quietly(generating):
     assert generating.returncode == 141 and err == ""
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "9.1", "9.2", "9.3", "9.4")
 def test_generate_speculate_medusa_loads_heads_from_the_file_the_hint_names(tmp_path, capsys):
     """The hint for a model without shipped heads named `--out HEADS.npz`, which generate could not load:
     `--medusa-heads HEADS.npz` loads them, and greedy output is the model's own."""

@@ -317,8 +317,12 @@ def test_pytest_outcomes_counts_each_test_of_a_project(tmp_path):
                       "tests/test_x.py::test_d: failed on setup with \"RuntimeError\""], output
 
 
-def test_project_root_is_found_or_named(tmp_path):
+def test_project_root_is_found_or_named(tmp_path, monkeypatch):
+    """The checkout is found beside the package (minillm/tools/project.py -> two folders up) from any
+    working directory, or named; a folder that is not one is refused."""
     assert project.project_root() == ROOT and project.project_root(ROOT) == ROOT
+    monkeypatch.chdir(tmp_path)
+    assert project.project_root() == ROOT
     with pytest.raises(project.ProjectRootError, match="is not a minillm project"):
         project.project_root(tmp_path)
 

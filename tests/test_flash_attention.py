@@ -281,6 +281,7 @@ def test_tiled_memory_stays_small():
     assert tiled_peak < score_bytes / 10
 
 
+@pytest.mark.exercise("4.2")
 def test_auto_attention_is_naive_when_small_and_tiled_when_large(monkeypatch):
     """attention="auto" (the models' default) runs naive_attention while the (B, nh, Tq, Tk) scores
     ``naive_fits`` (at most NAIVE_MAX_SCORES) and the tiles past it, with the same output: a long

@@ -279,6 +279,7 @@ def test_context_policy_follows_the_caches_max_len(tiny_model, monkeypatch):
     assert result.stats.reprefills == 32
 
 
+@pytest.mark.exercise("3.3")
 def test_context_policy_counts_the_prompt_tokens_it_drops(tiny_model):
     """A prompt longer than the window keeps only its last tokens (``fit_context``); the stats say how
     many were dropped, so a caller can tell its user (they were dropped silently before). generate

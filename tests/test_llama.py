@@ -264,6 +264,8 @@ def test_tiny_llama_generate_with_and_without_cache():
     assert cached == tokens[len(prompt) :]
 
 
+@pytest.mark.exercise("8.1")
+@pytest.mark.uses_exercise("8.2", "8.3")
 @pytest.mark.skipif(xp is not np, reason="tracemalloc measures NumPy's memory; other backends allocate elsewhere")
 def test_tiny_llama_long_prefill_tiles_attention_in_bounded_memory():
     """A 2,304-token prefill through a KVCache with the default attention ("auto") never builds the

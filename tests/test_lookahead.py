@@ -65,6 +65,7 @@ def test_jacobi_equals_greedy_and_converges_within_m(prompt, m, n, max_len):
     assert out.stats.new_tokens == n
 
 
+@pytest.mark.exercise("9.4")
 def test_jacobi_counts_the_prompt_tokens_it_drops():
     """A 40-token prompt in a 12-token cache keeps its last 6 (``fit_context``): the stats count the
     34 dropped; a prompt that fits drops none."""

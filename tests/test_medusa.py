@@ -137,6 +137,7 @@ def test_resume_continues_exactly(tmp_path):
     assert all(np.array_equal(whole.params[k], resumed.params[k]) for k in whole.params)
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "A1.3")
 def test_resume_of_a_finished_state_returns_it_for_the_export(tmp_path):
     """A crash in medusa-train's export (after the last checkpoint) could never be resumed ("already at
     step 20 of 20"): resuming a finished state gives back its heads and history, for the command to save."""
@@ -150,6 +151,7 @@ def test_resume_of_a_finished_state_returns_it_for_the_export(tmp_path):
     assert all(np.array_equal(heads.params[k], again.params[k]) for k in heads.params)
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "A1.3")
 @pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
 def test_diverged_heads_training_stops_with_one_line(tmp_path):
     """lr 1e4 made NaN heads that were saved without a word: training stops at the first non-finite

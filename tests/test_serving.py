@@ -500,6 +500,8 @@ def test_engine_refuses_ids_outside_the_vocabulary_changing_nothing():
     assert not engine.has_unfinished and not engine.pool.block_tables
 
 
+@pytest.mark.exercise("10.1")
+@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "7.1")
 def test_serve_refuses_a_negative_id_and_the_request_beside_it_finishes():
     """A prompt with a negative id (or one past the vocabulary, as numpy ints) never reaches the
     queue: with only the largest id checked, it was admitted and every later step failed in the
@@ -552,11 +554,15 @@ def check_abort_returns_every_block(prefix_caching: bool) -> None:
     assert engine.pool.allocator.num_free == engine.pool.num_blocks, "blocks leaked"
 
 
+@pytest.mark.exercise("10.1")
+@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "7.1")
 def test_serve_abort_returns_every_block():
     """``check_abort_returns_every_block``: 24 requests aborted at every stage, none leaks a block."""
     check_abort_returns_every_block(prefix_caching=False)
 
 
+@pytest.mark.exercise("10.1")
+@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "6.4", "7.1")
 def test_serve_prefix_caching_abort_returns_every_block():
     """The same with prefix caching: an aborted request's shared prefix blocks stay the cache's, once."""
     check_abort_returns_every_block(prefix_caching=True)

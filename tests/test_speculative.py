@@ -559,6 +559,7 @@ def test_loop_context_policy_with_caches_smaller_than_the_context(pair, k):
         assert got.stats.reprefills == ref.stats.reprefills > 0
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "5.2", "5.3")
 def test_loop_counts_the_prompt_tokens_it_drops(pair):
     """A 40-token prompt in a 12-token target cache keeps its last 6 (``fit_context``): the stats count
     the 34 dropped, as generate's do, instead of dropping them silently; a prompt that fits drops none."""

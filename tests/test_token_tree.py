@@ -348,6 +348,7 @@ def test_loop_greedy_equals_generate(kind, max_len):
             assert out.stats.reprefills == ref.stats.reprefills, name
 
 
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "9.1", "9.2", "9.3")
 def test_loop_counts_the_prompt_tokens_it_drops(gpt):
     """A 40-token prompt in a 12-token cache keeps its last 6, as in generate: the stats count the 34
     dropped (the command line's --speculate reports them from there); a prompt that fits drops none."""

@@ -274,6 +274,7 @@ def tiny_run(out, **kwargs):
                     | kwargs)
 
 
+@pytest.mark.uses_exercise("A1.1", "A1.2", "A1.3")
 def test_training_run_refuses_existing_files_unless_overwrite(tmp_path):
     """`train --out notes.txt` turned a text file into a model (and its sibling .train.npz and .log.json
     were replaced too): each existing file of the run is refused, untouched, unless overwrite=True."""
@@ -309,6 +310,7 @@ def test_destination_is_checked_before_step_1(tmp_path, monkeypatch):
             tiny_run(readonly / "m.npz")
 
 
+@pytest.mark.uses_exercise("A1.1", "A1.2", "A1.3")
 @pytest.mark.filterwarnings("ignore:divide by zero:RuntimeWarning")
 def test_training_run_stops_on_divergence_and_writes_no_model(tmp_path):
     """lr 1e4 diverged and the run wrote a model of NaN weights without a word: it stops at the first
@@ -321,6 +323,7 @@ def test_training_run_stops_on_divergence_and_writes_no_model(tmp_path):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.uses_exercise("A1.1", "A1.2", "A1.3")
 def test_training_run_resume_finishes_a_crashed_export(tmp_path, monkeypatch):
     """A crash after the last checkpoint, in the final validation and export, could never be resumed
     ("already at step 6 of 6: nothing to train", no model): --resume writes the model; after that,
@@ -350,6 +353,7 @@ def test_resume_from_a_model_file_is_one_line(tmp_path, tiny_model):
         tr.train("draft", tmp_path / "m.npz", resume=True, progress=False)
 
 
+@pytest.mark.uses_exercise("A1.1", "A1.2", "A1.3")
 def test_training_run_removes_its_stale_temp_files(tmp_path):
     """kill -9 during a checkpoint write left m.train.npz.<8 chars>.tmp behind for good: the next run
     of that destination removes them (and nothing else)."""

@@ -35,7 +35,7 @@ def project_root(root=None) -> Path:
         if not is_project_root(root):
             raise ProjectRootError(f"{root} is not a minillm project (it needs {', '.join(MARKERS)})")
         return root
-    here = Path(__file__).resolve().parents[1]
+    here = Path(__file__).resolve().parents[2]  # minillm/tools/project.py -> the checkout
     cwd = Path.cwd().resolve()
     for candidate in (here, cwd, *cwd.parents):
         if is_project_root(candidate):
