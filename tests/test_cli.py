@@ -297,10 +297,15 @@ def generating(tiny_checkpoint):
     Long enough (about 20 minutes of tokens) that it is still writing when the test acts, however long a
     busy machine keeps the test from running: 3,000 tokens fit in the pipe and were all written by then."""
     import os
+    import signal
+
+    def as_from_a_terminal():  # a job started with `&` by a script inherits SIGINT ignored; a terminal's does not
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
 
     proc = subprocess.Popen([sys.executable, "-m", "minillm", "generate", "--model", tiny_checkpoint, "--prompt",
                              "abc", "--max-new-tokens", "1000000", "--no-cache"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=os.environ | {"PYTHONUNBUFFERED": "1"})
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=os.environ | {"PYTHONUNBUFFERED": "1"},
+                            preexec_fn=as_from_a_terminal)
     try:
         assert proc.stdout.read(5)  # the prompt and the first tokens: generation is under way
         yield proc
