@@ -250,6 +250,7 @@ class _ProductPolicy:
 
     def __init__(self):
         self.enabled = requested_fast_products()
+        self.measure = True  # False: stream every product the kernel can take (tests, experiments)
         self.choices = {}  # (out, in, layout, bucket) -> "blas" | "stream"
         self.streaming = None  # the minillm.streaming module, imported on first need (it imports numba)
 
@@ -260,9 +261,12 @@ except BackendError as exc:
     _fail_at_import(exc)
 
 
-def set_fast_products(enabled: bool) -> None:
-    """Allow (True) or forbid (False) the streaming path for this process; BLAS runs when forbidden."""
-    _POLICY.enabled = bool(enabled)
+def set_fast_products(enabled: bool, measure: bool = True) -> None:
+    """Allow (True) or forbid (False) the streaming path for this process; BLAS runs when forbidden.
+
+    ``measure=False`` skips the measurement and streams every product the kernel can take (up to
+    STREAM_MAX_ROWS float32 rows): for tests and experiments that must exercise the kernel."""
+    _POLICY.enabled, _POLICY.measure = bool(enabled), bool(measure)
 
 
 def fast_products() -> bool:
@@ -329,7 +333,7 @@ def weight_product(x, w):
     if layout is None or n > STREAM_MAX_ROWS or x2.shape[1] != w.shape[1]:
         return blas_product(x, w)
     key = (w.shape[0], w.shape[1], layout, rows_bucket(n))
-    choice = _POLICY.choices.get(key)
+    choice = _POLICY.choices.get(key) if _POLICY.measure else "stream"
     if choice is None:
         _POLICY.choices[key], y = _calibrated_winner(x2, w, streaming)  # the first product: BLAS's answer
     elif choice == "stream":
