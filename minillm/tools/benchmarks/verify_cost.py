@@ -256,9 +256,9 @@ def check_cached_forward(model, prefix: list[int], new: list[int]) -> None:
         raise BenchmarkError(f"a cached forward over {len(new)} tokens differs from the full forward")
 
 
-def forward_seconds(model, prefix: list[int], ns: list[int], rounds: int, steps: int) -> dict:
+def forward_seconds(model, prefix: list[int], ns: list[int], rounds: int, steps: int, paths=PATHS) -> dict:
     """{path: {n: [seconds of one cached forward over n new tokens, one per round]}} after ``prefix``
-    is cached, for each weight-product path in ``PATHS``.
+    is cached, for each weight-product path in ``paths`` ("stream": the library's default).
 
     Each timing runs ``steps`` forwards (rolling the cache back to the prefix before each); every
     round times every (path, n), in reverse order every other round. The warm-up's first "stream"
@@ -276,7 +276,7 @@ def forward_seconds(model, prefix: list[int], ns: list[int], rounds: int, steps:
             cache.truncate(context)
             model.forward(new[n], cache)
 
-    keys = [(path, n) for n in ns for path in PATHS]
+    keys = [(path, n) for n in ns for path in paths]
     try:
         return by_path(alternating_rounds(run, keys, rounds, steps, "rounds (every n, both paths)"))
     finally:
