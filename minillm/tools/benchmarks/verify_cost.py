@@ -377,7 +377,7 @@ def run(args, model, tok, ns) -> int:
               "copy bandwidth": copy, "read bandwidth": read, "gemm peak": peak, "weight bytes": w_bytes}
     loads = [0] + ([args.load] if args.load else [])
     for load in loads:
-        where = "idle" if load == 0 else f"beside {load} busy processes"
+        where = "no added load" if load == 0 else f"beside {load} busy processes"
         print(f"2. one cached forward over n new tokens, {where} ({args.rounds} rounds x {args.steps} forwards; "
               "v = median of the per-round ratios t(n) / t_best(1), t_best(1) the faster path's step)")
         with background_load(load):
