@@ -211,7 +211,8 @@ def runtime_summary() -> str:
     cores, load = os.cpu_count() or 1, load_average()
     setting = os.environ.get(BLAS_THREADS_ENV, "")
     threads = "GPU" if is_cupy() else f"BLAS threads {blas_threads()} ({BLAS_THREADS_ENV}={setting!r})"
-    line = f"backend {xp.__name__}, {threads}, {cores} cores"
+    products = "streamed where measured faster" if fast_products() else "BLAS only"
+    line = f"backend {xp.__name__}, {threads}, weight products {products} ({FAST_PRODUCTS_ENV}), {cores} cores"
     if load is None:
         return line
     line += f", load average {load:.2f}"

@@ -124,3 +124,12 @@ def test_a_context_that_leaves_no_room_for_the_new_tokens_is_a_usage_error(capsy
         main(["--context", "250", "--ns", "1,8", "--no-parts"])
     assert exc.value.code == 2
     assert "--context 250 + n up to 8 exceeds block_size=256" in capsys.readouterr().err
+
+
+def test_load_and_json_are_parsed_before_anything_is_timed(capsys):
+    """--load takes a count of busy processes (a negative one is a usage error, exit 2)."""
+    from minillm.tools.benchmarks.verify_cost import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--load", "-1", "--no-parts"])
+    assert exc.value.code == 2 and "--load" in capsys.readouterr().err
