@@ -30,8 +30,9 @@ transpose, a view). On CuPy and the strict stand-in it is that ``@``. On NumPy a
 token rows (a decode step, a speculative verification) may instead run ``minillm.streaming``'s
 kernel, which reads w once where BLAS's matrix-matrix product first repacks it. Which one runs is
 measured, not guessed: the first product of each (weight shape, layout, row bucket) times both a few
-times and every later one uses the winner (``product_choices`` shows them). BLAS is the reference;
-``MINILLM_FAST_PRODUCTS=0`` or ``set_fast_products(False)`` turns the streaming path off.
+times, returns the winner's result, and every later one uses the winner (``product_choices`` shows
+them). BLAS is the reference; ``MINILLM_FAST_PRODUCTS=0`` or ``set_fast_products(False)`` turns the
+streaming path off.
 """
 
 from __future__ import annotations
@@ -303,18 +304,20 @@ def rows_bucket(n: int) -> int:
 
 
 def _calibrated_winner(x2, w, streaming) -> tuple[str, object]:
-    """Time BLAS and the stream on this very product, alternating, ``CALIBRATION_REPEATS`` times each:
-    ('blas' | 'stream', BLAS's result). The best time of each decides (a lost timeslice only slows)."""
+    """Time BLAS and the stream on this very product, alternating, ``CALIBRATION_REPEATS`` times each
+    -> (the winner, 'blas' | 'stream', and its result). The best time of each decides (a timeslice
+    lost to another process only ever slows a run). Returning the winner's own result keeps every
+    product of a bucket on one path, so two equal forwards give equal bits, the first one included."""
     best = {"blas": float("inf"), "stream": float("inf")}
     runs = {"blas": lambda: x2 @ w.T, "stream": lambda: streaming.stream_product(x2, w)}
+    results = {}
     for _ in range(CALIBRATION_REPEATS):
         for name, run in runs.items():
             start = time.perf_counter()
-            y = run()
+            results[name] = run()
             best[name] = min(best[name], time.perf_counter() - start)
-            if name == "blas":
-                reference = y
-    return min(best, key=best.get), reference
+    winner = min(best, key=best.get)
+    return winner, results[winner]
 
 
 def weight_product(x, w):
@@ -336,7 +339,7 @@ def weight_product(x, w):
     key = (w.shape[0], w.shape[1], layout, rows_bucket(n))
     choice = _POLICY.choices.get(key) if _POLICY.measure else "stream"
     if choice is None:
-        _POLICY.choices[key], y = _calibrated_winner(x2, w, streaming)  # the first product: BLAS's answer
+        _POLICY.choices[key], y = _calibrated_winner(x2, w, streaming)  # the first product of the bucket
     elif choice == "stream":
         y = streaming.stream_product(x2, w)
     else:
