@@ -247,3 +247,11 @@ def test_llama_stacks_qkv_and_gate_up_as_views_that_keep_the_parameters():
     p[h + "self_attn.q_proj.weight"][0, 0] = 7.0
     assert float(qkv[0, 0]) == 7.0
     assert model.stacked[h + "gate_up"].shape == (2 * LLAMA_CFG.n_hidden, LLAMA_CFG.n_embd)
+
+
+def test_without_numba_every_product_is_blas(monkeypatch):
+    """A machine where numba does not import (``_streaming`` found none) runs BLAS, measuring nothing."""
+    monkeypatch.setattr(backend._POLICY, "streaming", False)
+    assert not fast_products()
+    x, w = np.ones((2, 8), dtype=np.float32), np.ones((3, 8), dtype=np.float32)
+    assert np.array_equal(weight_product(x, w), x @ w.T) and product_choices() == {}
