@@ -5,9 +5,10 @@
 The reference is BLAS (``x @ w.T``, ``backend.blas_product``). For n = 1 BLAS runs a matrix-vector
 product (gemv), which streams w once; for n > 1 a matrix-matrix product (gemm), which first copies w
 into its own blocked layout ("packing"). For a decode step or a short speculative verification the
-products are memory-bound, so the copy is the cost: chapter 11 (docs/verify_cost.md) measured a
-forward over 2 tokens at 2.3 single-token steps on SmolLM2-135M. These kernels read each weight once
-and multiply it into all n token rows while it sits in the L1 cache.
+products are memory-bound, so the copy is the cost: with BLAS alone a forward of SmolLM2-135M over 2
+tokens cost 2.3 single-token steps on a 2-core EPYC (``python -m minillm bench verify-cost --model
+smollm2-135m`` measures it, docs/verify_cost.md). These kernels read each weight once and multiply it
+into all n token rows while it sits in the L1 cache.
 
 Two layouts, one kernel each (the models store both; copying a weight into the other layout would
 double the memory and go stale when training updates it in place):
