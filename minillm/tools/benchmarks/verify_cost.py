@@ -34,7 +34,7 @@ import json
 
 import numpy as np
 
-from ...backend import product_choices, runtime_summary, set_fast_products, weight_product, xp
+from ...backend import fast_products, product_choices, runtime_summary, set_fast_products, weight_product, xp
 from ...data import load_corpus
 from ...kv_cache import KVCache, kv_cache_bytes
 from ...model import GPT
@@ -221,9 +221,11 @@ def block_matmul_seconds(model, ns: list[int], rounds: int, steps: int) -> tuple
             for x, w in zip(xs[n], weights):
                 weight_product(x, w)
 
-    keys = [(path, n) for n in ns for path in PATHS]
-    flat = alternating_rounds(run, keys, rounds, steps, "block matmuls")
-    set_fast_products(True)
+    keys, before = [(path, n) for n in ns for path in PATHS], fast_products()
+    try:
+        flat = alternating_rounds(run, keys, rounds, steps, "block matmuls")
+    finally:
+        set_fast_products(before)
     return by_path(flat), sum(int(w.size) for w in weights)
 
 
@@ -276,11 +278,11 @@ def forward_seconds(model, prefix: list[int], ns: list[int], rounds: int, steps:
             cache.truncate(context)
             model.forward(new[n], cache)
 
-    keys = [(path, n) for n in ns for path in paths]
+    keys, before = [(path, n) for n in ns for path in paths], fast_products()
     try:
         return by_path(alternating_rounds(run, keys, rounds, steps, "rounds (every n, both paths)"))
     finally:
-        set_fast_products(True)
+        set_fast_products(before)  # as the process had it (MINILLM_FAST_PRODUCTS)
 
 
 def alternating_rounds(run, ns: list, rounds: int, steps: int, label: str) -> dict:
