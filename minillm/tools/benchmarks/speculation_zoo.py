@@ -330,7 +330,7 @@ def verify_costs(model, tok, ns, rounds: int = VERIFY_ROUNDS) -> dict:
     costs = {}
     for kind, verifier in (("chain", model), ("tree", TreeVerify(model))):
         check_cached_forward(verifier, prefix, [(3 * t + 2) % model.config.vocab_size for t in range(max(ns))])
-        times = forward_seconds(verifier, prefix, ns, rounds, VERIFY_STEPS, paths=("stream",))["stream"]
+        times = forward_seconds(verifier, prefix, ns, rounds, VERIFY_STEPS, paths=("default",))["default"]
         if kind == "chain":
             costs["step_s"] = float(np.median(times[1]))
         costs[kind] = {n: float(np.median(times[n])) / costs["step_s"] for n in ns}

@@ -260,7 +260,8 @@ def check_cached_forward(model, prefix: list[int], new: list[int]) -> None:
 
 def forward_seconds(model, prefix: list[int], ns: list[int], rounds: int, steps: int, paths=PATHS) -> dict:
     """{path: {n: [seconds of one cached forward over n new tokens, one per round]}} after ``prefix``
-    is cached, for each weight-product path in ``paths`` ("stream": the library's default).
+    is cached, for each weight-product path in ``paths``: "blas", "stream" (``PATHS``), or "default"
+    (the streaming switch as the process has it, ``MINILLM_FAST_PRODUCTS``).
 
     Each timing runs ``steps`` forwards (rolling the cache back to the prefix before each); every
     round times every (path, n), in reverse order every other round. The warm-up's first "stream"
@@ -273,7 +274,8 @@ def forward_seconds(model, prefix: list[int], ns: list[int], rounds: int, steps:
 
     def run(key):
         path, n = key
-        set_fast_products(path == "stream")
+        if path in PATHS:  # else ("default"): the switch as the process has it
+            set_fast_products(path == "stream")
         for _ in range(steps):
             cache.truncate(context)
             model.forward(new[n], cache)
