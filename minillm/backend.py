@@ -29,15 +29,17 @@ Weight products. Both models multiply by their weight matrices through one funct
 transpose, a view). On CuPy and the strict stand-in it is that ``@``. On NumPy a product over a few
 token rows (a decode step, a speculative verification) may instead run ``minillm.streaming``'s
 kernel, which reads w once where BLAS's matrix-matrix product first repacks it. Which one runs is
-measured, not guessed: the first product of each (weight shape, layout, row bucket) times both a few
-times, returns the winner's result, and every later one uses the winner (``product_choices`` shows
-them). BLAS is the reference; ``MINILLM_FAST_PRODUCTS=0`` or ``set_fast_products(False)`` turns the
-streaming path off.
+measured, not guessed: the first products of each (weight shape, layout, row bucket) alternate
+between the two paths, each run timed where it really runs (inside the forward, the weights as cold
+as they are there), and once both have run a few times every later product takes the faster
+(``product_choices`` shows the winners). BLAS is the reference; ``MINILLM_FAST_PRODUCTS=0`` or
+``set_fast_products(False)`` turns the streaming path off.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 import time
 
@@ -48,7 +50,7 @@ BLAS_THREADS_ENV = "MINILLM_BLAS_THREADS"
 DEFAULT_BLAS_THREADS = 1  # robust under load; see the module docstring
 FAST_PRODUCTS_ENV = "MINILLM_FAST_PRODUCTS"
 STREAM_MAX_ROWS = 64  # past this many token rows a product is a prefill: compute-bound, BLAS's job, never timed
-CALIBRATION_REPEATS = 3  # each path is timed this many times (alternating) on its first product of a bucket
+CALIBRATION_REPEATS = 5  # the first products of a bucket alternate paths until each has run this many times
 
 
 class BackendError(RuntimeError):
@@ -254,6 +256,7 @@ class _ProductPolicy:
         self.enabled = requested_fast_products()
         self.measure = True  # False: stream every product the kernel can take (tests, experiments)
         self.choices = {}  # (out, in, layout, bucket) -> "blas" | "stream"
+        self.samples = {}  # (out, in, layout, bucket) -> {"blas": [seconds], "stream": [seconds]} until decided
         self.streaming = None  # the minillm.streaming module, imported on first need (it imports numba)
 
 
@@ -282,8 +285,9 @@ def product_choices() -> dict:
 
 
 def reset_product_choices() -> None:
-    """Forget the measured winners (the next product of each bucket measures again)."""
+    """Forget the measured winners (the next products of each bucket measure again)."""
     _POLICY.choices.clear()
+    _POLICY.samples.clear()
 
 
 def _streaming():
@@ -303,21 +307,30 @@ def rows_bucket(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _calibrated_winner(x2, w, streaming) -> tuple[str, object]:
-    """Time BLAS and the stream on this very product, alternating, ``CALIBRATION_REPEATS`` times each
-    -> (the winner, 'blas' | 'stream', and its result). The best time of each decides (a timeslice
-    lost to another process only ever slows a run). Returning the winner's own result keeps every
-    product of a bucket on one path, so two equal forwards give equal bits, the first one included."""
-    best = {"blas": float("inf"), "stream": float("inf")}
-    runs = {"blas": lambda: x2 @ w.T, "stream": lambda: streaming.stream_product(x2, w)}
-    results = {}
-    for _ in range(CALIBRATION_REPEATS):
-        for name, run in runs.items():
-            start = time.perf_counter()
-            results[name] = run()
-            best[name] = min(best[name], time.perf_counter() - start)
-    winner = min(best, key=best.get)
-    return winner, results[winner]
+def _trial(key, x2, w, streaming):
+    """One product of a bucket still being measured: run the path with fewer timed runs so far (BLAS
+    first), time it, and once each path has ``CALIBRATION_REPEATS`` runs record the winner
+    (``stream_wins``). The runs are the model's own products, in the forward, weights as cold as they
+    really are; nothing is computed twice. -> (B*T, out) result."""
+    samples = _POLICY.samples.setdefault(key, {"blas": [], "stream": []})
+    path = "blas" if len(samples["blas"]) <= len(samples["stream"]) else "stream"
+    start = time.perf_counter()
+    y = x2 @ w.T if path == "blas" else streaming.stream_product(x2, w)
+    samples[path].append(time.perf_counter() - start)
+    if min(map(len, samples.values())) >= CALIBRATION_REPEATS:
+        _POLICY.choices[key] = stream_wins(samples["blas"], samples["stream"])
+        del _POLICY.samples[key]
+    return y
+
+
+def stream_wins(blas: list[float], stream: list[float]) -> str:
+    """'stream' when the kernel's runs beat BLAS's on both the best and the median run, else 'blas'.
+
+    The best run is what a product costs when nothing interrupts it; the median guards against one
+    lucky run. A tie, or a split verdict (the two paths within the noise), keeps the reference.
+    Example: blas [5, 6, 9], stream [4, 5, 8] -> 'stream'; stream [4, 8, 9] -> 'blas' (median 8 > 6)."""
+    faster = min(stream) < min(blas) and statistics.median(stream) < statistics.median(blas)
+    return "stream" if faster else "blas"
 
 
 def weight_product(x, w):
@@ -339,7 +352,7 @@ def weight_product(x, w):
     key = (w.shape[0], w.shape[1], layout, rows_bucket(n))
     choice = _POLICY.choices.get(key) if _POLICY.measure else "stream"
     if choice is None:
-        _POLICY.choices[key], y = _calibrated_winner(x2, w, streaming)  # the first product of the bucket
+        y = _trial(key, x2, w, streaming)  # one of the bucket's first 2 x CALIBRATION_REPEATS products
     elif choice == "stream":
         y = streaming.stream_product(x2, w)
     else:
