@@ -29,10 +29,9 @@ Weight products. Both models multiply by their weight matrices through one funct
 transpose, a view). On CuPy and the strict stand-in it is that ``@``. On NumPy a product over a few
 token rows (a decode step, a speculative verification) may instead run ``minillm.streaming``'s
 kernel, which reads w once where BLAS's matrix-matrix product first repacks it. Which one runs is
-measured, not guessed: the first products of each (weight shape, layout, row bucket) alternate
-between the two paths, each run timed where it really runs (inside the forward, the weights as cold
-as they are there), and once both have run a few times every later product takes the faster
-(``product_choices`` shows the winners). BLAS is the reference; ``MINILLM_FAST_PRODUCTS=0`` or
+measured, not guessed: the first product of each (weight shape, layout, row bucket) runs a few times
+on both paths, alternating, inside the forward that needs it; it and every later product of the
+bucket take the faster (``product_choices`` shows the winners). BLAS is the reference; ``MINILLM_FAST_PRODUCTS=0`` or
 ``set_fast_products(False)`` turns the streaming path off.
 """
 
@@ -50,7 +49,7 @@ BLAS_THREADS_ENV = "MINILLM_BLAS_THREADS"
 DEFAULT_BLAS_THREADS = 1  # robust under load; see the module docstring
 FAST_PRODUCTS_ENV = "MINILLM_FAST_PRODUCTS"
 STREAM_MAX_ROWS = 64  # past this many token rows a product is a prefill: compute-bound, BLAS's job, never timed
-CALIBRATION_REPEATS = 5  # the first products of a bucket alternate paths until each has run this many times
+CALIBRATION_REPEATS = 3  # the first product of a bucket runs this many times on each path, alternating
 
 
 class BackendError(RuntimeError):
@@ -256,7 +255,6 @@ class _ProductPolicy:
         self.enabled = requested_fast_products()
         self.measure = True  # False: stream every product the kernel can take (tests, experiments)
         self.choices = {}  # (out, in, layout, bucket) -> "blas" | "stream"
-        self.samples = {}  # (out, in, layout, bucket) -> {"blas": [seconds], "stream": [seconds]} until decided
         self.streaming = None  # the minillm.streaming module, imported on first need (it imports numba)
 
 
@@ -287,7 +285,6 @@ def product_choices() -> dict:
 def reset_product_choices() -> None:
     """Forget the measured winners (the next products of each bucket measure again)."""
     _POLICY.choices.clear()
-    _POLICY.samples.clear()
 
 
 def _streaming():
@@ -307,20 +304,21 @@ def rows_bucket(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def _trial(key, x2, w, streaming):
-    """One product of a bucket still being measured: run the path with fewer timed runs so far (BLAS
-    first), time it, and once each path has ``CALIBRATION_REPEATS`` runs record the winner
-    (``stream_wins``). The runs are the model's own products, in the forward, weights as cold as they
-    really are; nothing is computed twice. -> (B*T, out) result."""
-    samples = _POLICY.samples.setdefault(key, {"blas": [], "stream": []})
-    path = "blas" if len(samples["blas"]) <= len(samples["stream"]) else "stream"
-    start = time.perf_counter()
-    y = x2 @ w.T if path == "blas" else streaming.stream_product(x2, w)
-    samples[path].append(time.perf_counter() - start)
-    if min(map(len, samples.values())) >= CALIBRATION_REPEATS:
-        _POLICY.choices[key] = stream_wins(samples["blas"], samples["stream"])
-        del _POLICY.samples[key]
-    return y
+def _calibrate(key, x2, w, streaming):
+    """The first product of a bucket: run it on both paths, alternating, ``CALIBRATION_REPEATS`` times
+    each, timing every run; record the winner (``stream_wins``) and return the winner's own result.
+
+    Deciding before the first result leaves keeps every product of a bucket on one path, the first
+    included, so a repeated forward repeats its bits exactly (tests compare forwards bit for bit)."""
+    runs = {"blas": lambda: x2 @ w.T, "stream": lambda: streaming.stream_product(x2, w)}
+    samples, results = {"blas": [], "stream": []}, {}
+    for _ in range(CALIBRATION_REPEATS):
+        for path, run in runs.items():
+            start = time.perf_counter()
+            results[path] = run()
+            samples[path].append(time.perf_counter() - start)
+    _POLICY.choices[key] = winner = stream_wins(samples["blas"], samples["stream"])
+    return results[winner]
 
 
 def stream_wins(blas: list[float], stream: list[float]) -> str:
@@ -352,7 +350,7 @@ def weight_product(x, w):
     key = (w.shape[0], w.shape[1], layout, rows_bucket(n))
     choice = _POLICY.choices.get(key) if _POLICY.measure else "stream"
     if choice is None:
-        y = _trial(key, x2, w, streaming)  # one of the bucket's first 2 x CALIBRATION_REPEATS products
+        y = _calibrate(key, x2, w, streaming)  # the bucket's first product
     elif choice == "stream":
         y = streaming.stream_product(x2, w)
     else:
