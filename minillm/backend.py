@@ -23,18 +23,33 @@ a 64-token forward of the shipped model took 744 ms on two threads under a load 
 processes, and 51 ms on one; idle, two threads saved 4-16 % (docs/threads.md has the measurements).
 So minillm runs BLAS on **one thread** unless ``MINILLM_BLAS_THREADS=N`` asks for N (``all`` keeps
 the library's own default). The limit is applied once, at import, for the whole process.
+
+Weight products. Both models multiply by their weight matrices through one function,
+``weight_product(x, w)`` = x @ w.T (w [out, in]; a GPT-2 weight stored [in, out] is passed as its
+transpose, a view). On CuPy and the strict stand-in it is that ``@``. On NumPy a product over a few
+token rows (a decode step, a speculative verification) may instead run ``minillm.streaming``'s
+kernel, which reads w once where BLAS's matrix-matrix product first repacks it. Which one runs is
+measured, not guessed: the first product of each (weight shape, layout, row bucket) runs a few times
+on both paths, alternating, inside the forward that needs it; it and every later product of the
+bucket take the faster (``product_choices`` shows the winners). BLAS is the reference and the default;
+``MINILLM_FAST_PRODUCTS=1`` or ``set_fast_products(True)`` turns the streaming path on.
 """
 
 from __future__ import annotations
 
 import os
+import statistics
 import sys
+import time
 
 import numpy
 
 BACKEND_ENV = "MINILLM_BACKEND"
 BLAS_THREADS_ENV = "MINILLM_BLAS_THREADS"
 DEFAULT_BLAS_THREADS = 1  # robust under load; see the module docstring
+FAST_PRODUCTS_ENV = "MINILLM_FAST_PRODUCTS"
+STREAM_MAX_ROWS = 64  # past this many token rows a product is a prefill: compute-bound, BLAS's job, never timed
+CALIBRATION_REPEATS = 3  # the first product of a bucket runs this many times on each path, alternating
 
 
 class BackendError(RuntimeError):
@@ -198,7 +213,8 @@ def runtime_summary() -> str:
     cores, load = os.cpu_count() or 1, load_average()
     setting = os.environ.get(BLAS_THREADS_ENV, "")
     threads = "GPU" if is_cupy() else f"BLAS threads {blas_threads()} ({BLAS_THREADS_ENV}={setting!r})"
-    line = f"backend {xp.__name__}, {threads}, {cores} cores"
+    products = "streamed where measured faster" if fast_products() else "BLAS only"
+    line = f"backend {xp.__name__}, {threads}, weight products {products} ({FAST_PRODUCTS_ENV}), {cores} cores"
     if load is None:
         return line
     line += f", load average {load:.2f}"
@@ -211,3 +227,135 @@ try:
     apply_thread_policy()
 except BackendError as exc:
     _fail_at_import(exc)
+
+
+# ---- weight products: BLAS, or a streaming kernel where it measured faster --------------------
+
+
+def blas_product(x, w):
+    """x @ w.T, the reference (BLAS on NumPy, cuBLAS on CuPy).  x (..., in), w (out, in) -> (..., out)"""
+    return x @ w.T
+
+
+def requested_fast_products(value: str | None = None) -> bool:
+    """Whether ``MINILLM_FAST_PRODUCTS`` allows the streaming path: '1' -> True, unset or '0' -> False.
+
+    Off by default: the kernel makes a verify of a few tokens cheaper, but a single-token decode step
+    only ties BLAS, and the per-bucket choice is timed with the weights warm in the cache."""
+    value = os.environ.get(FAST_PRODUCTS_ENV, "") if value is None else value
+    value = value.strip().lower()
+    if value in ("1", "on", "true"):
+        return True
+    if value in ("", "0", "off", "false"):
+        return False
+    raise BackendError(f"{FAST_PRODUCTS_ENV}={value!r}: expected 1 (streaming products allowed) or 0 (BLAS only)")
+
+
+class _ProductPolicy:
+    """The streaming path's switch and the winner measured per (out, in, layout, row bucket)."""
+
+    def __init__(self):
+        self.enabled = requested_fast_products()
+        self.measure = True  # False: stream every product the kernel can take (tests, experiments)
+        self.choices = {}  # (out, in, layout, bucket) -> "blas" | "stream"
+        self.streaming = None  # the minillm.streaming module, imported on first need (it imports numba)
+
+
+try:
+    _POLICY = _ProductPolicy()
+except BackendError as exc:
+    _fail_at_import(exc)
+
+
+def set_fast_products(enabled: bool, measure: bool = True) -> None:
+    """Allow (True) or forbid (False) the streaming path for this process; BLAS runs when forbidden.
+
+    ``measure=False`` skips the measurement and streams every product the kernel can take (up to
+    STREAM_MAX_ROWS float32 rows): for tests and experiments that must exercise the kernel."""
+    _POLICY.enabled, _POLICY.measure = bool(enabled), bool(measure)
+
+
+def fast_products() -> bool:
+    """True when a product may take the streaming path: NumPy backend, allowed, numba installed."""
+    return _POLICY.enabled and xp is numpy and _streaming() is not None
+
+
+def product_choices() -> dict:
+    """{(out, in, layout, rows bucket): 'blas' | 'stream'} measured so far in this process."""
+    return dict(_POLICY.choices)
+
+
+def reset_product_choices() -> None:
+    """Forget the measured winners (the next products of each bucket measure again)."""
+    _POLICY.choices.clear()
+
+
+def _streaming():
+    """minillm.streaming, or None when numba is not installed (then every product is BLAS)."""
+    if _POLICY.streaming is None:
+        try:
+            from . import streaming
+        except ImportError:
+            streaming = False
+        _POLICY.streaming = streaming
+    return _POLICY.streaming or None
+
+
+def rows_bucket(n: int) -> int:
+    """The bucket a product over n token rows is measured in: n rounded up to a power of two
+    (1, 2, 4, 8, ..., STREAM_MAX_ROWS).  3 -> 4, 5 -> 8, 16 -> 16, 17 -> 32."""
+    return 1 << (n - 1).bit_length()
+
+
+def _calibrate(key, x2, w, streaming):
+    """The first product of a bucket: run it on both paths, alternating, ``CALIBRATION_REPEATS`` times
+    each, timing every run; record the winner (``stream_wins``) and return the winner's own result.
+
+    Deciding before the first result leaves keeps every product of a bucket on one path, the first
+    included, so a repeated forward repeats its bits exactly (tests compare forwards bit for bit)."""
+    runs = {"blas": lambda: x2 @ w.T, "stream": lambda: streaming.stream_product(x2, w)}
+    samples, results = {"blas": [], "stream": []}, {}
+    for _ in range(CALIBRATION_REPEATS):
+        for path, run in runs.items():
+            start = time.perf_counter()
+            results[path] = run()
+            samples[path].append(time.perf_counter() - start)
+    _POLICY.choices[key] = winner = stream_wins(samples["blas"], samples["stream"])
+    return results[winner]
+
+
+def stream_wins(blas: list[float], stream: list[float]) -> str:
+    """'stream' when the kernel's runs beat BLAS's on both the best and the median run, else 'blas'.
+
+    The best run is what a product costs when nothing interrupts it; the median guards against one
+    lucky run. A tie, or a split verdict (the two paths within the noise), keeps the reference.
+    Example: blas [5, 6, 9], stream [4, 5, 8] -> 'stream'; stream [4, 8, 9] -> 'blas' (median 8 > 6)."""
+    faster = min(stream) < min(blas) and statistics.median(stream) < statistics.median(blas)
+    return "stream" if faster else "blas"
+
+
+def weight_product(x, w):
+    """x @ w.T through the faster of BLAS and the streaming kernel, as measured on this machine.
+
+    x (..., in) float32, w (out, in) -> (..., out). w's rows contiguous (Llama, the LM heads) or its
+    columns (a GPT-2 weight stored [in, out], passed as ``w_in_out.T``). The reference is
+    ``blas_product``; it runs on CuPy, on the strict stand-in, for other dtypes or layouts, past
+    STREAM_MAX_ROWS rows, and whenever the streaming path is off or measured slower.
+    """
+    if not fast_products() or x.dtype != numpy.float32:
+        return blas_product(x, w)
+    streaming = _streaming()
+    layout = streaming.layout(w)
+    x2 = x.reshape(-1, x.shape[-1])  # (B, T, in) -> (B*T, in): every token row is one row of the product
+    n = x2.shape[0]
+    if layout is None or n > STREAM_MAX_ROWS or x2.shape[1] != w.shape[1]:
+        return blas_product(x, w)
+    key = (w.shape[0], w.shape[1], layout, rows_bucket(n))
+    choice = _POLICY.choices.get(key) if _POLICY.measure else "stream"
+    if choice is None:
+        y = _calibrate(key, x2, w, streaming)  # the bucket's first product
+    elif choice == "stream":
+        y = streaming.stream_product(x2, w)
+    else:
+        return blas_product(x, w)
+    return y.reshape(*x.shape[:-1], w.shape[0])  # (B*T, out) -> (..., out)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .backend import to_numpy, xp
+from .backend import to_numpy, weight_product, xp
 from .config import LlamaConfig
 from .model import (
     DEFAULT_ATTENTION,
@@ -107,9 +107,25 @@ def silu(x):
     return x * (0.5 + 0.5 * xp.tanh(0.5 * x))
 
 
-def swiglu(x, w_gate, w_up, w_down):
-    """down(silu(gate(x)) * up(x)).  (B, T, C) -> (B, T, H) -> (B, T, C)"""
-    return (silu(x @ w_gate.T) * (x @ w_up.T)) @ w_down.T
+def swiglu(x, w_gate_up, w_down):
+    """down(silu(gate(x)) * up(x)), gate and up in one product: w_gate_up = [w_gate; w_up] (2H, C).
+
+    (B, T, C) -> (B, T, 2H) -> (B, T, H) -> (B, T, C)"""
+    gate, up = xp.split(weight_product(x, w_gate_up), 2, axis=-1)  # (B, T, H) each
+    return weight_product(silu(gate) * up, w_down)
+
+
+def stack_rows(params: dict, names: list[str]):
+    """Stack weights [out_i, in] into one (sum out_i, in) matrix and make each params[name] a view of
+    its rows: one product then streams them all (a read of q, k and v is one pass, not three), and
+    the parameters keep their names, shapes and values (an in-place change reaches the stack)."""
+    stacked = xp.concatenate([params[name] for name in names], axis=0)  # (sum out_i, in)
+    start = 0
+    for name in names:
+        rows = params[name].shape[0]
+        params[name] = stacked[start : start + rows]  # (out_i, in), a view
+        start += rows
+    return stacked
 
 
 class Llama:
@@ -118,6 +134,11 @@ class Llama:
     def __init__(self, config: LlamaConfig, params: dict, attention: str = DEFAULT_ATTENTION):
         self.config = config
         self.params = check_params(config, params, "Llama")
+        self.stacked = {}  # "layers.{i}.qkv" (q_dim + 2 kv_dim, C), "layers.{i}.gate_up" (2H, C): one read each
+        for layer in range(config.n_layer):
+            h = f"layers.{layer}."
+            self.stacked[h + "qkv"] = stack_rows(self.params, [h + f"self_attn.{p}_proj.weight" for p in "qkv"])
+            self.stacked[h + "gate_up"] = stack_rows(self.params, [h + f"mlp.{p}_proj.weight" for p in ("gate", "up")])
         self.lm_head = self.params["embed_tokens.weight" if config.tie_embeddings else "lm_head.weight"]  # (V, C)
         self.set_attention(attention)
 
@@ -154,28 +175,29 @@ class Llama:
             normed = rms_norm(x, p[h + "input_layernorm.weight"], cfg.norm_eps)
             x = x + self._attention_block(layer, normed, cos, sin, cache)  # (B, T, C)
             normed = rms_norm(x, p[h + "post_attention_layernorm.weight"], cfg.norm_eps)
-            x = x + swiglu(normed, p[h + "mlp.gate_proj.weight"], p[h + "mlp.up_proj.weight"],
-                           p[h + "mlp.down_proj.weight"])
+            x = x + swiglu(normed, self.stacked[h + "gate_up"], p[h + "mlp.down_proj.weight"])
         if cache is not None:
             cache.advance(T)
         return rms_norm(x, p["norm.weight"], cfg.norm_eps)
 
     def logits(self, h):
         """(B, T, C) -> (B, T, V): h @ lm_head^T."""
-        return h @ self.lm_head.T
+        return weight_product(h, self.lm_head)
 
     def _attention_block(self, layer, x, cos, sin, cache):
         """Causal grouped-query self-attention with RoPE on q and k.  (B, T, C) -> (B, T, C)"""
         cfg, p, h = self.config, self.params, f"layers.{layer}.self_attn."
-        q = split_heads(x @ p[h + "q_proj.weight"].T, cfg.n_head)  # (B, nh, T, hs)
-        k = split_heads(x @ p[h + "k_proj.weight"].T, cfg.n_kv_head)  # (B, n_kv_head, T, hs)
-        v = split_heads(x @ p[h + "v_proj.weight"].T, cfg.n_kv_head)  # (B, n_kv_head, T, hs)
+        q_dim, kv_dim = cfg.n_head * cfg.head_size, cfg.n_kv_head * cfg.head_size
+        qkv = weight_product(x, self.stacked[f"layers.{layer}.qkv"])  # (B, T, q_dim + 2 kv_dim): q, k, v in one read
+        q = split_heads(qkv[..., :q_dim], cfg.n_head)  # (B, nh, T, hs)
+        k = split_heads(qkv[..., q_dim : q_dim + kv_dim], cfg.n_kv_head)  # (B, n_kv_head, T, hs)
+        v = split_heads(qkv[..., q_dim + kv_dim :], cfg.n_kv_head)  # (B, n_kv_head, T, hs)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if cache is None:
             y = self.attention(q, k, v, causal=True)  # (B, nh, T, hs)
         else:
             y = cache.attend(layer, q, k, v, self.attention)  # stores n_kv_head heads -> (B, nh, T, hs)
-        return merge_heads(y) @ p[h + "o_proj.weight"].T  # (B, T, C)
+        return weight_product(merge_heads(y), p[h + "o_proj.weight"])  # (B, T, C)
 
     def numpy_params(self) -> dict:
         """The parameters as NumPy arrays (for saving)."""

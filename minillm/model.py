@@ -21,7 +21,7 @@ import math
 import numpy as np
 
 from .attention import naive_attention
-from .backend import on_device, to_numpy, xp
+from .backend import on_device, to_numpy, weight_product, xp
 from .config import GPTConfig
 from .flash_attention import auto_attention, tiled_attention
 from .kernels.launch import kernel_attention, kernel_attention_v2
@@ -64,8 +64,11 @@ def gelu(x):
 
 
 def linear(x, w, b):
-    """x @ w + b with w stored [in, out].  [..., in] -> [..., out]"""
-    return x @ w + b
+    """x @ w + b with w stored [in, out].  [..., in] -> [..., out]
+
+    ``weight_product(x, w.T)`` is x @ w through BLAS or, for a few token rows on a CPU, a kernel that
+    streams w once (``minillm.backend``): the same numbers up to float32 rounding."""
+    return weight_product(x, w.T) + b
 
 
 def split_heads(x, n_head):
@@ -159,7 +162,7 @@ class GPT:
 
     def logits(self, h):
         """(B, T, C) -> (B, T, V): the LM head, h @ wte^T."""
-        return h @ self.lm_head.T
+        return weight_product(h, self.lm_head)
 
     def _attention_block(self, layer, x, cache):
         """Causal multi-head self-attention.  (B, T, C) -> (B, T, C)"""

@@ -10,7 +10,7 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "minillm"
 
 LAYERS = [  # lowest first; a module may import from its own layer and the ones before it
-    {"backend", "strict", "cache_contract", "config", "tokenizer", "bpe", "notebook", "kernels",
+    {"backend", "streaming", "strict", "cache_contract", "config", "tokenizer", "bpe", "notebook", "kernels",
      "kernels.build"},
     {"attention", "flash_attention", "kernels.launch", "data", "sampling"},
     {"model", "kv_cache", "paged_kv", "prefix_blocks"},

@@ -7,8 +7,11 @@ from minillm.config import GPTConfig
 from minillm.measure import STAND_INS
 from minillm.model import GPT
 from minillm.tools.benchmarks.verify_cost import (
+    block_weights,
     bound,
+    by_path,
     cost_rows,
+    describe_choices,
     forward_bytes,
     forward_flops,
     matmul_rows,
@@ -42,19 +45,39 @@ def test_matmul_weights_are_the_matrices_read_in_full_with_the_tied_head_once():
     assert sum(a is model.params["wte.weight"] for a in weights) == 1
 
 
-def test_cost_rows_pair_each_round_with_its_own_single_token_step():
-    """v(n) is the median of per-round ratios, not a ratio of medians; the floor adds only the roofline's
-    growth to the measured step."""
-    times = {1: [1.0, 2.0, 4.0], 4: [1.5, 2.0, 8.0]}  # per-round ratios 1.5, 1.0, 2.0
+def test_cost_rows_pair_each_round_with_the_faster_single_token_step_of_that_round():
+    """v(n) is the median of per-round ratios t(n) / t_best(1), not a ratio of medians, and t_best(1) is
+    the faster path's step of the same round; the floor adds only the roofline's growth to that step."""
+    times = {"blas": {1: [1.0, 2.0, 4.0], 4: [1.5, 2.0, 8.0]},
+             "stream": {1: [2.0, 1.0, 4.0], 4: [1.0, 3.0, 4.0]}}  # t_best(1) per round: 1, 1, 4
     roofline = {1: 0.5, 4: 1.0}
     rows = cost_rows(times, roofline, {1: "memory", 4: "compute"})
     assert [r["n"] for r in rows] == [1, 4]
-    assert rows[0]["v (steps)"] == 1.0 and rows[0]["floor (steps)"] == 1.0
-    assert rows[1]["v (steps)"] == 1.5  # a ratio of medians would say 2.0 / 2.0 = 1
-    assert rows[1]["pairs"] == "1.00-2.00"
-    assert rows[1]["floor (steps)"] == pytest.approx(1 + 0.5 / 2.0)  # median step 2 s, roofline +0.5 s
-    assert rows[1]["ms"] == pytest.approx(2000.0) and rows[1]["ms/token"] == pytest.approx(500.0)
-    assert rows[1]["measured/roofline"] == pytest.approx(2.0)
+    one, four = rows
+    assert one["blas v"] == 1.0 and one["stream v"] == 1.0  # per round 1, 2, 1 and 2, 1, 1: medians 1
+    assert one["floor (steps)"] == 1.0
+    assert four["blas v"] == 2.0  # ratios 1.5, 2.0, 2.0; a ratio of medians would say 2.0 / 2.0 = 1
+    assert four["stream v"] == 1.0  # ratios 1.0, 3.0, 1.0
+    assert four["stream/blas"] == pytest.approx(2 / 3) and four["pairs"] == "0.50-1.50"  # 1/1.5, 3/2, 4/8
+    assert four["floor (steps)"] == pytest.approx(1 + 0.5 / 1.0)  # median t_best(1) 1 s, roofline +0.5 s
+    assert four["roof (steps)"] == pytest.approx(1.0)
+    assert four["blas ms"] == pytest.approx(2000.0) and four["stream ms"] == pytest.approx(3000.0)
+
+
+def test_cost_rows_of_one_path_leave_out_the_comparison():
+    rows = cost_rows({"blas": {1: [2.0], 2: [3.0]}}, {1: 1.0, 2: 1.0}, {1: "memory", 2: "memory"})
+    assert rows[1]["blas v"] == 1.5 and "stream/blas" not in rows[1]
+
+
+def test_by_path_splits_the_alternating_keys():
+    assert by_path({("blas", 1): [1], ("stream", 1): [2], ("blas", 4): [3]}) == {
+        "blas": {1: [1], 4: [3]}, "stream": {1: [2]}}
+
+
+def test_describe_choices_counts_the_shapes_that_chose_the_stream_per_bucket():
+    """The docstring's example, and the line printed when nothing was measured."""
+    assert describe_choices({(8, 4, "rows", 1): "stream", (4, 8, "rows", 1): "blas"}) == "rows 1: 1/2 stream"
+    assert describe_choices({}).startswith("none")
 
 
 def test_parts_rows_pivot_the_ablation_and_leave_the_rest_to_everything_else():
@@ -69,13 +92,28 @@ def test_parts_rows_pivot_the_ablation_and_leave_the_rest_to_everything_else():
     assert np.isclose(by_part["everything else"]["n=8 us"], 900 - 200 * len(STAND_INS))
 
 
-def test_matmul_rows_compare_each_n_with_the_matrix_vector_product_and_the_roofline():
-    """1000 weights (4000 bytes) at 1e9 B/s take 4 us to read; 2 n 1000 FLOPs at 1e9 FLOP/s take 2n us."""
-    rows = matmul_rows({1: [6e-6, 4e-6], 4: [16e-6, 90e-6]}, 1000, bandwidth=1e9, peak=1e9)  # best rounds: 4, 16
+def test_matmul_rows_compare_each_n_with_the_best_single_row_product_and_the_roofline():
+    """1000 weights (4000 bytes) at 1e9 B/s take 4 us to read; 2 n 1000 FLOPs at 1e9 FLOP/s take 2n us.
+    "x n=1" divides by the faster path's best n = 1 product (stream here: 3 us)."""
+    times = {"blas": {1: [6e-6, 4e-6], 4: [16e-6, 90e-6]}, "stream": {1: [3e-6, 5e-6], 4: [9e-6, 12e-6]}}
+    rows = matmul_rows(times, 1000, bandwidth=1e9, peak=1e9)
     assert [r["n"] for r in rows] == [1, 4]
     assert rows[0]["roofline us"] == pytest.approx(4.0) and rows[1]["roofline us"] == pytest.approx(8.0)
-    assert rows[1]["x n=1"] == pytest.approx(16 / 4) and rows[1]["measured/roofline"] == pytest.approx(2.0)
-    assert rows[1]["GFLOP/s"] == pytest.approx(8000 / 16e-6 / 1e9)
+    assert rows[1]["blas us"] == pytest.approx(16.0) and rows[1]["stream us"] == pytest.approx(9.0)
+    assert rows[1]["blas x n=1"] == pytest.approx(16 / 3) and rows[0]["stream x n=1"] == pytest.approx(1.0)
+    assert rows[1]["stream GFLOP/s"] == pytest.approx(8000 / 9e-6 / 1e9)
+
+
+def test_block_weights_are_what_the_forward_multiplies():
+    """GPT-2: the four [in, out] weights of block 0 as (out, in) views; Llama: stacked q/k/v and gate/up."""
+    from minillm.config import LlamaConfig
+    from minillm.llama import Llama
+
+    gpt = GPT.init(GPTConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_embd=8))
+    assert [w.shape for w in block_weights(gpt)] == [(24, 8), (8, 8), (32, 8), (8, 32)]
+    llama = Llama.init(LlamaConfig(vocab_size=11, block_size=8, n_layer=1, n_head=2, n_kv_head=1, n_embd=8,
+                                   n_hidden=12))
+    assert [w.shape for w in block_weights(llama)] == [(16, 8), (8, 8), (24, 8), (8, 12)]
 
 
 def test_a_context_that_leaves_no_room_for_the_new_tokens_is_a_usage_error(capsys):
@@ -86,3 +124,12 @@ def test_a_context_that_leaves_no_room_for_the_new_tokens_is_a_usage_error(capsy
         main(["--context", "250", "--ns", "1,8", "--no-parts"])
     assert exc.value.code == 2
     assert "--context 250 + n up to 8 exceeds block_size=256" in capsys.readouterr().err
+
+
+def test_load_and_json_are_parsed_before_anything_is_timed(capsys):
+    """--load takes a count of busy processes (a negative one is a usage error, exit 2)."""
+    from minillm.tools.benchmarks.verify_cost import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--load", "-1", "--no-parts"])
+    assert exc.value.code == 2 and "--load" in capsys.readouterr().err

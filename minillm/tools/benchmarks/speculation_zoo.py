@@ -316,13 +316,14 @@ class TreeVerify:
 def verify_costs(model, tok, ns, rounds: int = VERIFY_ROUNDS) -> dict:
     """{'step_s': s, 'chain': {n: v}, 'tree': {n: v}}: one verify of n tokens after STEP_CONTEXT cached
     tokens of real text, in single-token decode steps (``verify_cost.forward_seconds``: every n once
-    per round, medians). chain: a causal forward (chapter 5's verify); tree: ``TreeVerify``."""
+    per round, medians; the library's default weight products). chain: a causal forward (chapter 5's
+    verify); tree: ``TreeVerify``."""
     ns = sorted({1, *ns})
     prefix = prefix_ids(tok, STEP_CONTEXT)
     costs = {}
     for kind, verifier in (("chain", model), ("tree", TreeVerify(model))):
         check_cached_forward(verifier, prefix, [(3 * t + 2) % model.config.vocab_size for t in range(max(ns))])
-        times = forward_seconds(verifier, prefix, ns, rounds, VERIFY_STEPS)
+        times = forward_seconds(verifier, prefix, ns, rounds, VERIFY_STEPS, paths=("default",))["default"]
         if kind == "chain":
             costs["step_s"] = float(np.median(times[1]))
         costs[kind] = {n: float(np.median(times[n])) / costs["step_s"] for n in ns}
