@@ -211,8 +211,11 @@ def logits_both_ways(model, ids):
     return out
 
 
-@pytest.mark.parametrize("make", [lambda: GPT.init(GPT_CFG, seed=1), lambda: Llama.init(LLAMA_CFG, seed=1)],
-                         ids=["gpt", "llama"])
+@pytest.mark.parametrize("make", [
+    pytest.param(lambda: GPT.init(GPT_CFG, seed=1), id="gpt", marks=pytest.mark.uses_exercise("3.1")),
+    pytest.param(lambda: Llama.init(LLAMA_CFG, seed=1), id="llama",
+                 marks=pytest.mark.uses_exercise("3.1", "8.1", "8.2", "8.3")),
+])
 def test_model_logits_are_the_same_with_the_streaming_path_on_and_off(make):
     model = make()
     out = logits_both_ways(model, [5, 0, 9, 3, 7, 2, 11])
@@ -231,6 +234,7 @@ def greedy(model, ids, steps):
     return tokens
 
 
+@pytest.mark.uses_exercise("3.1")
 def test_greedy_tokens_of_the_shipped_model_are_identical_with_the_streaming_path_on_and_off():
     from minillm.registry import load_model
 
