@@ -33,13 +33,11 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import time
-import xml.etree.ElementTree as ET
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from ..notebook import MARKER, UNSOLVED, stub_message
-from .project import is_project_root
+from .project import is_project_root, run_pytest
 
 EXERCISE_ID = re.compile(r"^(?P<chapter>A?\d+)\.\d+$")  # 3.1, A1.2
 GRADES, USES = "exercise", "uses_exercise"  # the test markers
@@ -574,27 +572,8 @@ def classify(exercise: str, failure: str) -> list[str]:
 def run_tests(project: Path, args: list[str], timeout: float) -> tuple[list[tuple[str, str, str]], float, str]:
     """pytest ``args`` in ``project``, importing its minillm -> ([(test, "passed" | "failed" | "skipped",
     failure report)], seconds, output tail). Errors count as failures; past ``timeout`` what finished."""
-    with tempfile.TemporaryDirectory() as tmp:
-        junit = Path(tmp) / "junit.xml"
-        command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *args]
-        env = dict(os.environ, PYTHONPATH=str(project), MPLBACKEND="Agg")
-        t0 = time.perf_counter()
-        try:
-            proc = subprocess.run(command, cwd=project, env=env, capture_output=True, text=True, timeout=timeout)
-            output = proc.stdout + proc.stderr
-        except subprocess.TimeoutExpired as exc:
-            output = f"pytest timed out after {timeout} s\n{exc.stdout or ''}"
-        seconds = time.perf_counter() - t0
-        results = []
-        if junit.exists():
-            for case in ET.parse(junit).getroot().iter("testcase"):
-                name = f"{case.get('classname', '')}::{case.get('name', '?')}"
-                problem = next((p for p in (case.find("failure"), case.find("error")) if p is not None), None)
-                if problem is not None:
-                    results.append((name, "failed", f"{problem.get('message') or ''}\n{problem.text or ''}"))
-                else:
-                    results.append((name, "skipped" if case.find("skipped") is not None else "passed", ""))
-    return results, seconds, output[-4000:]
+    cases, seconds, output = run_pytest(project, args, timeout, env={"MPLBACKEND": "Agg"})
+    return [(c.nodeid, c.outcome, c.report) for c in cases], seconds, output[-4000:]
 
 
 def grade_exercise(project: Path, ex: Exercise) -> Grade:

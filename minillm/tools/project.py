@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from dataclasses import dataclass
 from pathlib import Path
 
 MARKERS = ("pyproject.toml", "minillm/__init__.py", "tests")  # what a checkout of minillm holds
@@ -46,44 +47,59 @@ def project_root(root=None) -> Path:
     )
 
 
-def first_errors(junit: Path) -> list[str]:
-    """One line per failing test of a JUnit XML report: ``file::test: first line of its error``."""
-    lines = []
-    for case in ET.parse(junit).getroot().iter("testcase"):
-        problem = case.find("failure")
-        problem = case.find("error") if problem is None else problem
-        if problem is not None:
-            message = (problem.get("message") or problem.text or "").strip().splitlines()
-            name = (case.get("classname") or "?").replace(".", "/") + ".py::" + (case.get("name") or "?")
-            lines.append(f"{name}: {message[0] if message else '(no message)'}")
-    return lines
+@dataclass
+class TestCase:
+    """One test of a JUnit XML report: its file, its name, what became of it and the failure's report."""
+
+    classname: str  # "tests.test_kv_cache" (empty for a module skipped at collection)
+    name: str  # "test_truncate_rolls_back_exactly[KVCache]"
+    outcome: str  # "passed" | "failed" | "skipped" (an error counts as failed)
+    report: str = ""  # the failure's message and traceback
+
+    @property
+    def nodeid(self) -> str:
+        return f"{self.classname}::{self.name}"
+
+    @property
+    def file(self) -> str:
+        """test_kv_cache.py (a module skipped at collection has no classname: its dotted name is its name)."""
+        return (self.classname or self.name or "?").split(".")[-1] + ".py"
+
+    def first_error(self) -> str:
+        """``tests/test_x.py::test: first line of its error``."""
+        message = self.report.strip().splitlines()
+        return f"{self.classname.replace('.', '/')}.py::{self.name}: {message[0] if message else '(no message)'}"
 
 
-def pytest_outcomes(root, args: list[str], timeout: float) -> tuple[list[tuple[str, str]], float, str]:
-    """Run ``pytest args`` in the checkout ``root``, importing that checkout's minillm ->
-    ([(test file name, "passed" | "failed" | "skipped"), ...] one per test, seconds, output), where output
-    is the first error of each failing test (``first_errors``) and then the tail of pytest's output.
-    Errors count as failures; a run past ``timeout`` seconds reports what it finished."""
+def run_pytest(root, args: list[str], timeout: float, env: dict | None = None) -> tuple[list[TestCase], float, str]:
+    """Run ``pytest args`` in the checkout ``root``, importing that checkout's minillm (it goes first on
+    PYTHONPATH) -> (its tests, seconds, pytest's output). A run past ``timeout`` seconds reports what it
+    finished. ``env``: extra environment variables."""
     with tempfile.TemporaryDirectory() as tmp:
         junit = Path(tmp) / "junit.xml"
         command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}", *args]
-        env = dict(os.environ, PYTHONPATH=str(root))
         t0 = time.perf_counter()
         try:
-            proc = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True, timeout=timeout)
+            proc = subprocess.run(command, cwd=root, env=dict(os.environ, PYTHONPATH=str(root), **(env or {})),
+                                  capture_output=True, text=True, timeout=timeout)
             output = proc.stdout + proc.stderr
         except subprocess.TimeoutExpired as exc:
             output = f"pytest timed out after {timeout} s\n{exc.stdout or ''}"
         seconds = time.perf_counter() - t0
-        outcomes, errors = [], []
-        if junit.exists():
-            for case in ET.parse(junit).getroot().iter("testcase"):
-                # a module skipped at collection has no classname, and its dotted path as its name
-                name = (case.get("classname") or case.get("name") or "?").split(".")[-1] + ".py"
-                if case.find("failure") is not None or case.find("error") is not None:
-                    outcomes.append((name, "failed"))
-                else:
-                    outcomes.append((name, "skipped" if case.find("skipped") is not None else "passed"))
-            errors = first_errors(junit)
+        cases = []
+        for case in ET.parse(junit).getroot().iter("testcase") if junit.exists() else ():
+            problem = next((p for p in (case.find("failure"), case.find("error")) if p is not None), None)
+            outcome = "failed" if problem is not None else "skipped" if case.find("skipped") is not None else "passed"
+            report = "" if problem is None else f"{problem.get('message') or ''}\n{problem.text or ''}"
+            cases.append(TestCase(case.get("classname") or "", case.get("name") or "?", outcome, report))
+    return cases, seconds, output
+
+
+def pytest_outcomes(root, args: list[str], timeout: float) -> tuple[list[tuple[str, str]], float, str]:
+    """``run_pytest`` as the GPU check reports it -> ([(test file name, "passed" | "failed" | "skipped"), ...]
+    one per test, seconds, output), where output is the first error of each failing test and then the
+    tail of pytest's output."""
+    cases, seconds, output = run_pytest(root, args, timeout)
+    errors = [c.first_error() for c in cases if c.outcome == "failed"]
     head = ["first error of each failing test:", *errors, ""] if errors else []
-    return outcomes, seconds, "\n".join([*head, output[-4000:]])
+    return [(c.file, c.outcome) for c in cases], seconds, "\n".join([*head, output[-4000:]])
