@@ -9,7 +9,7 @@ validation split), greedy by default:
    forward over B x (K + 1) tokens / one over B x 1 (the verification; theory assumes v = 1), and
    c(B) = one draft step / one target step (both (B, 1));
 3. time batched speculative decoding under each policy in alternation with plain batched decoding
-   (``common.time_paired``: medians of ``--repeat`` runs each after a warm-up): tokens/s = B x new
+   (``minillm.measure.time_paired``: medians of ``--repeat`` runs each after a warm-up): tokens/s = B x new
    tokens / wall time;
 4. print a table: tokens/s, speed-up over plain batched decoding at the same B, alpha, tokens per
    target call per row, the share of verified positions thrown away (padding + rejections), and a

@@ -3,7 +3,7 @@
 For the character model (``--model target``, prompts from the validation split) or SmolLM2-135M
 (``--model smollm2-135m``, chat prompts): first every method's output is checked to be
 ``generate(temperature=0)``'s, then each is timed against plain decoding in paired alternating runs
-(``common.time_pairs``). Columns: new tokens per target call, target calls, tokens in one forward
+(``minillm.measure.time_pairs``). Columns: new tokens per target call, target calls, tokens in one forward
 (pending + tree + window), verified tree nodes per call, the cost of one forward of that many
 tokens in decode steps (which is why a method that emits 1.8 tokens per call can still be slower),
 and the wall-clock speed-up (median of the paired ratios).

@@ -24,7 +24,7 @@ hardware-free numbers (acceptance, tokens per target call, tokens verified per c
 forwards) and pick each family's variant with the shortest wall time; (2) the verify cost: one
 target forward over n tokens, in decode steps, as a causal chain (chapter 5's verify) and as a
 token tree's masked forward; (3) each family's chosen variant is timed in alternation with plain
-decoding (``common.time_paired``: medians of ``--repeat`` runs each, after a warm-up); (4) the
+decoding (``minillm.measure.time_paired``: medians of ``--repeat`` runs each, after a warm-up); (4) the
 table (also as CSV), layer skip's acceptance against L', and the figure speculation_zoo.png.
 """
 

@@ -8,7 +8,7 @@ corpus bigram), K = 1..8, greedy and temperature 1:
    K + 1 tokens / target decode step (the theory assumes v = 1), each the median ratio of steps
    timed in alternating pairs (``step_ratio``);
 3. time every speculative configuration in alternation with the target's own cached decoding
-   (``common.time_paired``: same prompts, same number of new tokens, medians of ``--repeat`` runs
+   (``minillm.measure.time_paired``: same prompts, same number of new tokens, medians of ``--repeat`` runs
    each after a warm-up), so each speed-up compares runs made under the same machine load;
 4. print a table: alpha, tokens per target call measured beside (1 - a^(K+1)) / (1 - a), the
    measured speed-up beside Leviathan et al.'s (1 - a^(K+1)) / ((1 - a)(K c + 1)) and beside a
