@@ -164,12 +164,19 @@ class Llama:
 
     def hidden(self, idx, cache=None, layers=None):
         """Token ids (B, T) -> the final RMSNorm of the residual stream (B, T, C) after ``layers`` blocks (all)."""
+        idx, pos = token_positions(idx, cache, self.config)
+        return self.blocks(self.params["embed_tokens.weight"][idx], pos, cache, layers)
+
+    def blocks(self, x, pos, cache=None, layers=None):
+        """The blocks on a residual stream x (B, T, C) at positions pos -> its final RMSNorm (B, T, C).
+
+        ``hidden`` starts x from the token embeddings; an EAGLE draft (``minillm.eagle``) starts it
+        from its own input projection and runs a one-block Llama through here.
+        """
         cfg, p = self.config, self.params
         layers = check_layers(cfg, layers)
-        idx, pos = token_positions(idx, cache, cfg)
-        T = idx.shape[1]
+        T = x.shape[1]
         cos, sin = rope_cos_sin(pos, cfg.head_size, cfg.rope_theta)  # (T, hs) or (B, 1, T, hs)
-        x = p["embed_tokens.weight"][idx]  # (B, T, C)
         for layer in range(layers):
             h = f"layers.{layer}."
             normed = rms_norm(x, p[h + "input_layernorm.weight"], cfg.norm_eps)

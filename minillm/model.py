@@ -226,9 +226,13 @@ def token_positions(idx, cache, config):
     out_of_range = (idx < 0) | (idx >= config.vocab_size)
     if bool(out_of_range.any()):  # on the device: the one wait
         raise ValueError(f"token ids must lie in 0..{config.vocab_size - 1}")
-    idx = xp.asarray(idx)
+    return xp.asarray(idx), new_positions(T, cache, config)
+
+
+def new_positions(T: int, cache, config):
+    """Absolute positions of T new tokens: cache.positions(T) with a cache, else 0..T-1 (T <= block_size)."""
     if cache is not None:
-        return idx, xp.asarray(cache.positions(T))
+        return xp.asarray(cache.positions(T))
     if T > config.block_size:
         raise ValueError(f"{T} tokens exceed the context length block_size={config.block_size}")
-    return idx, xp.arange(T)
+    return xp.arange(T)

@@ -244,10 +244,11 @@ def verify_tree_typical(tree: TokenTree, target_probs, rng: np.random.Generator,
         path.append(node)
 
 
-def judge_tree(tree: TokenTree, logits, settings: SamplingSettings, rng, rule: str = "exact"):
+def judge_tree(tree: TokenTree, logits, settings: SamplingSettings, rng, rule: str = "exact", draft_probs=None):
     """Target logits (n, V) at the tree's nodes -> (emitted, path) by ``rule`` ('exact' or 'typical').
 
     At temperature 0 both rules are the greedy walk (typical acceptance's limit as T -> 0).
+    draft_probs: ``verify_tree``'s {node: q} for sampled nodes (the exact rule only).
     """
     if rule not in ("exact", "typical"):
         raise ValueError(f"acceptance rule must be 'exact' or 'typical', got {rule!r}")
@@ -255,7 +256,7 @@ def judge_tree(tree: TokenTree, logits, settings: SamplingSettings, rng, rule: s
         return verify_tree_greedy(tree, logits)
     if rule == "typical":
         return verify_tree_typical(tree, settings.probs(logits), rng)
-    return verify_tree(tree, settings.probs(logits), rng)
+    return verify_tree(tree, settings.probs(logits), rng, draft_probs)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -269,7 +270,9 @@ class Round:
     seq: every token so far (the root of the tree is seq[-1]); cache: the target's decode cache,
     holding seq[:-n_pending]; hidden: the target's final hidden state (C,) at the node whose
     logits chose seq[-1] (None before the first forward); room: the most nodes the tree may add
-    to its root (the cache's space and the tokens still wanted).
+    to its root (the cache's space and the tokens still wanted); kept_hidden: the target's hidden
+    states (m, C) at the last m cached positions, those the previous round kept (hidden is its
+    last row; an EAGLE draft reads them all); settings: the sampling settings of the loop.
     """
 
     seq: list
@@ -277,6 +280,8 @@ class Round:
     cache: object
     hidden: object
     room: int
+    kept_hidden: object = None
+    settings: SamplingSettings = SamplingSettings()
 
 
 @dataclass
@@ -286,12 +291,15 @@ class Proposal:
     extra_tokens (E,) sit at root position + extra_offsets (>= 1) and see the cached prefix, the
     pending tokens and the root, and each other where extra_mask (E, E) says so; no tree node sees
     them and their keys and values are dropped after the forward. Lookahead decoding's window uses this.
+    draft_probs {node: q (V,)}: the distribution a node's token was sampled from (``verify_tree``);
+    nodes not in it are deterministic candidates.
     """
 
     tree: TokenTree
     extra_tokens: tuple = ()
     extra_offsets: tuple = ()
     extra_mask: object = None
+    draft_probs: dict = None
 
 
 class Proposer(Protocol):
@@ -345,7 +353,7 @@ def tree_generate(model, prompt_ids, max_new_tokens, proposer: Proposer, tempera
     cache = KVCache(model.config) if cache is None else cache
     cache.reset()
     stats = SpecStats(k=proposer.max_depth, prompt_tokens=len(prompt_ids))
-    seq, pending, hidden = list(prompt_ids), list(prompt_ids), None
+    seq, pending, hidden, kept_hidden = list(prompt_ids), list(prompt_ids), None, None
     stop = len(seq) + max_new_tokens
     t0 = time.perf_counter()
     while len(seq) < stop:
@@ -355,7 +363,7 @@ def tree_generate(model, prompt_ids, max_new_tokens, proposer: Proposer, tempera
             stats.dropped_prompt_tokens = len(prompt_ids) - len(pending)
         cache_room = cache.max_len - cache.length - len(pending)  # positions left after the root
         room = min(cache_room, stop - len(seq) - 1)  # a path of depth d emits d + 1 tokens
-        state = Round(seq, len(pending), cache, hidden, room)
+        state = Round(seq, len(pending), cache, hidden, room, kept_hidden, settings)
         proposal = proposer.propose(state)
         if proposal.tree.tokens[0] != seq[-1]:
             raise ValueError(f"the proposer's tree must be rooted at the last token {seq[-1]}, "
@@ -370,11 +378,13 @@ def tree_generate(model, prompt_ids, max_new_tokens, proposer: Proposer, tempera
         h = model.hidden(xp.asarray([tokens]), view)[0]  # (T, C)
         n0 = len(pending) - 1
         logits = model.logits(h[n0 : n0 + tree.size])  # (n, V)
-        emitted, path = judge_tree(tree, logits, settings, rng, rule)
-        view.keep([*range(n0), *(n0 + i for i in path)])
+        emitted, path = judge_tree(tree, logits, settings, rng, rule, proposal.draft_probs)
+        kept = [*range(n0), *(n0 + i for i in path)]
+        view.keep(kept)
         stats.target_calls += 1
         stats.record_round(tree.depth, len(path) - 1, verified=tree.size - 1)
-        hidden = h[n0 + path[-1]]
+        kept_hidden = h[xp.asarray(kept)]  # (m, C)
+        hidden = kept_hidden[-1]
         extra_logits = model.logits(h[n0 + tree.size :]) if proposal.extra_tokens else None
         seq += emitted
         pending = [emitted[-1]]

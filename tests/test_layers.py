@@ -12,15 +12,15 @@ PACKAGE = Path(__file__).resolve().parents[1] / "minillm"
 LAYERS = [  # lowest first; a module may import from its own layer and the ones before it
     {"backend", "streaming", "strict", "cache_contract", "config", "tokenizer", "bpe", "notebook", "kernels",
      "kernels.build"},
-    {"attention", "flash_attention", "kernels.launch", "data", "sampling"},
+    {"attention", "flash_attention", "kernels.launch", "data", "sampling", "workloads"},
     {"model", "kv_cache", "paged_kv", "prefix_blocks"},
     {"llama", "checkpoint", "gguf", "registry", "drafts"},
     {"generate", "speculative", "measure"},
     {"token_tree"},
-    {"draft_free", "lookahead", "medusa"},
+    {"draft_free", "lookahead", "medusa", "eagle"},
     {"batch_speculative"},
     {"serving", "chat", "train"},
-    {"medusa_train"},  # the heads learn with train.py's AdamW, on text written by generate_batch
+    {"medusa_train", "eagle_train"},  # drafts learn with train.py's AdamW, on text the target writes
     {"tools", "__main__", ""},  # every module under minillm/tools/; the package re-exports the chapters
 ]
 MODEL = {"model", "llama"}

@@ -1,0 +1,311 @@
+"""An EAGLE draft (Li et al. 2024): one decoder layer that reads the target's own features, with a reduced vocabulary.
+
+A draft model must guess the target's next token from scratch; EAGLE's draft is handed the target's
+final hidden state f_t (what the target already knows at position t) and the embedding of the token
+x_{t+1} chosen after it, and predicts the next feature:
+
+    u_t      = W_fc [e(x_{t+1}); f_t]              a linear map 2C -> C
+    f^_{t+1} = Llama block + final RMSNorm (u_t)   ONE decoder layer of the target's shape, with its own KV cache
+    q        = softmax(f^_{t+1} E_S^T)              the target's frozen LM head, rows S only
+
+Drafting continues from its own guess: the next step reads (f^_{t+1}, x_{t+2}). The layer is a
+one-block ``Llama`` (``Llama.blocks``), so its cache, RoPE and grouped attention are the target's code.
+
+The reduced vocabulary (FR-Spec, Zhao et al. 2025): SmolLM2 ties its LM head, 49,152 x 576 = 28M
+weights, more than the draft layer itself; the draft scores only the V' tokens S that are most
+frequent in the training text (``frequency_subset``, V' chosen by ``subset_coverage`` against the
+cost). q is zero outside S, and every rule that accepts a draft token reads q(x) with x in S, so
+rejection sampling stays exact: a token outside S is simply never proposed, and the target emits it
+when it wants it.
+
+``EagleProposer`` drafts each round as a chain (K steps of the layer) or, as EAGLE-2 does, as a tree
+grown by confidence: each depth expands the ``width`` nodes of highest path probability by their
+top ``top_k`` tokens, and the ``max_nodes`` best nodes are verified in one target forward
+(``minillm.token_tree``).
+
+    python -m minillm eagle-train --data DIR --out eagle.npz      (``minillm.eagle_train``)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+
+from .backend import to_numpy, weight_product, xp
+from .checkpoint import (
+    HEADER_KEY,
+    SHIPPED_DIR,
+    CheckpointError,
+    atomic_save_npz,
+    check_finite,
+    check_not_shipped,
+    encode_header,
+    read_npz,
+)
+from .kv_cache import KVCache, MaskedView
+from .llama import Llama
+from .medusa import check_same_model, model_identity
+from .model import new_positions
+from .sampling import sample
+from .token_tree import Proposal, Round, TokenTree
+
+EAGLE_FORMAT = "minillm-eagle-1"
+MIN_SUBSET, DEFAULT_SUBSET = 16, 8192
+MAX_DEPTH = 12  # draft tokens per round (chain length or tree depth)
+MAX_TREE_NODES = 64
+
+
+def check_int(name: str, value, low: int, high: int) -> int:
+    if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not low <= value <= high:
+        raise ValueError(f"{name} must be an int in {low}..{high}, got {value!r}")
+    return int(value)
+
+
+# ----------------------------------------------------------------------------------------------
+# the reduced vocabulary
+
+
+def token_counts(sequences, vocab_size: int) -> np.ndarray:
+    """How often each token id occurs in ``sequences``: (vocab_size,) int64."""
+    counts = np.zeros(vocab_size, dtype=np.int64)
+    for seq in sequences:
+        counts += np.bincount(np.asarray(seq, dtype=np.int64), minlength=vocab_size)
+    return counts
+
+
+def frequency_subset(counts, size: int, always=()) -> np.ndarray:
+    """The ``size`` most frequent token ids (ties: smaller id first), ``always`` included, sorted by id.
+
+    Example: counts [5, 0, 9, 1], size 2 -> [0, 2]; with always (3,) -> [2, 3].
+    """
+    counts = np.asarray(counts)
+    size = check_int("the draft vocabulary size V'", size, max(MIN_SUBSET, len(always)) if len(counts) >= MIN_SUBSET
+                     else 1, len(counts))
+    ranked = [int(t) for t in np.argsort(-counts, kind="stable") if int(t) not in set(always)]
+    return np.array(sorted([*map(int, always), *ranked[: size - len(always)]]), dtype=np.int64)
+
+
+def subset_coverage(counts, sizes) -> dict:
+    """{V': share of the counted tokens that the V' most frequent ids cover} (FR-Spec's measure)."""
+    ranked = np.sort(np.asarray(counts))[::-1]
+    total = max(int(ranked.sum()), 1)
+    return {int(n): float(ranked[: int(n)].sum() / total) for n in sizes}
+
+
+# ----------------------------------------------------------------------------------------------
+# the draft
+
+
+def draft_param_shapes(config, subset_size: int) -> dict:
+    """The trained parameters: fc (C, 2C) [out, in], one decoder layer and the final norm of the target's shape."""
+    layer = replace(config, n_layer=1, vocab_size=subset_size)
+    shapes = {k: v for k, v in layer.param_shapes().items() if k != "embed_tokens.weight"}
+    return {"fc.weight": (config.n_embd, 2 * config.n_embd)} | shapes
+
+
+class EagleDraft:
+    """EAGLE's draft on a frozen ``target`` (a ``Llama``): ``params`` (``draft_param_shapes``) and ``subset`` ids."""
+
+    def __init__(self, target, params: dict, subset):
+        self.target = target
+        cfg = target.config
+        subset = np.asarray(subset, dtype=np.int64)
+        if subset.ndim != 1 or len(subset) < 1 or len(np.unique(subset)) != len(subset) \
+                or subset.min() < 0 or subset.max() >= cfg.vocab_size:
+            raise ValueError(f"the draft vocabulary must be distinct token ids in 0..{cfg.vocab_size - 1}")
+        self.subset = subset  # (V',) sorted
+        self.to_subset = np.full(cfg.vocab_size, -1, dtype=np.int64)  # full id -> subset index, -1 outside
+        self.to_subset[subset] = np.arange(len(subset))
+        shapes = draft_param_shapes(cfg, len(subset))
+        for name, shape in shapes.items():
+            if name not in params or tuple(params[name].shape) != shape:
+                got = tuple(params[name].shape) if name in params else "missing"
+                raise ValueError(f"EAGLE draft parameter {name}: expected shape {shape}, got {got}")
+        self.config = replace(cfg, n_layer=1, vocab_size=len(subset))
+        layer_params = {k: v for k, v in params.items() if k != "fc.weight"}
+        layer_params["embed_tokens.weight"] = target.lm_head[xp.asarray(subset)]  # (V', C): E_S, frozen
+        self.layer = Llama(self.config, layer_params, attention=target.attention_name)  # one block, its own stacks
+        self.params = {"fc.weight": xp.asarray(params["fc.weight"], dtype=xp.float32)} | {
+            name: self.layer.params[name] for name in shapes if name != "fc.weight"}
+
+    @classmethod
+    def init(cls, target, subset, seed: int = 0) -> EagleDraft:
+        """A fresh draft: the layer starts as a copy of the target's last block, fc as [small noise | identity]."""
+        cfg, p = target.config, target.params
+        C = cfg.n_embd
+        rng = np.random.default_rng(seed)
+        last = f"layers.{cfg.n_layer - 1}."
+        params = {name: to_numpy(p[last + name.removeprefix("layers.0.")]).copy()
+                  for name in draft_param_shapes(cfg, len(subset)) if name.startswith("layers.0.")}
+        params["norm.weight"] = to_numpy(p["norm.weight"]).copy()
+        fc = np.concatenate([rng.normal(0.0, 0.02, (C, C)), np.eye(C)], axis=1)  # u = f at first
+        params["fc.weight"] = fc.astype(np.float32)
+        return cls(target, params, subset)
+
+    @property
+    def subset_size(self) -> int:
+        return len(self.subset)
+
+    def new_cache(self, max_len: int) -> KVCache:
+        return KVCache(replace(self.config, block_size=max(max_len, self.config.block_size)), max_len=max_len)
+
+    def step(self, features, tokens, cache=None):
+        """Features f (T, C) and the tokens after them (T,) -> (f^ (T, C), subset logits (T, V')).
+
+        Row t reads (f_t, x_{t+1}) and guesses f_{t+1} and q of x_{t+2}. With a cache (or a
+        ``MaskedView``) the rows sit after the cached ones.
+        """
+        tokens = xp.asarray(np.asarray(tokens, dtype=np.int64))
+        e = self.target.params["embed_tokens.weight"][tokens]  # (T, C)
+        u = weight_product(xp.concatenate([e, xp.asarray(features, dtype=xp.float32)], axis=-1)[None],
+                           self.params["fc.weight"])  # (1, T, C)
+        pos = new_positions(u.shape[1], cache, self.config)
+        f_hat = self.layer.blocks(u, pos, cache)[0]  # (T, C)
+        return f_hat, self.layer.logits(f_hat)
+
+    def full_probs(self, subset_probs) -> np.ndarray:
+        """(..., V') probabilities over the subset -> (..., V) over the vocabulary, zero outside it."""
+        subset_probs = np.asarray(subset_probs, dtype=np.float64)
+        out = np.zeros((*subset_probs.shape[:-1], self.target.config.vocab_size))
+        out[..., self.subset] = subset_probs
+        return out
+
+    def save(self, path, notes: dict | None = None, overwrite_shipped: bool = False) -> None:
+        """float16 parameters, the subset and the identity of the target, atomically."""
+        check_not_shipped(path, overwrite_shipped)
+        header = {"format": EAGLE_FORMAT, "model": model_identity(self.target), "subset_size": self.subset_size,
+                  "notes": notes or {}}
+        arrays = {name: to_numpy(p).astype(np.float16) for name, p in self.params.items()}
+        atomic_save_npz(path, arrays | {"subset": self.subset.astype(np.int32), HEADER_KEY: encode_header(header)})
+
+    @classmethod
+    def load(cls, target, path) -> EagleDraft:
+        """A draft saved by ``save``; one-line error when it was trained for another target."""
+        header, arrays = read_npz(path)
+        if header.get("format") != EAGLE_FORMAT:
+            raise CheckpointError(f"{path} is not an EAGLE draft file (format {header.get('format')!r})")
+        check_same_model(header.get("model", {}), model_identity(target), path)
+        check_finite(arrays, path)
+        subset = arrays.pop("subset")
+        return cls(target, arrays, subset)
+
+
+def shipped_draft_path(model_name: str) -> Path:
+    """The EAGLE draft shipped for a model name: "smollm2-135m" -> minillm/models/eagle_smollm2-135m.npz."""
+    return SHIPPED_DIR / f"eagle_{model_name}.npz"
+
+
+# ----------------------------------------------------------------------------------------------
+# proposing: a chain or an EAGLE-2 tree each round
+
+
+class EagleProposer:
+    """Each round: bring the draft's cache up to the target's, then draft a chain or a tree.
+
+    mode "chain": ``depth`` draft steps; at temperature 0 each takes the draft's argmax, else a
+    sample from q (the target's sampling settings on the draft's logits), and the round hands q to
+    the verifier. mode "tree": ``depth`` levels; each expands the ``width`` open nodes of highest
+    path probability by their ``top_k`` likeliest tokens (deterministic candidates, q one-hot), and
+    the ``max_nodes`` - 1 best nodes of all drafted form the tree (scores only fall along a path, so
+    they are prefix-closed).
+    """
+
+    def __init__(self, draft: EagleDraft, mode: str = "chain", depth: int = 5, top_k: int = 4, width: int = 4,
+                 max_nodes: int = 16, seed: int = 0):
+        if mode not in ("chain", "tree"):
+            raise ValueError(f"EAGLE drafting mode must be 'chain' or 'tree', got {mode!r}")
+        self.draft, self.mode = draft, mode
+        self.max_depth = check_int("the EAGLE draft depth K", depth, 1, MAX_DEPTH)
+        self.top_k = check_int("the EAGLE tree's top_k", top_k, 1, 16)
+        self.width = check_int("the EAGLE tree's width", width, 1, 16)
+        self.max_nodes = check_int("the EAGLE tree's max_nodes", max_nodes, 2, MAX_TREE_NODES)
+        self.rng = np.random.default_rng(seed)
+        self.cache, self.synced = None, 0
+        self.draft_calls = 0  # draft forwards, for the cost model
+
+    def sync(self, state: Round):
+        """Feed the draft the pairs (f_j, x_{j+1}) of the positions the target just kept -> (f^, logits) of the last.
+
+        The draft's cache then holds one entry per target position; what it drafted past that is dropped.
+        """
+        kept = state.kept_hidden  # (m, C): the last m positions of the target's cache
+        m = kept.shape[0]
+        room = state.cache.max_len + self.top_k * (1 + (self.max_depth - 1) * self.width)  # + a tree's drafts
+        if self.cache is None or self.cache.max_len < room:
+            self.cache = self.draft.new_cache(room)
+            self.synced = 0
+        if state.cache.length - m != self.synced:  # the target started over (a new prompt, a slid window)
+            self.synced = 0
+        self.cache.truncate(self.synced)
+        f_hat, logits = self.draft.step(kept, state.seq[len(state.seq) - m :], self.cache)
+        self.synced += m
+        self.draft_calls += 1
+        return f_hat[-1], to_numpy(logits[-1])
+
+    def propose(self, state: Round) -> Proposal:
+        root = state.seq[-1]
+        if state.kept_hidden is None or state.room < 1 or state.n_pending != 1:
+            self.synced = 0 if state.n_pending != 1 else self.synced
+            return Proposal(TokenTree((root,), (-1,)))
+        f, logits = self.sync(state)
+        depth = min(self.max_depth, state.room)
+        if self.mode == "chain":
+            return self.chain(root, f, logits, depth, state.settings)
+        return self.tree(root, f, logits, depth)
+
+    def chain(self, root, f, logits, depth, settings) -> Proposal:
+        tokens, q_rows = [], {}
+        for i in range(depth):
+            if settings.greedy:
+                x = int(self.draft.subset[int(np.argmax(logits))])
+            else:  # draw in the subset, map the id; the verifier reads q over the whole vocabulary
+                q_subset = settings.probs(logits)  # (V',)
+                x = int(self.draft.subset[sample(q_subset, self.rng)])
+                q_rows[i + 1] = self.draft.full_probs(q_subset)
+            tokens.append(x)
+            if i + 1 < depth:
+                f_hat, row = self.draft.step(f[None], [x], self.cache)
+                f, logits = f_hat[0], to_numpy(row[0])
+                self.draft_calls += 1
+        return Proposal(TokenTree.chain(root, tokens), draft_probs=q_rows)
+
+    def tree(self, root, f, logits, depth) -> Proposal:
+        """EAGLE-2's growth by confidence; the root's children come from ``logits``, deeper levels from
+        one masked draft forward over every node drafted so far."""
+        tokens, parents, logp, feats = [root], [-1], [0.0], [None]  # drafted nodes, node 0 the root
+        open_nodes, level_logits, level_feats = [0], {0: logits}, {0: f}
+        for level in range(depth):
+            ranked = sorted(open_nodes, key=lambda n: -logp[n])[: self.width]
+            new = []
+            for n in ranked:
+                lg = level_logits[n].astype(np.float64)
+                lp = lg - lg.max() - math.log(np.exp(lg - lg.max()).sum())
+                for j in np.argsort(-lp, kind="stable")[: self.top_k]:
+                    tokens.append(int(self.draft.subset[j]))
+                    parents.append(n)
+                    logp.append(logp[n] + float(lp[j]))
+                    feats.append(level_feats[n])
+                    new.append(len(tokens) - 1)
+            if level + 1 == depth:
+                break
+            nodes = list(range(1, len(tokens)))  # every drafted node, in one forward under the tree mask
+            tree = TokenTree(tuple(tokens), tuple(parents))
+            view = MaskedView(self.cache, tree.depths[1:] - 1, tree.mask()[1:, 1:])
+            f_hat, rows = self.draft.step(xp.stack([feats[n] for n in nodes]), [tokens[n] for n in nodes], view)
+            view.keep([])  # back to the confirmed entries
+            self.draft_calls += 1
+            rows = to_numpy(rows)
+            level_logits = {n: rows[n - 1] for n in new}
+            level_feats = {n: f_hat[n - 1] for n in new}
+            open_nodes = new
+        best = sorted(range(1, len(tokens)), key=lambda n: (-logp[n], n))[: self.max_nodes - 1]
+        keep = sorted(best)  # a parent scores at least its child, so it is kept too, and comes first
+        index = {old: new for new, old in enumerate([0, *keep])}
+        tree = TokenTree((root, *(tokens[n] for n in keep)), (-1, *(index[parents[n]] for n in keep)))
+        return Proposal(tree)
+
+    def observe(self, state: Round, emitted: list, extra_logits) -> None:
+        pass

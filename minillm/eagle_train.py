@@ -1,0 +1,405 @@
+"""Training an EAGLE draft (``minillm.eagle``) on the frozen target: data, backward pass, loop.
+
+Data (``write_answers``): the target answers training prompts (``minillm.workloads``) with its chat
+template, greedy and sampled, B prompts of one length at a time in one batched cache; every forward
+also gives the target's final hidden state at each token, so one pass yields the text the target
+writes AND the features the draft must predict (at prompt positions: the text it reads, teacher
+forced). The answers go to part files, one per batch, written atomically: a stopped run
+``--resume``s at the first missing part.
+
+Loss, per position t of a training window (input: the target's feature f_t and token x_{t+1}):
+
+    L = CE(draft logits over the subset, x_{t+2})  +  FEATURE_WEIGHT * SmoothL1(f^_{t+1}, f_{t+1})
+
+(EAGLE's two terms; a target token outside the subset has no CE term: the draft cannot propose it.)
+The backward pass of the draft's decoder layer (RMSNorm, RoPE, grouped-query attention, SwiGLU) is
+written here in the style of ``minillm.train``'s for GPT, and checked by finite differences in
+``tests/test_eagle.py``.
+
+    python -m minillm eagle-data --out DIR [--prompts 1200] [--resume]
+    python -m minillm eagle-train --data DIR --out eagle.npz [--steps N] [--resume]
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from .attention import softmax
+from .backend import to_numpy, xp
+from .checkpoint import HEADER_KEY, atomic_save_npz, encode_header
+from .kv_cache import KVCache
+from .llama import apply_rope, repeat_kv, rms_norm, rope_cos_sin, silu
+from .medusa import check_same_model, model_identity
+from .model import merge_heads, split_heads
+from .sampling import SamplingSettings, sample
+from .train import (
+    AdamW,
+    TrainConfig,
+    attention_backward,
+    check_step,
+    clip_grad_norm,
+    cross_entropy_backward,
+    cross_entropy_forward,
+    lr_at,
+    read_state,
+)
+
+DATA_FORMAT = "minillm-eagle-data-1"
+TEMPERATURES = (0.0, 0.7, 1.0)  # prompt i is answered at TEMPERATURES[i % 3]
+ANSWER_TOKENS = 96  # the most tokens of one answer
+DATA_BATCH = 32  # answers decoded together (prompts of one token length and temperature)
+
+
+# ----------------------------------------------------------------------------------------------
+# data: the target's answers and its hidden states
+
+
+def answer_batches(prompt_ids: list, temperatures: list, batch: int) -> list[list[int]]:
+    """Prompt indices grouped by (temperature, length) in order, at most ``batch`` per group."""
+    keys = sorted(range(len(prompt_ids)), key=lambda i: (temperatures[i], len(prompt_ids[i]), i))
+    groups, current = [], []
+    for i in keys:
+        if current and (len(current) == batch or (temperatures[i], len(prompt_ids[i]))
+                        != (temperatures[current[0]], len(prompt_ids[current[0]]))):
+            groups.append(current)
+            current = []
+        current.append(i)
+    return groups + [current] if current else groups
+
+
+def answer_batch(model, prompt_ids: list, max_new_tokens: int, temperature: float, eos: int, seed: int):
+    """B prompts of one length -> [(tokens, features)]: prompt + answer (cut after eos), and the
+    target's final hidden state (n - 1, C) float16 after each token but the last."""
+    B, L = len(prompt_ids), len(prompt_ids[0])
+    cache = KVCache(model.config, batch_size=B, max_len=L + max_new_tokens)
+    settings = SamplingSettings(temperature)
+    rngs = [np.random.default_rng([seed, b]) for b in range(B)]
+    h = model.hidden(np.asarray(prompt_ids), cache)  # (B, L, C)
+    feats, tokens = [to_numpy(h).astype(np.float16)], [list(p) for p in prompt_ids]
+    done = np.zeros(B, dtype=bool)
+    for step in range(max_new_tokens):
+        probs = settings.probs(to_numpy(model.logits(h[:, -1])))  # (B, V)
+        nxt = [int(np.argmax(p)) if settings.greedy else sample(p, rngs[b]) for b, p in enumerate(probs)]
+        for b in range(B):
+            if not done[b]:
+                tokens[b].append(nxt[b])
+                done[b] = nxt[b] == eos
+        if done.all() or step == max_new_tokens - 1:
+            break
+        h = model.hidden(np.asarray(nxt)[:, None], cache)  # (B, 1, C)
+        feats.append(to_numpy(h).astype(np.float16))
+    feats = np.concatenate(feats, axis=1)  # (B, L + steps, C)
+    return [(np.asarray(t, dtype=np.int32), feats[b, : len(t) - 1]) for b, t in enumerate(tokens)]
+
+
+def write_answers(model, tokenizer, prompts: list, out_dir, max_new_tokens: int = ANSWER_TOKENS,
+                  batch: int = DATA_BATCH, seed: int = 0, resume: bool = False, progress: bool = True) -> dict:
+    """The target's answers to ``prompts`` ({"prompt", "kind"}) -> part files in out_dir; a summary.
+
+    Each part (one batch) holds ids, lengths, prompt lengths, features (sum(n - 1), C) float16, kinds
+    and temperatures. With ``resume`` the parts already there are kept and the rest written.
+    """
+    from tqdm import tqdm
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}]))
+           for p in prompts]
+    temps = [TEMPERATURES[i % len(TEMPERATURES)] for i in range(len(prompts))]
+    groups = answer_batches(ids, temps, batch)
+    existing = sorted(out_dir.glob("part-*.npz"))
+    if existing and not resume:
+        raise ValueError(f"{out_dir} already holds {len(existing)} data parts: pass --resume to continue "
+                         f"them, or choose another --out")
+    t0, written = time.perf_counter(), 0
+    for g, group in enumerate(tqdm(groups, desc="eagle data", disable=not progress)):
+        path = out_dir / f"part-{g:05d}.npz"
+        if path.exists():
+            continue
+        rows = answer_batch(model, [ids[i] for i in group], max_new_tokens, temps[group[0]],
+                            tokenizer.eos_token_id, seed + g)
+        header = {"format": DATA_FORMAT, "prompts": group, "kinds": [prompts[i]["kind"] for i in group],
+                  "temperature": temps[group[0]], "prompt_lengths": [len(ids[i]) for i in group]}
+        arrays = {"ids": np.concatenate([r[0] for r in rows]), "lengths": np.array([len(r[0]) for r in rows]),
+                  "features": np.concatenate([r[1] for r in rows])}
+        atomic_save_npz(path, arrays | {HEADER_KEY: encode_header(header)})
+        written += int(arrays["lengths"].sum())
+    return {"parts": len(groups), "tokens_written": written, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def read_answers(data_dir) -> dict:
+    """``write_answers``' parts -> {"sequences": [ids], "features": [(n - 1, C) float16], "kinds", "temperatures",
+    "prompt_lengths"}, in part order."""
+    parts = sorted(Path(data_dir).glob("part-*.npz"))
+    if not parts:
+        raise ValueError(f"{data_dir} holds no EAGLE data parts (part-*.npz): run python -m minillm eagle-data")
+    out = {"sequences": [], "features": [], "kinds": [], "temperatures": [], "prompt_lengths": []}
+    for path in parts:
+        header, arrays = read_state(path, DATA_FORMAT)
+        lengths = arrays["lengths"]
+        out["sequences"] += np.split(arrays["ids"], np.cumsum(lengths)[:-1])
+        out["features"] += np.split(arrays["features"], np.cumsum(lengths - 1)[:-1])
+        out["kinds"] += header["kinds"]
+        out["temperatures"] += [header["temperature"]] * len(lengths)
+        out["prompt_lengths"] += header["prompt_lengths"]
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# the draft layer's forward with its activations, and the backward pass
+
+FEATURE_WEIGHT = 1.0  # EAGLE's weight of the feature regression beside the token loss (its w_reg)
+HUBER_DELTA = 1.0  # SmoothL1's switch from quadratic to linear
+
+
+def rms_norm_backward(dy, x, w, eps: float):
+    """forward: y = x r w, r = 1 / sqrt(mean(x^2) + eps).  -> dx, dw (summed over rows)
+
+    dy/dx is r w - x r^3 (x w) / C for each row: dx = r (dy w) - x r^3 mean(dy w x).
+    """
+    r = 1.0 / xp.sqrt((x * x).mean(axis=-1, keepdims=True) + eps)  # (..., 1)
+    dxhat = dy * w
+    dx = r * dxhat - x * r**3 * (dxhat * x).mean(axis=-1, keepdims=True)
+    return dx, (dy * x * r).reshape(-1, x.shape[-1]).sum(axis=0)
+
+
+def rope_backward(dy, cos, sin):
+    """forward: y = x cos + rotate_half(x) sin, rotate_half(x) = (-x2, x1).  -> dx
+
+    rotate_half is a rotation by 90 degrees; its transpose is (x1, x2) -> (x2, -x1).
+    """
+    g = dy * sin
+    half = g.shape[-1] // 2
+    return dy * cos + xp.concatenate([g[..., half:], -g[..., :half]], axis=-1)
+
+
+def silu_grad(x):
+    """d silu(x) / dx = s (1 + x (1 - s)), s = sigmoid(x) as ``llama.silu`` computes it."""
+    s = 0.5 + 0.5 * xp.tanh(0.5 * x)
+    return s * (1.0 + x * (1.0 - s))
+
+
+def smooth_l1(x, y, delta: float = HUBER_DELTA):
+    """mean over elements of SmoothL1(x - y) (Huber with slope 1) -> (loss, d loss / d x)."""
+    d = x - y
+    a = xp.abs(d)
+    loss = xp.where(a < delta, 0.5 * d * d / delta, a - 0.5 * delta)
+    return float(loss.mean()), xp.clip(d / delta, -1.0, 1.0) / d.size
+
+
+def draft_forward_backward(params: dict, config, embed, lm_subset, feats, next_tokens, next_feats, targets,
+                           feature_weight: float = FEATURE_WEIGHT):
+    """EAGLE's loss on windows and its gradient for every draft parameter (``eagle.draft_param_shapes``).
+
+    feats (B, T, C): the target's features f_t; next_tokens (B, T): x_{t+1}; next_feats (B, T, C):
+    f_{t+1}; targets (B, T): the subset index of x_{t+2}, -1 outside the subset (no token loss).
+    embed (V, C) and lm_subset (V', C) are frozen. Causal attention within each window.
+    -> (loss, {"token": CE, "feature": SmoothL1}, grads). Works in the params' dtype.
+    """
+    p, eps = params, config.norm_eps
+    B, T, C = feats.shape
+    nh, nkv, hs = config.n_head, config.n_kv_head, config.head_size
+    rep = nh // nkv
+    L = "layers.0."
+    # forward, keeping what the backward pass needs
+    a = xp.concatenate([embed[next_tokens], feats], axis=-1)  # (B, T, 2C)
+    u = a @ p["fc.weight"].T  # (B, T, C)
+    n1 = rms_norm(u, p[L + "input_layernorm.weight"], eps)
+    q0 = split_heads(n1 @ p[L + "self_attn.q_proj.weight"].T, nh)  # (B, nh, T, hs)
+    k0 = split_heads(n1 @ p[L + "self_attn.k_proj.weight"].T, nkv)  # (B, nkv, T, hs)
+    v = split_heads(n1 @ p[L + "self_attn.v_proj.weight"].T, nkv)
+    cos, sin = (c.astype(feats.dtype) for c in rope_cos_sin(xp.arange(T), hs, config.rope_theta))
+    q, k = apply_rope(q0, cos, sin), apply_rope(k0, cos, sin)
+    kr, vr = repeat_kv(k, rep), repeat_kv(v, rep)  # (B, nh, T, hs)
+    scores = q @ kr.swapaxes(-1, -2) / np.sqrt(hs) + xp.triu(xp.full((T, T), -xp.inf, dtype=feats.dtype), 1)
+    att = softmax(scores)  # (B, nh, T, T)
+    m = merge_heads(att @ vr)  # (B, T, C)
+    r1 = u + m @ p[L + "self_attn.o_proj.weight"].T
+    n2 = rms_norm(r1, p[L + "post_attention_layernorm.weight"], eps)
+    g = n2 @ p[L + "mlp.gate_proj.weight"].T  # (B, T, H)
+    up = n2 @ p[L + "mlp.up_proj.weight"].T
+    s = silu(g) * up
+    r2 = r1 + s @ p[L + "mlp.down_proj.weight"].T
+    f_hat = rms_norm(r2, p["norm.weight"], eps)  # (B, T, C)
+    # the two losses
+    rows = xp.nonzero(targets.reshape(-1) >= 0)[0]
+    logits = f_hat.reshape(-1, C)[rows] @ lm_subset.T  # (N, V')
+    ce, probs = cross_entropy_forward(logits, targets.reshape(-1)[rows])
+    feat_loss, dfeat = smooth_l1(f_hat, next_feats)
+    dlogits = cross_entropy_backward(probs, targets.reshape(-1)[rows])  # (N, V')
+    df = (feature_weight * dfeat).reshape(-1, C)
+    df[rows] += dlogits @ lm_subset
+    df = df.reshape(B, T, C)
+    # backward, top down
+    grads = {}
+
+    def linear_grad(dout, x, name):  # forward y = x @ W.T with W [out, in]: dW = dout^T x, dx = dout W
+        grads[name] = dout.reshape(-1, dout.shape[-1]).T @ x.reshape(-1, x.shape[-1])
+        return dout @ p[name]
+
+    dr2, grads["norm.weight"] = rms_norm_backward(df, r2, p["norm.weight"], eps)
+    ds = linear_grad(dr2, s, L + "mlp.down_proj.weight")
+    dg = ds * up * silu_grad(g)
+    dn2 = linear_grad(dg, n2, L + "mlp.gate_proj.weight") + linear_grad(ds * silu(g), n2, L + "mlp.up_proj.weight")
+    post = L + "post_attention_layernorm.weight"
+    dn, grads[post] = rms_norm_backward(dn2, r1, p[post], eps)
+    dr1 = dr2 + dn
+    dm = linear_grad(dr1, m, L + "self_attn.o_proj.weight")
+    dy = split_heads(dm, nh)  # (B, nh, T, hs)
+    dq, dkr, dvr = attention_backward(dy, q, kr, vr, att)
+    dk = dkr.reshape(B, nkv, rep, T, hs).sum(axis=2)  # each KV head served rep query heads
+    dv = dvr.reshape(B, nkv, rep, T, hs).sum(axis=2)
+    dq0, dk0 = rope_backward(dq, cos, sin), rope_backward(dk, cos, sin)
+    dn1 = (linear_grad(merge_heads(dq0), n1, L + "self_attn.q_proj.weight")
+           + linear_grad(merge_heads(dk0), n1, L + "self_attn.k_proj.weight")
+           + linear_grad(merge_heads(dv), n1, L + "self_attn.v_proj.weight"))
+    du, grads[L + "input_layernorm.weight"] = rms_norm_backward(dn1, u, p[L + "input_layernorm.weight"], eps)
+    linear_grad(dr1 + du, a, "fc.weight")
+    loss = ce + feature_weight * feat_loss
+    return loss, {"token": ce, "feature": feat_loss}, grads
+
+
+# ----------------------------------------------------------------------------------------------
+# training
+
+EAGLE_TRAIN = TrainConfig(batch_size=16, max_steps=1500, lr=1e-3, min_lr=1e-4, warmup_steps=50, weight_decay=0.0,
+                          eval_every=250, ckpt_every=100, seed=0)
+WINDOW = 64  # positions per training window (the draft attends within it)
+HELD_OUT_SHARE = 0.05  # the last answers (other prompts) are held out
+
+
+def pair_stream(sequences, features):
+    """Each sequence's pairs j = 0..n-3 -> (f_j, x_{j+1}, f_{j+1}, x_{j+2}) as row indices and ids.
+
+    -> (feature rows of f_j into the concatenation of ``features``, x_{j+1}, x_{j+2}); f_{j+1} is row + 1.
+    """
+    rows, x1, x2, base = [], [], [], 0
+    for seq, feats in zip(sequences, features):
+        n = len(seq)
+        if n >= 3:
+            rows.append(base + np.arange(n - 2))
+            x1.append(np.asarray(seq[1 : n - 1]))
+            x2.append(np.asarray(seq[2:n]))
+        base += len(feats)
+    return np.concatenate(rows), np.concatenate(x1).astype(np.int64), np.concatenate(x2).astype(np.int64)
+
+
+class DraftData:
+    """The pair stream of a data directory, split into training and held-out answers."""
+
+    def __init__(self, data: dict, draft, n_train_tokens: int | None = None):
+        n = len(data["sequences"])
+        n_held = max(1, int(round(n * HELD_OUT_SHARE)))
+        held, train = list(range(n - n_held, n)), list(range(n - n_held))
+        self.features = np.concatenate(data["features"])  # (sum(n - 1), C) float16
+        self.train = self.split(data, train, draft, n_train_tokens)
+        self.held = self.split(data, [i for i in held if data["temperatures"][i] == 0.0] or held, draft)
+
+    def split(self, data, indices, draft, limit=None):
+        starts = np.concatenate([[0], np.cumsum([len(f) for f in data["features"]])])
+        rows, x1, x2 = [], [], []
+        for i in indices:
+            r, a, b = pair_stream([data["sequences"][i]], [data["features"][i]])
+            rows.append(r + starts[i])
+            x1.append(a)
+            x2.append(b)
+        rows, x1, x2 = np.concatenate(rows), np.concatenate(x1), np.concatenate(x2)
+        if limit is not None:
+            rows, x1, x2 = rows[:limit], x1[:limit], x2[:limit]
+        return rows, x1, draft.to_subset[x2]
+
+    def windows(self, split, starts, T: int = WINDOW):
+        rows, x1, y = split
+        idx = np.asarray(starts)[:, None] + np.arange(T)  # (B, T)
+        f = xp.asarray(self.features[rows[idx]].astype(np.float32))
+        f_next = xp.asarray(self.features[rows[idx] + 1].astype(np.float32))
+        return f, xp.asarray(x1[idx]), f_next, xp.asarray(y[idx])
+
+
+def held_out_accuracy(draft, data: DraftData, T: int = WINDOW, max_windows: int = 64) -> float:
+    """Share of held-out greedy positions where the draft's first guess is the target's next token."""
+    rows, _, y = data.held
+    n_windows = min(max_windows, len(rows) // T)
+    hits = total = 0
+    for w in range(n_windows):
+        f, x1, _, yy = data.windows(data.held, [w * T], T)
+        _, logits = draft.step(f[0], to_numpy(x1[0]))
+        guess = to_numpy(logits).argmax(axis=-1)
+        hits += int((guess == to_numpy(yy[0])).sum())
+        total += T
+    return hits / max(total, 1)
+
+
+def train_draft(draft, data: DraftData, tc: TrainConfig = EAGLE_TRAIN, state_path=None, resume: bool = False,
+                progress: bool = True):
+    """Train ``draft``'s parameters in place on ``data`` -> history (loss terms, held-out accuracy, time).
+
+    AdamW with the cosine schedule of ``train.lr_at``; every tc.ckpt_every steps the parameters,
+    moments, step, generator and history go atomically to ``state_path``; ``resume`` continues there.
+    """
+    from tqdm import tqdm
+
+    target, cfg = draft.target, draft.target.config
+    embed = target.params["embed_tokens.weight"]
+    lm_subset = draft.layer.params["embed_tokens.weight"]
+    params = {name: xp.array(p) for name, p in draft.params.items()}  # unstacked copies: the layer keeps its stacks
+    opt = AdamW(params, (tc.beta1, tc.beta2), weight_decay=tc.weight_decay)
+    rng, start, history, elapsed0 = np.random.default_rng(tc.seed), 0, [], 0.0
+    if resume and state_path is not None and Path(state_path).exists():
+        start, history, elapsed0 = load_train_state(state_path, draft, params, opt, rng)
+    n_rows = len(data.train[0])
+    if n_rows <= WINDOW:
+        raise ValueError(f"{n_rows} training positions: too few for one window of {WINDOW}")
+    t0 = time.perf_counter()
+    bar = tqdm(range(start, tc.max_steps), initial=start, total=tc.max_steps, disable=not progress,
+               desc="eagle draft", mininterval=5.0)
+    for step in bar:
+        batch = data.windows(data.train, rng.integers(0, n_rows - WINDOW, size=tc.batch_size))
+        loss, parts, grads = draft_forward_backward(params, cfg, embed, lm_subset, *batch)
+        check_step(loss, clip_grad_norm(grads, tc.grad_clip), step + 1)
+        opt.step(params, grads, lr_at(step, tc))
+        record = {"step": step + 1, "loss": round(loss, 4), **{k: round(v, 4) for k, v in parts.items()},
+                  "elapsed_s": round(elapsed0 + time.perf_counter() - t0, 1)}
+        last = step + 1 == tc.max_steps
+        if (step + 1) % tc.eval_every == 0 or last:
+            load_params(draft, params)
+            record["held_out_top1"] = round(held_out_accuracy(draft, data), 4)
+        history.append(record)
+        bar.set_postfix(loss=f"{loss:.3f}")
+        if state_path is not None and ((step + 1) % tc.ckpt_every == 0 or last):
+            save_train_state(state_path, draft, params, opt, step + 1, rng, history)
+    bar.close()
+    load_params(draft, params)
+    return history
+
+
+def load_params(draft, params: dict) -> None:
+    """Copy trained parameters into the draft (its layer keeps q/k/v and gate/up stacked: in place)."""
+    for name, p in params.items():
+        draft.params[name][...] = p
+
+
+def save_train_state(path, draft, params, opt, step, rng, history) -> None:
+    header = {"format": "minillm-eagle-train-1", "model": model_identity(draft.target), "step": step,
+              "adam_t": opt.t, "rng_state": rng.bit_generator.state, "history": history,
+              "elapsed_s": history[-1]["elapsed_s"]}
+    arrays = {f"param/{k}": to_numpy(v) for k, v in params.items()} | {"subset": draft.subset}
+    arrays |= {f"m/{k}": to_numpy(v) for k, v in opt.m.items()} | {f"v/{k}": to_numpy(v) for k, v in opt.v.items()}
+    atomic_save_npz(path, arrays | {HEADER_KEY: encode_header(header)})
+
+
+def load_train_state(path, draft, params, opt, rng):
+    header, arrays = read_state(path, "minillm-eagle-train-1")
+    check_same_model(header["model"], model_identity(draft.target), path)
+    if not np.array_equal(arrays["subset"], draft.subset):
+        raise ValueError(f"{path} was trained with another draft vocabulary: resume with the same --vocab")
+    for name in params:
+        params[name][...] = xp.asarray(arrays[f"param/{name}"])
+        opt.m[name][...] = xp.asarray(arrays[f"m/{name}"])
+        opt.v[name][...] = xp.asarray(arrays[f"v/{name}"])
+    opt.t = header["adam_t"]
+    rng.bit_generator.state = header["rng_state"]
+    return header["step"], header["history"], header["elapsed_s"]

@@ -1,0 +1,176 @@
+"""Prompts for speculative decoding on a chat model: training prompts made from templates, and fixed workloads.
+
+A draft learns from text the target writes in answer to prompts (``minillm.eagle_train``), and its
+speed is measured on other prompts (``python -m minillm bench real-speculation``). Both come from
+here, so the measurement never sees a training prompt (``check_held_out``):
+
+- ``training_prompts(n, seed)``: n distinct prompts drawn reproducibly from the cartesian product of
+  topics and question forms (chat), tasks and request forms (code), and passages of the Shakespeare
+  training split with an instruction (grounded: rewrite, summarize or extract).
+- ``WORKLOADS``: fixed prompts of three kinds, written apart from the templates: ``chat``
+  (questions), ``code`` (write a small Python function) and ``grounded`` (a paragraph given in the
+  prompt to rewrite, summarize or extract from; prompt lookup's home ground).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+from pathlib import Path
+
+import numpy as np
+
+KINDS = ("chat", "code", "grounded")
+
+CHAT_TOPICS = (
+    "the moon", "volcanoes", "the French Revolution", "coffee", "jazz music", "honeybees", "the Roman Empire",
+    "electric cars", "the human brain", "rain forests", "the printing press", "earthquakes", "chocolate",
+    "the Olympic Games", "sharks", "solar panels", "the Great Wall of China", "tea ceremonies", "glaciers",
+    "the immune system", "penguins", "the stock market", "deserts", "the violin", "bread baking", "tides",
+    "the Internet", "owls", "the pyramids of Egypt", "recycling", "the piano", "comets", "coral reefs",
+    "the Renaissance", "wolves", "wind turbines", "the Amazon river", "cheese making", "hurricanes",
+    "the telescope", "octopuses", "the Silk Road", "meditation", "dinosaurs", "the metric system",
+    "origami", "lightning", "the Vikings", "yoga", "mountains", "the steam engine", "dolphins", "maps",
+    "public libraries", "the periodic table", "gardening", "the ocean floor", "elections", "the camera",
+    "bicycles", "snow", "the alphabet", "whales", "vaccines", "the calendar", "trains", "forests in winter",
+    "money", "the heart", "clouds", "ancient Greece", "bees and flowers", "photography", "the Sahara",
+)
+CHAT_FORMS = (
+    "What is {t}?", "Explain {t} in simple terms.", "Tell me three facts about {t}.", "Why is {t} important?",
+    "Write a short paragraph about {t}.", "How would you describe {t} to a child?",
+    "Give me a brief history of {t}.", "What are common misconceptions about {t}?",
+    "Write a short poem about {t}.", "What would a day without {t} be like?",
+    "List some interesting questions about {t}.", "Summarize what scientists know about {t}.",
+)
+CODE_TASKS = (
+    "reverses a string", "checks whether a number is prime", "returns the n-th Fibonacci number",
+    "counts the vowels in a string", "finds the largest element of a list", "removes duplicates from a list",
+    "checks whether a string is a palindrome", "computes the factorial of n", "sorts a list of numbers",
+    "merges two sorted lists", "returns the sum of the digits of a number", "converts Celsius to Fahrenheit",
+    "counts the words in a sentence", "flattens a nested list", "returns the average of a list of numbers",
+    "finds the greatest common divisor of two numbers", "capitalizes every word in a sentence",
+    "checks whether two strings are anagrams", "returns the even numbers of a list",
+    "computes the area of a circle", "finds the second largest number in a list", "reads a file and counts its lines",
+    "returns a dictionary of letter counts", "checks whether a year is a leap year", "reverses a list in place",
+    "returns the n smallest items of a list", "converts a binary string to an integer",
+    "finds the index of an item in a sorted list with binary search", "computes the power of a number",
+    "returns the longest word in a sentence", "checks whether a list is sorted",
+    "swaps the keys and values of a dictionary",
+    "removes the whitespace from a string", "returns the product of a list of numbers",
+    "computes the mean and median of a list", "counts how often each item appears in a list",
+)
+CODE_FORMS = (
+    "Write a Python function that {t}.", "Write a short Python function that {t}, with a docstring.",
+    "How do I write a Python function that {t}?", "Implement a function in Python that {t}.",
+    "Show me Python code for a function that {t}.",
+)
+GROUNDED_FORMS = (
+    "Rewrite the following passage in plain modern English:\n\n{t}",
+    "Summarize this passage in two sentences:\n\n{t}",
+    "Which characters speak in this passage, and what do they say?\n\n{t}",
+    "Repeat the first two lines of this passage, then explain them:\n\n{t}",
+)
+PASSAGE_CHARS = 400  # a grounded prompt's passage: about a hundred tokens
+
+
+def passages(text: str, n: int, seed: int) -> list[str]:
+    """n passages of about PASSAGE_CHARS characters, each starting and ending at a line break."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for start in rng.integers(0, len(text) - 2 * PASSAGE_CHARS, size=n):
+        begin = text.index("\n", int(start)) + 1
+        end = text.rindex("\n", begin, begin + PASSAGE_CHARS)
+        out.append(text[begin:end].strip())
+    return out
+
+
+def training_prompts(n: int, seed: int = 0, grounded_share: float = 0.15) -> list[dict]:
+    """n distinct prompts {"prompt", "kind"}, a reproducible draw (chat and code: about 2:1)."""
+    from .data import TRAIN_FRACTION, load_corpus
+
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"the number of training prompts must be an int >= 1, got {n!r}")
+    rng = np.random.default_rng(seed)
+    chat = [{"prompt": f.format(t=t), "kind": "chat"} for t, f in itertools.product(CHAT_TOPICS, CHAT_FORMS)]
+    code = [{"prompt": f.format(t=t), "kind": "code"} for t, f in itertools.product(CODE_TASKS, CODE_FORMS)]
+    n_grounded = int(round(n * grounded_share))
+    text = load_corpus()
+    train_text = text[: int(TRAIN_FRACTION * len(text))]  # the character model's training split
+    grounded = [{"prompt": GROUNDED_FORMS[i % len(GROUNDED_FORMS)].format(t=p), "kind": "grounded"}
+                for i, p in enumerate(passages(train_text, n_grounded, seed))]
+    pool = [chat[i] for i in rng.permutation(len(chat))] + [code[i] for i in rng.permutation(len(code))]
+    if n - n_grounded > len(pool):
+        raise ValueError(f"at most {len(pool) + n_grounded} training prompts can be made, asked for {n}")
+    order = rng.permutation(len(pool))[: n - n_grounded]
+    prompts = [pool[i] for i in sorted(order)] + grounded
+    return [prompts[i] for i in rng.permutation(len(prompts))]
+
+
+WORKLOADS = (
+    {"kind": "chat", "prompt": "What are the main differences between a frog and a toad?"},
+    {"kind": "chat", "prompt": "How do I take care of a small houseplant?"},
+    {"kind": "chat", "prompt": "Why do we have leap years?"},
+    {"kind": "chat", "prompt": "Give me some advice for my first job interview."},
+    {"kind": "chat", "prompt": "What is the difference between a lake and a pond?"},
+    {"kind": "chat", "prompt": "Explain how a refrigerator keeps food cold."},
+    {"kind": "code", "prompt": "Write a Python function that returns the square of every number in a list."},
+    {"kind": "code", "prompt": "Write a Python function that checks whether a string contains only digits."},
+    {"kind": "code", "prompt": "Write a Python function that returns the minimum and maximum of a list."},
+    {"kind": "code", "prompt": "Write a Python function that counts the uppercase letters in a string."},
+    {"kind": "code", "prompt": "Write a Python function that joins a list of words with commas."},
+    {"kind": "code", "prompt": "Write a Python function that returns the last n characters of a string."},
+    {"kind": "grounded", "prompt": "Rewrite this paragraph in simpler words:\n\nThe library on Elm Street opened in "
+     "1921 with two thousand books donated by local families. In 1968 it moved into a larger brick building "
+     "next to the town hall, and in 2005 it added a computer room and a children's reading corner. Today it "
+     "lends more than fifty thousand books a year and runs a free reading club every Saturday morning."},
+    {"kind": "grounded", "prompt": "Summarize this paragraph in one sentence:\n\nMaria started her bakery in a "
+     "small kitchen behind her house. At first she sold only bread to her neighbours, but soon people from "
+     "nearby villages came for her apple cakes. After five years she rented a shop on the main square, hired "
+     "three bakers, and began delivering fresh bread to two schools every morning."},
+    {"kind": "grounded", "prompt": "List every city named in this paragraph:\n\nThe train leaves Vienna at "
+     "seven in the morning and reaches Salzburg before ten. From there travellers can change for Munich, "
+     "or continue west to Zurich, where the line ends. In summer an extra night train runs from Zurich back "
+     "to Vienna, stopping in Innsbruck and Linz."},
+    {"kind": "grounded", "prompt": "Rewrite this paragraph as a short list of steps:\n\nTo plant a tree, first "
+     "dig a hole twice as wide as its roots. Put the tree in the hole so that the top of the roots is level "
+     "with the ground. Fill the hole with soil, press it down gently, and water the tree well. Water it again "
+     "every week during its first summer."},
+    {"kind": "grounded", "prompt": "Summarize this paragraph:\n\nThe museum's new exhibition shows two hundred "
+     "photographs of the city taken between 1900 and 1950. Visitors can see the old harbour, the first "
+     "electric trams and the market square before the fire of 1931. The exhibition is open every day except "
+     "Monday until the end of March, and entry is free for students."},
+    {"kind": "grounded", "prompt": "Extract the dates from this paragraph:\n\nThe bridge was designed in 1887 "
+     "and building began on 3 May 1889. A flood stopped the work in the spring of 1890, and the bridge finally "
+     "opened on 14 August 1892. It was repaired in 1950 and again in 2011, when new lights were added."},
+)
+
+
+def check_held_out(workloads, prompts) -> None:
+    """ValueError when a workload prompt is also a training prompt."""
+    seen = {p["prompt"] for p in prompts}
+    shared = [w["prompt"] for w in workloads if w["prompt"] in seen]
+    if shared:
+        raise ValueError(f"{len(shared)} workload prompts are also training prompts, e.g. {shared[0][:60]!r}")
+
+
+def read_prompts(path) -> list[dict]:
+    """A .jsonl file of {"prompt": "...", "kind": "chat|code|grounded"} lines -> their list (one-line errors)."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"prompt file {path} does not exist")
+    out = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path}:{n}: not a JSON object ({e.msg})") from None
+        if not isinstance(item, dict) or not isinstance(item.get("prompt"), str) or not item["prompt"].strip():
+            raise ValueError(f'{path}:{n}: expected {{"prompt": "...", "kind": "chat|code|grounded"}}')
+        if item.get("kind") not in KINDS:
+            raise ValueError(f"{path}:{n}: kind must be one of {', '.join(KINDS)}, got {item.get('kind')!r}")
+        out.append({"prompt": item["prompt"], "kind": item["kind"]})
+    if not out:
+        raise ValueError(f"prompt file {path} holds no prompts")
+    return out

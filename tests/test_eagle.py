@@ -1,0 +1,295 @@
+"""The EAGLE draft (``minillm.eagle``) and its training (``minillm.eagle_train``).
+
+- the backward pass of the draft layer (RMSNorm, RoPE, grouped attention, SwiGLU, fc, both losses)
+  against central finite differences in float64;
+- the reduced vocabulary: the worked examples, and q zero outside the subset;
+- lossless: the first two tokens of a round with the real proposer and the target's real forward
+  follow the target's joint distribution (chi-square, T = 1 and 0.7, chain and tree), and the same
+  harness rejects the classic mistakes (q not renormalized over the subset, subset ids mapped wrong);
+- the draft's own cache: each round's chain equals the draft recomputed from scratch over the whole
+  history, and the harness rejects the wrong feature position and a cache not rolled back;
+- greedy output equals plain decoding token for token, near the context limit too;
+- bad input: one-line errors.
+"""
+
+import numpy as np
+import pytest
+from stats import P_MIN, chi2_pvalue
+
+from minillm.backend import to_numpy
+from minillm.config import LlamaConfig
+from minillm.eagle import EagleDraft, EagleProposer, frequency_subset, subset_coverage, token_counts
+from minillm.eagle_train import draft_forward_backward, rms_norm_backward, rope_backward
+from minillm.generate import generate
+from minillm.kv_cache import KVCache
+from minillm.llama import Llama, apply_rope, rms_norm, rope_cos_sin
+from minillm.sampling import SamplingSettings
+from minillm.token_tree import Round, tree_generate, verify_tree
+
+pytestmark = pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "8.1", "8.2", "8.3", "9.1", "9.2", "9.3")
+
+CFG = LlamaConfig(vocab_size=8, block_size=40, n_layer=2, n_head=4, n_kv_head=2, n_embd=16, n_hidden=24)
+SUBSET = [0, 2, 3, 5]
+PROMPT = [1, 4, 2, 6, 3]
+
+
+@pytest.fixture(scope="module")
+def target():
+    model = Llama.init(CFG, seed=5)
+    model.params["embed_tokens.weight"] *= 6.0  # (the tied LM head too): distributions far from uniform
+    return model
+
+
+@pytest.fixture(scope="module")
+def draft(target):
+    d = EagleDraft.init(target, SUBSET, seed=1)
+    rng = np.random.default_rng(2)  # a draft that is not its initialization: every weight matters
+    for p in d.params.values():
+        p += rng.normal(0.0, 0.3, p.shape).astype(np.float32)
+    return d
+
+
+# ----------------------------------------------------------------------------------------------
+# the backward pass, by finite differences
+
+
+def numeric_grad(f, x, h=1e-6):
+    g = np.zeros_like(x)
+    for i in np.ndindex(x.shape):
+        old = x[i]
+        x[i] = old + h
+        up = f()
+        x[i] = old - h
+        down = f()
+        x[i] = old
+        g[i] = (up - down) / (2 * h)
+    return g
+
+
+def test_rms_norm_and_rope_backward_match_finite_differences(rng):
+    x, w, dy = rng.normal(size=(3, 8)), rng.normal(size=8), rng.normal(size=(3, 8))
+    dx, dw = rms_norm_backward(dy, x, w, 1e-5)
+    np.testing.assert_allclose(dx, numeric_grad(lambda: float((rms_norm(x, w, 1e-5) * dy).sum()), x), atol=1e-7)
+    np.testing.assert_allclose(dw, numeric_grad(lambda: float((rms_norm(x, w, 1e-5) * dy).sum()), w), atol=1e-7)
+    cos, sin = (c.astype(np.float64) for c in rope_cos_sin(np.arange(5), 8, 100.0))
+    q, dq = rng.normal(size=(1, 2, 5, 8)), rng.normal(size=(1, 2, 5, 8))
+    np.testing.assert_allclose(rope_backward(dq, cos, sin),
+                               numeric_grad(lambda: float((apply_rope(q, cos, sin) * dq).sum()), q), atol=1e-7)
+
+
+def test_draft_backward_matches_finite_differences(target, draft, rng):
+    """Every parameter's gradient, a few entries each, float64; targets -1 (outside the subset) included."""
+    P = {k: to_numpy(v).astype(np.float64) for k, v in draft.params.items()}
+    embed = to_numpy(target.params["embed_tokens.weight"]).astype(np.float64)
+    lm = embed[draft.subset]
+    B, T, C = 2, 5, CFG.n_embd
+    batch = (rng.normal(size=(B, T, C)), rng.integers(0, CFG.vocab_size, (B, T)), rng.normal(size=(B, T, C)),
+             rng.integers(-1, len(SUBSET), (B, T)))
+    assert (batch[3] == -1).any()
+    _, parts, grads = draft_forward_backward(P, CFG, embed, lm, *batch)
+    assert parts["token"] > 0 and parts["feature"] > 0
+    assert set(grads) == set(P)
+    for name, p in P.items():
+        flat = p.reshape(-1)
+        for i in rng.choice(flat.size, size=min(4, flat.size), replace=False):
+            old, h = flat[i], 1e-6
+            flat[i] = old + h
+            up = draft_forward_backward(P, CFG, embed, lm, *batch)[0]
+            flat[i] = old - h
+            down = draft_forward_backward(P, CFG, embed, lm, *batch)[0]
+            flat[i] = old
+            np.testing.assert_allclose(grads[name].reshape(-1)[i], (up - down) / (2 * h), rtol=1e-4, atol=1e-8,
+                                       err_msg=name)
+
+
+# ----------------------------------------------------------------------------------------------
+# the reduced vocabulary
+
+
+def test_frequency_subset_worked_examples():
+    counts = np.array([5, 0, 9, 1])
+    assert frequency_subset(counts, 2).tolist() == [0, 2]
+    assert frequency_subset(counts, 2, always=(3,)).tolist() == [2, 3]
+    assert token_counts([[0, 0, 3], [3, 1]], 4).tolist() == [2, 1, 0, 2]
+    assert subset_coverage([6, 3, 1], [1, 2, 3]) == {1: 0.6, 2: 0.9, 3: 1.0}
+
+
+def test_draft_q_is_zero_outside_the_subset(draft):
+    _, logits = draft.step(np.zeros((1, CFG.n_embd), np.float32), [3])
+    q = draft.full_probs(SamplingSettings(1.0).probs(to_numpy(logits[0])))
+    outside = np.setdiff1d(np.arange(CFG.vocab_size), SUBSET)
+    assert q[outside].sum() == 0 and q.sum() == pytest.approx(1.0)
+
+
+# ----------------------------------------------------------------------------------------------
+# lossless: one round with the real proposer and the target's real forward
+
+
+def round_state(target, prompt, settings, room=2):
+    cache = KVCache(target.config)
+    h = target.hidden(np.array([prompt[:-1]]), cache)[0]
+    return Round(list(prompt), 1, cache, h[-1], room, h, settings)
+
+
+def target_table(target, prompt, settings):
+    """p(. | prompt + path) for paths of up to two tokens, from the target's forward."""
+    V = target.config.vocab_size
+    table = {}
+    for path in [(), *((a,) for a in range(V)), *((a, b) for a in range(V) for b in range(V))]:
+        logits = to_numpy(target.forward(np.array([[*prompt, *path]]))[0, -1])
+        table[path] = settings.probs(logits)
+    return table
+
+
+def first_two_tokens(target, proposer, prompt, settings, table, n, seed):
+    rng, cells = np.random.default_rng(seed), []
+    V = target.config.vocab_size
+    for _ in range(n):
+        proposal = proposer.propose(round_state(target, prompt, settings))
+        tree = proposal.tree
+        probs = np.array([table[tuple(tree.tokens[j] for j in tree.path(i)[1:])] for i in range(tree.size)])
+        emitted, _ = verify_tree(tree, probs, rng, proposal.draft_probs)
+        if len(emitted) == 1:  # the next round starts from the target's own p(. | a)
+            emitted.append(int(rng.choice(V, p=table[(emitted[0],)])))
+        cells.append(emitted[0] * V + emitted[1])
+    return cells
+
+
+def joint(table, V):
+    return np.concatenate([table[()][a] * table[(a,)] for a in range(V)])
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_a_round_is_lossless(target, draft, mode, temperature):
+    settings = SamplingSettings(temperature)
+    table = target_table(target, PROMPT, settings)
+    proposer = EagleProposer(draft, mode, depth=2, top_k=2, width=2, max_nodes=6, seed=3)
+    cells = first_two_tokens(target, proposer, PROMPT, settings, table, 3000, seed=4)
+    assert chi2_pvalue(cells, joint(table, CFG.vocab_size)) >= P_MIN
+
+
+class Unnormalized(EagleDraft):
+    """Bug: q over the vocabulary is the subset's softmax scaled by a share of the mass (as if the
+    probabilities of the full softmax were cut to the subset and not renormalized)."""
+
+    def full_probs(self, subset_probs):
+        return 0.5 * super().full_probs(subset_probs)
+
+
+class IdsShifted(EagleDraft):
+    """Bug: q is scattered to the wrong vocabulary ids (the subset's index i taken as id subset[i + 1])."""
+
+    def full_probs(self, subset_probs):
+        subset_probs = np.asarray(subset_probs, dtype=np.float64)
+        out = np.zeros((*subset_probs.shape[:-1], self.target.config.vocab_size))
+        out[..., np.roll(self.subset, -1)] = subset_probs
+        return out
+
+
+@pytest.mark.parametrize("bug", [Unnormalized, IdsShifted])
+def test_the_harness_rejects_a_wrong_draft_distribution(target, draft, bug):
+    broken = bug(target, {k: to_numpy(v) for k, v in draft.params.items()}, SUBSET)
+    settings = SamplingSettings(1.0)
+    table = target_table(target, PROMPT, settings)
+    cells = first_two_tokens(target, EagleProposer(broken, "chain", depth=2, seed=3), PROMPT, settings, table,
+                             3000, seed=4)
+    assert chi2_pvalue(cells, joint(table, CFG.vocab_size)) < P_MIN
+
+
+# ----------------------------------------------------------------------------------------------
+# the draft's own cache: every round as if recomputed from scratch
+
+
+def reference_chain(target, draft, seq, depth):
+    """The draft's greedy chain after seq, with no cache: all pairs (f_j, x_{j+1}) in one forward."""
+    f = target.hidden(np.array([seq[:-1]]))[0]  # the target's features of every position but the root's
+    feats, tokens = list(to_numpy(f)), list(seq[1:])
+    chain = []
+    for _ in range(depth):
+        f_hat, logits = draft.step(np.array(feats), tokens)
+        chain.append(int(draft.subset[int(np.argmax(to_numpy(logits[-1])))]))
+        feats.append(to_numpy(f_hat[-1]))
+        tokens.append(chain[-1])
+    return chain
+
+
+class Recording(EagleProposer):
+    def propose(self, state):
+        proposal = super().propose(state)
+        if proposal.tree.size > 1:
+            self.rounds.append((list(state.seq), list(proposal.tree.tokens[1:])))
+        return proposal
+
+
+class WrongPosition(Recording):
+    """Bug: the draft reads f_{j-1} beside x_{j+1} (features one position late)."""
+
+    def sync(self, state):
+        kept = state.kept_hidden
+        shifted = kept[np.maximum(np.arange(len(kept)) - 1, 0)]
+        return super().sync(Round(state.seq, state.n_pending, state.cache, state.hidden, state.room, shifted,
+                                  state.settings))
+
+
+class NotRolledBack(Recording):
+    """Bug: the draft's speculative entries stay in its cache after a round."""
+
+    def sync(self, state):
+        self.synced = self.cache.length if self.cache is not None and self.synced else self.synced
+        return super().sync(state)
+
+
+def drafted_rounds(target, draft, cls):
+    proposer = cls(draft, "chain", depth=3)
+    proposer.rounds = []
+    tree_generate(target, PROMPT, 14, proposer, temperature=0.0)
+    return proposer.rounds
+
+
+def test_each_round_drafts_what_a_recompute_drafts(target, draft):
+    rounds = drafted_rounds(target, draft, Recording)
+    assert len(rounds) >= 3
+    for seq, chain in rounds:
+        assert chain == reference_chain(target, draft, seq, len(chain))
+
+
+@pytest.mark.parametrize("bug", [WrongPosition, NotRolledBack])
+def test_the_recompute_check_catches_cache_bugs(target, draft, bug):
+    rounds = drafted_rounds(target, draft, bug)
+    assert any(chain != reference_chain(target, draft, seq, len(chain)) for seq, chain in rounds)
+
+
+# ----------------------------------------------------------------------------------------------
+# greedy output is plain decoding's
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+@pytest.mark.parametrize("n_new", [10, 60])  # 60 runs past block_size = 40: the window slides
+def test_greedy_output_is_plain_decoding(target, draft, mode, n_new):
+    proposer = EagleProposer(draft, mode, depth=4, top_k=2, width=2, max_nodes=8)
+    out = tree_generate(target, PROMPT, n_new, proposer, temperature=0.0)
+    assert out.tokens == generate(target, PROMPT, n_new, temperature=0.0).tokens
+
+
+# ----------------------------------------------------------------------------------------------
+# bad input
+
+
+def test_bad_input_one_line_errors(target, draft, tmp_path):
+    with pytest.raises(ValueError, match="draft depth K must be an int in 1..12"):
+        EagleProposer(draft, depth=0)
+    with pytest.raises(ValueError, match="max_nodes must be an int in 2..64"):
+        EagleProposer(draft, "tree", max_nodes=1000)
+    with pytest.raises(ValueError, match="'chain' or 'tree'"):
+        EagleProposer(draft, "beam")
+    with pytest.raises(ValueError, match="distinct token ids"):
+        EagleDraft(target, {k: to_numpy(v) for k, v in draft.params.items()}, [0, 0, 2, 3])
+    with pytest.raises(ValueError, match="vocabulary size V' must be an int"):
+        frequency_subset(np.ones(100), 5000)
+    path = tmp_path / "eagle.npz"
+    draft.save(path)
+    other = Llama.init(CFG, seed=6)
+    with pytest.raises(ValueError, match="trained for another model"):
+        EagleDraft.load(other, path)
+    assert EagleDraft.load(target, path).subset.tolist() == SUBSET
