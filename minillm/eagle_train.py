@@ -22,6 +22,7 @@ written here in the style of ``minillm.train``'s for GPT, and checked by finite 
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -50,7 +51,8 @@ from .train import (
 DATA_FORMAT = "minillm-eagle-data-1"
 TEMPERATURES = (0.0, 0.7, 1.0)  # prompt i is answered at TEMPERATURES[i % 3]
 ANSWER_TOKENS = 96  # the most tokens of one answer
-DATA_BATCH = 32  # answers decoded together (prompts of one token length and temperature)
+DATA_BATCH = 32  # answers decoded together (prompts of one temperature and about one length)
+MAX_PAD = 6  # the most newlines a prompt gets to match its batch's length
 
 
 # ----------------------------------------------------------------------------------------------
@@ -58,16 +60,27 @@ DATA_BATCH = 32  # answers decoded together (prompts of one token length and tem
 
 
 def answer_batches(prompt_ids: list, temperatures: list, batch: int) -> list[list[int]]:
-    """Prompt indices grouped by (temperature, length) in order, at most ``batch`` per group."""
+    """Prompt indices grouped by temperature, by length within it: at most ``batch`` per group, and
+    lengths at most MAX_PAD apart (``pad_prompts`` evens them out)."""
     keys = sorted(range(len(prompt_ids)), key=lambda i: (temperatures[i], len(prompt_ids[i]), i))
     groups, current = [], []
     for i in keys:
-        if current and (len(current) == batch or (temperatures[i], len(prompt_ids[i]))
-                        != (temperatures[current[0]], len(prompt_ids[current[0]]))):
+        if current and (len(current) == batch or temperatures[i] != temperatures[current[0]]
+                        or len(prompt_ids[i]) - len(prompt_ids[current[0]]) > MAX_PAD):
             groups.append(current)
             current = []
         current.append(i)
     return groups + [current] if current else groups
+
+
+def pad_prompts(prompt_ids: list, at: int, pad_id: int) -> list[list[int]]:
+    """Make a batch's prompts one length: insert pad_id tokens at position ``at`` of the shorter ones.
+
+    A batch shares one cache, so its rows need equal lengths; the chat template's header (every
+    prompt's common prefix) is followed by up to a few extra newlines before the user's text.
+    """
+    n = max(len(p) for p in prompt_ids)
+    return [[*p[:at], *[pad_id] * (n - len(p)), *p[at:]] for p in prompt_ids]
 
 
 def answer_batch(model, prompt_ids: list, max_new_tokens: int, temperature: float, eos: int, seed: int):
@@ -110,6 +123,8 @@ def write_answers(model, tokenizer, prompts: list, out_dir, max_new_tokens: int 
            for p in prompts]
     temps = [TEMPERATURES[i % len(TEMPERATURES)] for i in range(len(prompts))]
     groups = answer_batches(ids, temps, batch)
+    header_len = len(os.path.commonprefix(ids))  # the chat template's system turn and "user\n"
+    newline = tokenizer.encode("\n")[-1]
     existing = sorted(out_dir.glob("part-*.npz"))
     if existing and not resume:
         raise ValueError(f"{out_dir} already holds {len(existing)} data parts: pass --resume to continue "
@@ -119,10 +134,10 @@ def write_answers(model, tokenizer, prompts: list, out_dir, max_new_tokens: int 
         path = out_dir / f"part-{g:05d}.npz"
         if path.exists():
             continue
-        rows = answer_batch(model, [ids[i] for i in group], max_new_tokens, temps[group[0]],
-                            tokenizer.eos_token_id, seed + g)
+        padded = pad_prompts([ids[i] for i in group], header_len, newline)
+        rows = answer_batch(model, padded, max_new_tokens, temps[group[0]], tokenizer.eos_token_id, seed + g)
         header = {"format": DATA_FORMAT, "prompts": group, "kinds": [prompts[i]["kind"] for i in group],
-                  "temperature": temps[group[0]], "prompt_lengths": [len(ids[i]) for i in group]}
+                  "temperature": temps[group[0]], "prompt_lengths": [len(padded[0])] * len(group)}
         arrays = {"ids": np.concatenate([r[0] for r in rows]), "lengths": np.array([len(r[0]) for r in rows]),
                   "features": np.concatenate([r[1] for r in rows])}
         atomic_save_npz(path, arrays | {HEADER_KEY: encode_header(header)})

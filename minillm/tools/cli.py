@@ -14,6 +14,7 @@ import contextlib
 import os
 import sys
 from functools import partial
+from pathlib import Path
 
 from .options import chapter_list, finite_float, nonnegative_int, positive_int
 
@@ -37,6 +38,7 @@ def cmd_train(args) -> int:
 
 
 def cmd_generate(args) -> int:
+    from ..backend import set_fast_products
     from ..generate import generate, generate_naive
     from ..kv_cache import KVCache
     from ..registry import load_model
@@ -51,6 +53,7 @@ def cmd_generate(args) -> int:
     if args.no_cache:
         gen = generate_naive
     elif args.speculate:
+        set_fast_products(True)  # a verify over a few tokens streams each weight once (minillm.streaming)
         gen = partial(draft_free_generate, proposer=proposer(args, model), cache=KVCache(model.config, max_len=size))
     else:
         gen = partial(generate, cache=KVCache(model.config, max_len=size))
@@ -83,6 +86,8 @@ def proposer(args, model):
     from ..lookahead import Lookahead
     from ..medusa import MedusaHeads, MedusaProposer, shipped_heads_path
 
+    if args.speculate == "eagle":
+        return eagle_proposer(model, args.model, args.eagle_draft)
     if args.speculate == "lookup":
         return PromptLookup()
     if args.speculate == "layer-skip":
@@ -95,6 +100,17 @@ def proposer(args, model):
                          f"python -m minillm medusa-train --model {args.model} --out HEADS.npz, "
                          "then pass --medusa-heads HEADS.npz")
     return MedusaProposer(MedusaHeads.load(model, path))
+
+
+def eagle_proposer(model, model_name, path=None):
+    """A chain proposer on the EAGLE draft at ``path`` (default: the one shipped for ``model_name``)."""
+    from ..eagle import EagleDraft, EagleProposer, shipped_draft_path
+
+    path = path or shipped_draft_path(model_name)
+    if not Path(path).is_file():
+        raise ValueError(f"no EAGLE draft ships for model {model_name!r}; train one with python -m minillm "
+                         f"eagle-data and eagle-train, then pass --eagle-draft DRAFT.npz")
+    return EagleProposer(EagleDraft.load(model, path))
 
 
 def draft_free_generate(model, prompt, max_new_tokens, proposer, cache, on_token=None, **sampling):
@@ -167,6 +183,18 @@ def cmd_medusa_train(args) -> int:
     return run(args)
 
 
+def cmd_eagle_data(args) -> int:
+    from .eagle_cli import run_data
+
+    return run_data(args)
+
+
+def cmd_eagle_train(args) -> int:
+    from .eagle_cli import run_train
+
+    return run_train(args)
+
+
 def cmd_bench(args) -> int:
     from .benchmarks import run
 
@@ -205,6 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .benchmarks.serving import add_demo_arguments as add_serve_demo_arguments
     from .chat_cli import add_arguments as add_chat_arguments
     from .demo import add_arguments as add_demo_arguments
+    from .eagle_cli import add_data_arguments as add_eagle_data_arguments
+    from .eagle_cli import add_train_arguments as add_eagle_train_arguments
     from .medusa_cli import add_arguments as add_medusa_arguments
 
     parser = argparse.ArgumentParser(prog="python -m minillm", description=__doc__.splitlines()[0],
@@ -226,12 +256,15 @@ def build_parser() -> argparse.ArgumentParser:
                    help="'target', 'draft', 'smollm2-135m', a checkpoint file (.npz) or a Llama .gguf")
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--no-cache", action="store_true", help="recompute the whole context each step")
-    mode.add_argument("--speculate", choices=["lookup", "layer-skip", "medusa", "lookahead"],
-                      help="speculate without a draft model (chapter 9); the output is the model's own")
+    mode.add_argument("--speculate", choices=["eagle", "lookup", "layer-skip", "medusa", "lookahead"],
+                      help="speculate (eagle: the EAGLE draft shipped for smollm2-135m; the others without a "
+                      "draft, chapter 9); the output is the model's own")
     p.add_argument("--draft-layers", type=positive_int, default=None,
                    help="--speculate layer-skip: the blocks the draft runs (default: half)")
     p.add_argument("--medusa-heads", metavar="HEADS.npz", default=None,
                    help="--speculate medusa: heads written by medusa-train (default: the heads shipped for --model)")
+    p.add_argument("--eagle-draft", metavar="DRAFT.npz", default=None,
+                   help="--speculate eagle: a draft written by eagle-train (default: the one shipped for --model)")
     p.set_defaults(func=cmd_generate)
 
     p = sub.add_parser("chat", help="chat with the real model (SmolLM2-135M-Instruct), streamed, KV cache kept")
@@ -261,6 +294,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("medusa-train", help="train Medusa heads on a frozen model (the char target or SmolLM2)")
     add_medusa_arguments(p)
     p.set_defaults(func=cmd_medusa_train)
+
+    p = sub.add_parser("eagle-data", help="the EAGLE draft's training text: SmolLM2's answers and hidden states")
+    add_eagle_data_arguments(p)
+    p.set_defaults(func=cmd_eagle_data)
+
+    p = sub.add_parser("eagle-train", help="train an EAGLE draft (one layer, reduced vocabulary) on eagle-data's text")
+    add_eagle_train_arguments(p)
+    p.set_defaults(func=cmd_eagle_train)
 
     p = sub.add_parser("bench", help="run a benchmark and print its table (and save plots)")
     p.add_argument("topic", choices=list(TOPICS))

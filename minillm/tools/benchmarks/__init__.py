@@ -22,6 +22,7 @@ TOPICS = {
     "training-curves": "minillm.tools.benchmarks.training",
     "lookahead": "minillm.tools.benchmarks.lookahead",
     "verify-cost": "minillm.tools.benchmarks.verify_cost",
+    "real-speculation": "minillm.tools.benchmarks.real_speculation",
     "device-calls": "minillm.tools.benchmarks.device_calls",
 }
 

@@ -1,0 +1,213 @@
+"""``python -m minillm bench real-speculation``: speculative decoding on SmolLM2-135M, per method and workload.
+
+    python -m minillm bench real-speculation [--prompts FILE.jsonl] [--json OUT] [--methods eagle-chain,lookup]
+
+Methods (all verified by the target in one forward per round, ``token_tree.tree_generate``):
+
+    eagle-chain   the shipped EAGLE draft (``minillm.eagle``), a chain of K tokens per round
+    eagle-tree    the same draft growing an EAGLE-2 tree by confidence
+    lookup        prompt lookup: draft tokens copied from earlier in the text (``draft_free.PromptLookup``)
+    layer-skip    the target's first half of layers drafts (``draft_free.LayerSkip``)
+    medusa        the shipped Medusa heads' sparse tree (``medusa.MedusaProposer``)
+
+Plain and speculative decoding both run on the fast weight products (``backend.weight_product``;
+``--products blas`` for the reference). Each prompt (default: ``workloads.WORKLOADS``; FILE: one
+{"prompt", "kind"} per line) is put in the chat template. Per prompt and temperature: plain
+decoding (``generate``) once, as a warm-up and, greedy, as the reference; per method a warm-up run
+that gives the counters and, greedy, must equal the reference token for token (``BenchmarkError``
+otherwise: nothing wrong is timed); then ``--repeat`` alternating pairs (plain, method), timed. A
+method's speed-up for a kind is the median over its prompts of (plain seconds / method seconds).
+
+The cost model beside it: one round costs a verify of n tokens, v(n) decode steps (measured here as
+``measure.step_time`` ratios at the workload's context), plus the draft's time, c decode steps (the
+proposer's measured seconds per round over a decode step's); a round emits tau tokens, so
+predicted = tau / (v(n) + c).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from dataclasses import dataclass, field
+
+from ...backend import set_fast_products
+from ...draft_free import LayerSkip, PromptLookup
+from ...eagle import EagleDraft, EagleProposer, shipped_draft_path
+from ...generate import generate
+from ...measure import step_time, timed
+from ...medusa import MedusaHeads, MedusaProposer, shipped_heads_path
+from ...notebook import format_table
+from ...registry import SMOLLM2, load_model
+from ...token_tree import tree_generate
+from ...workloads import KINDS, WORKLOADS, read_prompts
+from ..options import count, float_in, int_in, list_of
+from .common import BenchmarkError, parse_args
+
+METHODS = ("eagle-chain", "eagle-tree", "lookup", "layer-skip", "medusa")
+TEMPERATURES = (0.0, 0.7, 1.0)
+
+
+class TimedProposer:
+    """A proposer wrapper that adds up the seconds its ``propose`` takes (the draft's cost)."""
+
+    def __init__(self, inner):
+        self.inner, self.max_depth, self.seconds = inner, inner.max_depth, 0.0
+
+    def propose(self, state):
+        t0 = time.perf_counter()
+        proposal = self.inner.propose(state)
+        self.seconds += time.perf_counter() - t0
+        return proposal
+
+    def observe(self, state, emitted, extra_logits):
+        self.inner.observe(state, emitted, extra_logits)
+
+
+def make_proposer(method: str, model, args):
+    if method in ("eagle-chain", "eagle-tree"):
+        draft = EagleDraft.load(model, args.draft or shipped_draft_path(SMOLLM2))
+        mode = method.removeprefix("eagle-")
+        return EagleProposer(draft, mode, depth=args.depth, max_nodes=args.tree_nodes)
+    if method == "lookup":
+        return PromptLookup()
+    if method == "layer-skip":
+        return LayerSkip(model, model.config.n_layer // 2)
+    return MedusaProposer(MedusaHeads.load(model, shipped_heads_path(SMOLLM2)))
+
+
+@dataclass
+class Cell:
+    """What one (method, kind, temperature) gathered over its prompts."""
+
+    accepted: int = 0
+    checked: int = 0
+    rounds: int = 0
+    new_tokens: int = 0
+    target_calls: int = 0
+    verified: int = 0
+    draft_s: float = 0.0
+    identical: bool = True
+    ratios: list = field(default_factory=list)
+
+    def add(self, stats, draft_s: float) -> None:
+        self.accepted += stats.accepted
+        self.checked += stats.checked
+        self.rounds += stats.rounds
+        self.new_tokens += stats.new_tokens
+        self.target_calls += stats.target_calls
+        self.verified += stats.verified
+        self.draft_s += draft_s
+
+
+def verify_costs(model, context: int, ns) -> tuple[float, dict]:
+    """(seconds of a decode step, {n: v(n) = one cached forward over n tokens / a decode step}) at ``context``."""
+    t1 = step_time(model, 1, context, repeat=10)
+    return t1, {n: step_time(model, n, context, repeat=5) / t1 for n in ns}
+
+
+def interpolate(costs: dict, n: float) -> float:
+    ns = sorted(costs)
+    n = min(max(n, ns[0]), ns[-1])
+    lo = max(k for k in ns if k <= n)
+    hi = min(k for k in ns if k >= n)
+    return costs[lo] if lo == hi else costs[lo] + (costs[hi] - costs[lo]) * (n - lo) / (hi - lo)
+
+
+def run_prompt(model, ids, args, methods, proposers, temperature, cells, kind, seed):
+    """One prompt at one temperature: warm-ups, the greedy check, then alternating timed pairs."""
+
+    def plain():
+        return generate(model, ids, args.max_new_tokens, temperature=temperature, seed=seed)
+
+    reference = plain()
+    for method in methods:
+        wrapped = TimedProposer(proposers[method])
+
+        def spec(w=wrapped):
+            return tree_generate(model, ids, args.max_new_tokens, w, temperature=temperature, seed=seed)
+
+        result = spec()
+        cell = cells[(method, kind, temperature)]
+        if temperature == 0 and result.tokens != reference.tokens:
+            cell.identical = False
+            raise BenchmarkError(f"{method}: greedy output differs from plain decoding on a {kind} prompt")
+        cell.add(result.stats, wrapped.seconds)
+        plain_s, spec_s = [], []
+        for _ in range(args.repeat):
+            plain_s.append(timed(plain)[0])
+            spec_s.append(timed(spec)[0])
+        cell.ratios.append(statistics.median(plain_s) / statistics.median(spec_s))
+
+
+def rows_of(cells: dict, t_step: float, costs: dict) -> list[dict]:
+    rows = []
+    for (method, kind, temperature), c in cells.items():
+        if not c.ratios:
+            continue
+        tau = (c.accepted + c.rounds) / c.rounds if c.rounds else float("nan")
+        n = 1 + c.verified / c.target_calls if c.target_calls else 1
+        v, draft_c = interpolate(costs, n), c.draft_s / max(c.rounds, 1) / t_step
+        rows.append({"method": method, "kind": kind, "temperature": temperature, "identical": c.identical,
+                     "alpha": round(c.accepted / c.checked, 3) if c.checked else None, "tau": round(tau, 2),
+                     "tokens_per_call": round(c.new_tokens / c.target_calls, 2),
+                     "verify_n": round(n, 1), "v_n": round(v, 2), "draft_c": round(draft_c, 2),
+                     "predicted_speedup": round(tau / (v + draft_c), 2),
+                     "speedup": round(statistics.median(c.ratios), 2), "prompts": len(c.ratios)})
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m minillm bench real-speculation", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--prompts", metavar="FILE.jsonl", default=None,
+                        help='one {"prompt": "...", "kind": "chat|code|grounded"} per line '
+                        "(default: the built-in workloads)")
+    parser.add_argument("--json", metavar="OUT", default=None, help="also write the rows as a JSON list")
+    parser.add_argument("--methods", type=list_of(str), default=list(METHODS),
+                        help=f"comma-separated, from {', '.join(METHODS)} (default all)")
+    parser.add_argument("--kinds", type=list_of(str), default=list(KINDS), help="comma-separated workload kinds")
+    parser.add_argument("--temperatures", type=list_of(float_in(0.0, 2.0)),
+                        default=list(TEMPERATURES), help="comma-separated (default 0,0.7,1)")
+    parser.add_argument("--max-new-tokens", type=count, default=48, help="tokens per answer (default 48)")
+    parser.add_argument("--repeat", type=count, default=1, help="timed pairs per prompt after the warm-up (default 1)")
+    parser.add_argument("--depth", type=int_in(1, 12), default=4, help="EAGLE: draft tokens per round (default 4)")
+    parser.add_argument("--tree-nodes", type=int_in(2, 64), default=12, help="EAGLE tree: nodes verified (default 12)")
+    parser.add_argument("--draft", default=None, help="an EAGLE draft file (default: the one shipped for SmolLM2)")
+    parser.add_argument("--products", choices=["fast", "blas"], default="fast",
+                        help="weight products of plain and speculative decoding alike: fast (streaming where "
+                        "measured faster, the default) or blas (the reference)")
+    args = parse_args(parser, argv)
+    set_fast_products(args.products == "fast")
+    unknown = sorted(set(args.methods) - set(METHODS)) + sorted(set(args.kinds) - set(KINDS))
+    if unknown:
+        raise ValueError(f"unknown method or kind {unknown[0]!r}: methods {', '.join(METHODS)}; "
+                         f"kinds {', '.join(KINDS)}")
+    prompts = read_prompts(args.prompts) if args.prompts else list(WORKLOADS)
+    prompts = [p for p in prompts if p["kind"] in args.kinds]
+    if not prompts:
+        raise ValueError(f"no prompt of the kinds {', '.join(args.kinds)}")
+    model, tok = load_model(SMOLLM2)
+    proposers = {m: make_proposer(m, model, args) for m in args.methods}
+    encoded = [(p["kind"], tok.encode(tok.apply_chat_template([{"role": "user", "content": p["prompt"]}])))
+               for p in prompts]
+    context = int(statistics.mean(len(ids) for _, ids in encoded)) + args.max_new_tokens // 2
+    t_step, costs = verify_costs(model, context, [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20])
+    print(f"decode step {t_step * 1e3:.1f} ms at {context} tokens of context; v(n) "
+          + ", ".join(f"{n}: {v:.2f}" for n, v in costs.items()), flush=True)
+    cells = {(m, k, t): Cell() for m in args.methods for k in KINDS for t in args.temperatures}
+    for i, (kind, ids) in enumerate(encoded):
+        for temperature in args.temperatures:
+            run_prompt(model, ids, args, args.methods, proposers, temperature, cells, kind, seed=i)
+        print(f"  prompt {i + 1}/{len(encoded)} ({kind}) done", flush=True)
+    rows = rows_of(cells, t_step, costs)
+    print(format_table(rows, ["method", "kind", "temperature", "identical", "alpha", "tau", "tokens_per_call",
+                              "verify_n", "v_n", "draft_c", "predicted_speedup", "speedup", "prompts"]))
+    if args.json:
+        keys = ("method", "kind", "temperature", "identical", "alpha", "tau", "tokens_per_call", "predicted_speedup",
+                "speedup")
+        with open(args.json, "w") as f:
+            json.dump([{k: r[k] for k in keys} for r in rows], f, indent=1)
+        print(f"rows written to {args.json}")
+    return 0

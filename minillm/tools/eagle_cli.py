@@ -1,0 +1,111 @@
+"""``python -m minillm eagle-data`` and ``eagle-train``: the EAGLE draft's training text, then the draft.
+
+    python -m minillm eagle-data --out DIR [--prompts 1200] [--resume]
+    python -m minillm eagle-train --data DIR --out eagle.npz [--vocab 4096] [--steps 1500] [--resume]
+
+Both run for minutes to an hour on a laptop CPU; both write atomically as they go (data: one part
+file per batch of answers; training: a state file every 100 steps), so ``--resume`` continues a
+stopped run where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, replace
+
+import numpy as np
+
+from ..backend import to_numpy
+from ..checkpoint import check_not_shipped
+from ..eagle import DEFAULT_SUBSET, EagleDraft, frequency_subset, subset_coverage, token_counts
+from ..eagle_train import (
+    ANSWER_TOKENS,
+    EAGLE_TRAIN,
+    DraftData,
+    held_out_accuracy,
+    read_answers,
+    train_draft,
+    write_answers,
+)
+from ..registry import SMOLLM2, SMOLLM2_SHA256, load_model
+from ..train import check_run_files, run_file
+from ..workloads import WORKLOADS, check_held_out, training_prompts
+from .options import nonnegative_count, nonnegative_float
+
+COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
+
+
+def add_data_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=SMOLLM2, help=f"the target (default {SMOLLM2})")
+    p.add_argument("--out", required=True, help="folder for the data parts")
+    p.add_argument("--prompts", type=nonnegative_count, default=1200, help="training prompts (default 1200)")
+    p.add_argument("--max-new-tokens", type=nonnegative_count, default=ANSWER_TOKENS,
+                   help=f"most tokens per answer (default {ANSWER_TOKENS})")
+    p.add_argument("--seed", type=nonnegative_count, default=0, help="the prompts' draw and the sampled answers")
+    p.add_argument("--resume", action="store_true", help="keep the parts already in --out, write the rest")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run_data(args) -> int:
+    if args.prompts < 1 or args.max_new_tokens < 1:
+        raise ValueError(f"--prompts and --max-new-tokens must be >= 1, got {args.prompts} and {args.max_new_tokens}")
+    prompts = training_prompts(args.prompts, args.seed)
+    check_held_out(WORKLOADS, prompts)
+    model, tokenizer = load_model(args.model)
+    summary = write_answers(model, tokenizer, prompts, args.out, args.max_new_tokens, seed=args.seed,
+                            resume=args.resume, progress=not args.quiet)
+    print(json.dumps(summary))
+    return 0
+
+
+def add_train_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=SMOLLM2, help=f"the target (default {SMOLLM2})")
+    p.add_argument("--data", required=True, help="a folder written by eagle-data")
+    p.add_argument("--out", required=True, help="draft file to write (.npz)")
+    p.add_argument("--vocab", type=nonnegative_count, default=DEFAULT_SUBSET,
+                   help=f"V': the draft's vocabulary, the most frequent tokens of the data (default {DEFAULT_SUBSET})")
+    p.add_argument("--steps", type=nonnegative_count, default=EAGLE_TRAIN.max_steps, help="optimizer steps")
+    p.add_argument("--batch-size", type=nonnegative_count, default=EAGLE_TRAIN.batch_size,
+                   help="windows of 64 positions per step")
+    p.add_argument("--lr", type=nonnegative_float, default=EAGLE_TRAIN.lr, help="peak learning rate")
+    p.add_argument("--train-tokens", type=nonnegative_count, default=None,
+                   help="train on the first N positions only (a data-scaling curve)")
+    p.add_argument("--resume", action="store_true", help="continue from <out>.eagle-train.npz")
+    p.add_argument("--overwrite", action="store_true", help="replace <out> and its .eagle-train.npz, .log.json")
+    p.add_argument("--overwrite-shipped", action="store_true", help="allow --out to replace the shipped draft")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run_train(args) -> int:
+    if args.steps < 1 or args.batch_size < 1:
+        raise ValueError(f"--steps and --batch-size must be >= 1, got {args.steps} and {args.batch_size}")
+    if not 0 < args.lr < 1:
+        raise ValueError(f"--lr must be in (0, 1), got {args.lr}")
+    check_not_shipped(args.out, args.overwrite_shipped)
+    state_path, log_path = run_file(args.out, ".eagle-train.npz"), run_file(args.out, ".log.json")
+    check_run_files([args.out, state_path, log_path], args.overwrite or args.overwrite_shipped, args.resume)
+    t_start = time.perf_counter()
+    model, tokenizer = load_model(args.model)
+    data = read_answers(args.data)
+    n = len(data["sequences"])
+    counts = token_counts(data["sequences"][: n - max(1, n // 20)], model.config.vocab_size)
+    subset = frequency_subset(counts, args.vocab, always=(tokenizer.eos_token_id,))
+    draft = EagleDraft.init(model, subset)
+    pairs = DraftData(data, draft, args.train_tokens)
+    tc = replace(EAGLE_TRAIN, max_steps=args.steps, batch_size=args.batch_size, lr=args.lr, min_lr=args.lr / 10)
+    history = train_draft(draft, pairs, tc, state_path, args.resume, progress=not args.quiet)
+    rounded = EagleDraft(model, {k: to_numpy(v).astype(np.float16) for k, v in draft.params.items()}, subset)
+    notes = {
+        "model": str(args.model), "gguf_sha256": SMOLLM2_SHA256 if str(args.model) == SMOLLM2 else None,
+        "subset_size": int(len(subset)), "coverage": subset_coverage(counts, COVERAGE_SIZES),
+        "train_positions": int(len(pairs.train[0])), "held_out_positions": int(len(pairs.held[0])),
+        "held_out_top1": round(held_out_accuracy(rounded, pairs), 4),  # as shipped: float16 weights
+        "train_time_s": history[-1]["elapsed_s"], "total_time_s": round(time.perf_counter() - t_start, 1),
+        "train_config": asdict(tc), "loss_first": history[0]["loss"], "loss_last": history[-1]["loss"],
+    }
+    rounded.save(args.out, notes, args.overwrite_shipped)
+    log_path.write_text(json.dumps(notes | {"history": history}, indent=1))
+    print(json.dumps(notes, indent=1))
+    return 0
