@@ -110,6 +110,8 @@ class EagleDraft:
     """EAGLE's draft on a frozen ``target`` (a ``Llama``): ``params`` (``draft_param_shapes``) and ``subset`` ids."""
 
     def __init__(self, target, params: dict, subset):
+        if not isinstance(target, Llama):
+            raise ValueError(f"an EAGLE draft reads a Llama's features (smollm2-135m), not a {type(target).__name__}'s")
         self.target = target
         cfg = target.config
         subset = np.asarray(subset, dtype=np.int64)

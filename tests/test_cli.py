@@ -399,3 +399,13 @@ def test_bad_inputs_are_one_line_before_any_work(argv, message, capsys):
     captured = capsys.readouterr()
     assert captured.err.count("\n") == 1 and message in captured.err
     assert all(line.startswith(("backend ", "WARNING: the load")) for line in captured.out.splitlines()), captured.out
+
+
+def test_eagle_commands_bad_input_is_one_line(tmp_path, capsys):
+    assert cli.main(["generate", "--model", "draft", "--speculate", "eagle", "--max-new-tokens", "3"]) == 1
+    assert "no EAGLE draft ships for model 'draft'" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert cli.main(["eagle-train", "--data", str(tmp_path / "empty"), "--out", str(tmp_path / "d.npz")]) == 1
+    assert "holds no EAGLE data parts" in capsys.readouterr().err
+    assert cli.main(["eagle-data", "--out", str(tmp_path / "data"), "--prompts", "0"]) == 1
+    assert "--prompts and --max-new-tokens must be >= 1" in capsys.readouterr().err

@@ -293,3 +293,48 @@ def test_bad_input_one_line_errors(target, draft, tmp_path):
     with pytest.raises(ValueError, match="trained for another model"):
         EagleDraft.load(other, path)
     assert EagleDraft.load(target, path).subset.tolist() == SUBSET
+
+
+# ----------------------------------------------------------------------------------------------
+# training data and the training loop
+
+
+def test_answer_batch_features_are_the_targets_own(target):
+    """Each answer's features are the target's hidden states of the whole sequence (one forward), the
+    padded batch included: the data is what decoding will meet."""
+    from minillm.eagle_train import answer_batch, pad_prompts
+
+    prompts = pad_prompts([[1, 2, 3, 4], [5, 6, 7]], at=1, pad_id=0)
+    assert prompts == [[1, 2, 3, 4], [5, 0, 6, 7]]
+    for temperature in (0.0, 1.0):
+        for tokens, feats in answer_batch(target, prompts, 6, temperature, eos=7, seed=0):
+            assert len(feats) == len(tokens) - 1
+            full = to_numpy(target.hidden(np.array([tokens]))[0, :-1])
+            np.testing.assert_allclose(feats.astype(np.float32), full, atol=2e-2, rtol=2e-2)  # float16 storage
+
+
+def synthetic_data(target, n_seqs=6, length=40, seed=0):
+    rng = np.random.default_rng(seed)
+    seqs = [rng.integers(0, CFG.vocab_size, length) for _ in range(n_seqs)]
+    feats = [to_numpy(target.hidden(np.array([s]))[0, :-1]).astype(np.float16) for s in seqs]
+    return {"sequences": seqs, "features": feats, "kinds": ["chat"] * n_seqs, "temperatures": [0.0] * n_seqs,
+            "prompt_lengths": [4] * n_seqs}
+
+
+def test_training_resumes_where_it_stopped(target, tmp_path):
+    """6 steps in one go == 3 steps, a stop, and --resume to 6 (parameters, bit for bit)."""
+    from dataclasses import replace
+
+    from minillm.eagle_train import EAGLE_TRAIN, DraftData, train_draft
+
+    tc = replace(EAGLE_TRAIN, max_steps=6, batch_size=2, ckpt_every=3, eval_every=3, warmup_steps=2)
+    data = synthetic_data(target)
+    straight = EagleDraft.init(target, SUBSET)
+    history = train_draft(straight, DraftData(data, straight), tc, tmp_path / "a.npz", progress=False)
+    assert history[-1]["loss"] < history[0]["loss"]
+    stopped = EagleDraft.init(target, SUBSET)
+    train_draft(stopped, DraftData(data, stopped), replace(tc, max_steps=3), tmp_path / "b.npz", progress=False)
+    resumed = EagleDraft.init(target, SUBSET)
+    train_draft(resumed, DraftData(data, resumed), tc, tmp_path / "b.npz", resume=True, progress=False)
+    for name in straight.params:
+        np.testing.assert_array_equal(to_numpy(resumed.params[name]), to_numpy(straight.params[name]), err_msg=name)
