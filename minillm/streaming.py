@@ -14,8 +14,8 @@ Two layouts, one kernel each (the models store both; copying a weight into the o
 double the memory and go stale when training updates it in place):
 
 - ``rows_kernel``: w stored [out, in] (Llama, and every LM head): 4 rows of w at a time, dotted
-  with the n token rows, 2 at a time, while the 4 rows sit in the L1 cache: 8 sums kept in
-  registers from 6 loads per step of the inner loop.
+  with the n token rows, 4 at a time (then 2, then 1), while the 4 rows sit in the L1 cache: 16
+  sums kept in registers from 8 loads per step of the inner loop (4 x 2: 8 sums from 6 loads).
 - ``cols_kernel``: w stored [in, out] (GPT-2's Conv1D weights, y = x @ w): row w[t] is added into
   the n output rows scaled by x[i, t], 4 rows of w at a time so one load and store of y[i, j]
   carries 4 multiply-adds.
@@ -33,7 +33,7 @@ import numba
 import numpy as np
 
 ROW_BLOCK = 4  # weight rows per pass: 4 sums share each load of x (rows), 4 multiply-adds each load of y (cols)
-TOKEN_BLOCK = 2  # token rows per pass of rows_kernel: each load of w feeds 2 sums
+TOKEN_BLOCK = 2  # token rows per pass of rows_kernel's 2-row loop (its main loop takes twice as many)
 
 f32 = numba.float32
 SIGNATURE = numba.void(f32[:, ::1], f32[:, ::1], f32[:, ::1])  # the one signature each kernel is compiled for
@@ -49,7 +49,35 @@ def rows_kernel(x, w, y):
     while j + ROW_BLOCK <= m:  # pass 1: 4 weight rows at a time, read from memory once, then from L1
         w0, w1, w2, w3 = w[j], w[j + 1], w[j + 2], w[j + 3]
         i = 0
-        while i + TOKEN_BLOCK <= n:  # 2 token rows x 4 weight rows: 8 sums from 6 loads per t
+        while i + 2 * TOKEN_BLOCK <= n:  # 4 token rows x 4 weight rows: 16 sums from 8 loads per t
+            xa, xb, xc, xd = x[i], x[i + 1], x[i + 2], x[i + 3]
+            a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = f32(0.0)
+            c0 = c1 = c2 = c3 = d0 = d1 = d2 = d3 = f32(0.0)
+            for t in range(k):
+                p, q, r, s = xa[t], xb[t], xc[t], xd[t]
+                u0, u1, u2, u3 = w0[t], w1[t], w2[t], w3[t]
+                a0 += u0 * p
+                a1 += u1 * p
+                a2 += u2 * p
+                a3 += u3 * p
+                b0 += u0 * q
+                b1 += u1 * q
+                b2 += u2 * q
+                b3 += u3 * q
+                c0 += u0 * r
+                c1 += u1 * r
+                c2 += u2 * r
+                c3 += u3 * r
+                d0 += u0 * s
+                d1 += u1 * s
+                d2 += u2 * s
+                d3 += u3 * s
+            y[i, j], y[i, j + 1], y[i, j + 2], y[i, j + 3] = a0, a1, a2, a3
+            y[i + 1, j], y[i + 1, j + 1], y[i + 1, j + 2], y[i + 1, j + 3] = b0, b1, b2, b3
+            y[i + 2, j], y[i + 2, j + 1], y[i + 2, j + 2], y[i + 2, j + 3] = c0, c1, c2, c3
+            y[i + 3, j], y[i + 3, j + 1], y[i + 3, j + 2], y[i + 3, j + 3] = d0, d1, d2, d3
+            i += 2 * TOKEN_BLOCK
+        if i + TOKEN_BLOCK <= n:  # 2 token rows x 4 weight rows: 8 sums from 6 loads per t
             xa, xb = x[i], x[i + 1]
             a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = f32(0.0)
             for t in range(k):
