@@ -280,9 +280,9 @@ def draft_forward_backward(params: dict, config, embed, lm_subset, feats, next_t
 # ----------------------------------------------------------------------------------------------
 # training
 
-EAGLE_TRAIN = TrainConfig(batch_size=16, max_steps=1500, lr=1e-3, min_lr=1e-4, warmup_steps=50, weight_decay=0.0,
+EAGLE_TRAIN = TrainConfig(batch_size=8, max_steps=1500, lr=1e-3, min_lr=1e-4, warmup_steps=50, weight_decay=0.0,
                           eval_every=250, ckpt_every=100, seed=0)
-WINDOW = 64  # positions per training window (the draft attends within it)
+WINDOW = 128  # positions per training window (the draft attends within it)
 HELD_OUT_SHARE = 0.05  # the last answers (other prompts) are held out
 
 
@@ -303,44 +303,57 @@ def pair_stream(sequences, features):
 
 
 class DraftData:
-    """The pair stream of a data directory, split into training and held-out answers."""
+    """The pair stream of a data directory, split into training and held-out answers.
+
+    Training pairs leave out those that predict a token of the chat template's header (the system
+    turn every prompt starts with: the draft would only learn it by heart); held-out pairs are the
+    greedy answers' own tokens, the ones speculation must guess.
+    """
 
     def __init__(self, data: dict, draft, n_train_tokens: int | None = None):
         n = len(data["sequences"])
         n_held = max(1, int(round(n * HELD_OUT_SHARE)))
         held, train = list(range(n - n_held, n)), list(range(n - n_held))
+        self.window = min(WINDOW, draft.config.block_size)  # positions per training window
         self.features = np.concatenate(data["features"])  # (sum(n - 1), C) float16
-        self.train = self.split(data, train, draft, n_train_tokens)
-        self.held = self.split(data, [i for i in held if data["temperatures"][i] == 0.0] or held, draft)
+        self.starts = np.concatenate([[0], np.cumsum([len(f) for f in data["features"]])])
+        header = len(os.path.commonprefix([list(s) for s in data["sequences"]])) if n > 1 else 0
+        self.train = self.split(data, train, draft, [header] * len(train), n_train_tokens)
+        greedy = [i for i in held if data["temperatures"][i] == 0.0] or held
+        self.held = self.split(data, greedy, draft, [data["prompt_lengths"][i] for i in greedy])
 
-    def split(self, data, indices, draft, limit=None):
-        starts = np.concatenate([[0], np.cumsum([len(f) for f in data["features"]])])
+    def split(self, data, indices, draft, first_targets, limit=None):
+        """Pairs j of the sequences ``indices`` whose x_{j+2} sits at or after first_targets[i]."""
         rows, x1, x2 = [], [], []
-        for i in indices:
+        for i, first in zip(indices, first_targets):
             r, a, b = pair_stream([data["sequences"][i]], [data["features"][i]])
-            rows.append(r + starts[i])
-            x1.append(a)
-            x2.append(b)
+            keep = r + 2 >= first
+            rows.append(r[keep] + self.starts[i])
+            x1.append(a[keep])
+            x2.append(b[keep])
         rows, x1, x2 = np.concatenate(rows), np.concatenate(x1), np.concatenate(x2)
         if limit is not None:
             rows, x1, x2 = rows[:limit], x1[:limit], x2[:limit]
         return rows, x1, draft.to_subset[x2]
 
-    def windows(self, split, starts, T: int = WINDOW):
+    def windows(self, split, starts):
         rows, x1, y = split
+        T = self.window
         idx = np.asarray(starts)[:, None] + np.arange(T)  # (B, T)
         f = xp.asarray(self.features[rows[idx]].astype(np.float32))
         f_next = xp.asarray(self.features[rows[idx] + 1].astype(np.float32))
         return f, xp.asarray(x1[idx]), f_next, xp.asarray(y[idx])
 
 
-def held_out_accuracy(draft, data: DraftData, T: int = WINDOW, max_windows: int = 64) -> float:
-    """Share of held-out greedy positions where the draft's first guess is the target's next token."""
+def held_out_accuracy(draft, data: DraftData, max_windows: int = 64) -> float:
+    """Share of held-out answer positions where the draft's first guess is the target's next token
+    (teacher forced: the draft reads the target's features, as in its first step of a round)."""
     rows, _, y = data.held
+    T = data.window
     n_windows = min(max_windows, len(rows) // T)
     hits = total = 0
     for w in range(n_windows):
-        f, x1, _, yy = data.windows(data.held, [w * T], T)
+        f, x1, _, yy = data.windows(data.held, [w * T])
         _, logits = draft.step(f[0], to_numpy(x1[0]))
         guess = to_numpy(logits).argmax(axis=-1)
         hits += int((guess == to_numpy(yy[0])).sum())
@@ -366,13 +379,13 @@ def train_draft(draft, data: DraftData, tc: TrainConfig = EAGLE_TRAIN, state_pat
     if resume and state_path is not None and Path(state_path).exists():
         start, history, elapsed0 = load_train_state(state_path, draft, params, opt, rng)
     n_rows = len(data.train[0])
-    if n_rows <= WINDOW:
-        raise ValueError(f"{n_rows} training positions: too few for one window of {WINDOW}")
+    if n_rows <= data.window:
+        raise ValueError(f"{n_rows} training positions: too few for one window of {data.window}")
     t0 = time.perf_counter()
     bar = tqdm(range(start, tc.max_steps), initial=start, total=tc.max_steps, disable=not progress,
                desc="eagle draft", mininterval=5.0)
     for step in bar:
-        batch = data.windows(data.train, rng.integers(0, n_rows - WINDOW, size=tc.batch_size))
+        batch = data.windows(data.train, rng.integers(0, n_rows - data.window, size=tc.batch_size))
         loss, parts, grads = draft_forward_backward(params, cfg, embed, lm_subset, *batch)
         check_step(loss, clip_grad_norm(grads, tc.grad_clip), step + 1)
         opt.step(params, grads, lr_at(step, tc))

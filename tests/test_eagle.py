@@ -314,8 +314,9 @@ def test_answer_batch_features_are_the_targets_own(target):
 
 
 def synthetic_data(target, n_seqs=6, length=40, seed=0):
+    """Sequences that repeat a pattern of 5 tokens: a draft learns them in a few steps."""
     rng = np.random.default_rng(seed)
-    seqs = [rng.integers(0, CFG.vocab_size, length) for _ in range(n_seqs)]
+    seqs = [np.tile(rng.permutation(CFG.vocab_size)[:5], length // 5) for _ in range(n_seqs)]
     feats = [to_numpy(target.hidden(np.array([s]))[0, :-1]).astype(np.float16) for s in seqs]
     return {"sequences": seqs, "features": feats, "kinds": ["chat"] * n_seqs, "temperatures": [0.0] * n_seqs,
             "prompt_lengths": [4] * n_seqs}
@@ -327,7 +328,7 @@ def test_training_resumes_where_it_stopped(target, tmp_path):
 
     from minillm.eagle_train import EAGLE_TRAIN, DraftData, train_draft
 
-    tc = replace(EAGLE_TRAIN, max_steps=6, batch_size=2, ckpt_every=3, eval_every=3, warmup_steps=2)
+    tc = replace(EAGLE_TRAIN, max_steps=6, batch_size=2, ckpt_every=3, eval_every=3, warmup_steps=2, lr=3e-3)
     data = synthetic_data(target)
     straight = EagleDraft.init(target, SUBSET)
     history = train_draft(straight, DraftData(data, straight), tc, tmp_path / "a.npz", progress=False)

@@ -68,7 +68,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"V': the draft's vocabulary, the most frequent tokens of the data (default {DEFAULT_SUBSET})")
     p.add_argument("--steps", type=nonnegative_count, default=EAGLE_TRAIN.max_steps, help="optimizer steps")
     p.add_argument("--batch-size", type=nonnegative_count, default=EAGLE_TRAIN.batch_size,
-                   help="windows of 64 positions per step")
+                   help="windows of 128 positions per step")
     p.add_argument("--lr", type=nonnegative_float, default=EAGLE_TRAIN.lr, help="peak learning rate")
     p.add_argument("--train-tokens", type=nonnegative_count, default=None,
                    help="train on the first N positions only (a data-scaling curve)")
@@ -104,8 +104,9 @@ def run_train(args) -> int:
         "held_out_top1": round(held_out_accuracy(rounded, pairs), 4),  # as shipped: float16 weights
         "train_time_s": history[-1]["elapsed_s"], "total_time_s": round(time.perf_counter() - t_start, 1),
         "train_config": asdict(tc), "loss_first": history[0]["loss"], "loss_last": history[-1]["loss"],
+        "history": history[:: max(1, len(history) // 100)] + history[-1:],  # the curve, about 100 points
     }
     rounded.save(args.out, notes, args.overwrite_shipped)
     log_path.write_text(json.dumps(notes | {"history": history}, indent=1))
-    print(json.dumps(notes, indent=1))
+    print(json.dumps({k: v for k, v in notes.items() if k != "history"}, indent=1))
     return 0
