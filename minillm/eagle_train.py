@@ -283,7 +283,8 @@ def draft_forward_backward(params: dict, config, embed, lm_subset, feats, next_t
 EAGLE_TRAIN = TrainConfig(batch_size=8, max_steps=1500, lr=1e-3, min_lr=1e-4, warmup_steps=50, weight_decay=0.0,
                           eval_every=250, ckpt_every=100, seed=0)
 WINDOW = 128  # positions per training window (the draft attends within it)
-HELD_OUT_SHARE = 0.05  # the last answers (other prompts) are held out
+HELD_OUT_SHARE = 0.05  # answers (other prompts) held out
+FEATURE_NOISE = 0.1  # EAGLE's uniform noise on the input features, here relative to each feature's RMS
 
 
 def pair_stream(sequences, features):
@@ -312,8 +313,9 @@ class DraftData:
 
     def __init__(self, data: dict, draft, n_train_tokens: int | None = None):
         n = len(data["sequences"])
-        n_held = max(1, int(round(n * HELD_OUT_SHARE)))
-        held, train = list(range(n - n_held, n)), list(range(n - n_held))
+        every = max(2, round(1 / HELD_OUT_SHARE))  # every 20th answer: all temperatures and lengths
+        held = list(range(every - 1, n, every)) or [n - 1]
+        train = [i for i in range(n) if i not in set(held)]
         self.window = min(WINDOW, draft.config.block_size)  # positions per training window
         self.features = np.concatenate(data["features"])  # (sum(n - 1), C) float16
         self.starts = np.concatenate([[0], np.cumsum([len(f) for f in data["features"]])])
@@ -365,7 +367,8 @@ def train_draft(draft, data: DraftData, tc: TrainConfig = EAGLE_TRAIN, state_pat
                 progress: bool = True):
     """Train ``draft``'s parameters in place on ``data`` -> history (loss terms, held-out accuracy, time).
 
-    AdamW with the cosine schedule of ``train.lr_at``; every tc.ckpt_every steps the parameters,
+    Input features get EAGLE's uniform noise (FEATURE_NOISE x their RMS): while drafting, the draft reads
+    its own guesses. AdamW with the cosine schedule of ``train.lr_at``; every tc.ckpt_every steps the parameters,
     moments, step, generator and history go atomically to ``state_path``; ``resume`` continues there.
     """
     from tqdm import tqdm
@@ -385,7 +388,10 @@ def train_draft(draft, data: DraftData, tc: TrainConfig = EAGLE_TRAIN, state_pat
     bar = tqdm(range(start, tc.max_steps), initial=start, total=tc.max_steps, disable=not progress,
                desc="eagle draft", mininterval=5.0)
     for step in bar:
-        batch = data.windows(data.train, rng.integers(0, n_rows - data.window, size=tc.batch_size))
+        f, x1, f_next, y = data.windows(data.train, rng.integers(0, n_rows - data.window, size=tc.batch_size))
+        scale = xp.sqrt((f * f).mean(axis=-1, keepdims=True))  # (B, T, 1)
+        f = f + FEATURE_NOISE * scale * xp.asarray(rng.uniform(-1.0, 1.0, f.shape).astype(np.float32))
+        batch = (f, x1, f_next, y)  # the draft must cope with its own imprecise features while drafting
         loss, parts, grads = draft_forward_backward(params, cfg, embed, lm_subset, *batch)
         check_step(loss, clip_grad_norm(grads, tc.grad_clip), step + 1)
         opt.step(params, grads, lr_at(step, tc))
