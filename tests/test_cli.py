@@ -8,6 +8,7 @@ import pytest
 
 from minillm import CharTokenizer, save_model
 from minillm.checkpoint import shipped_path
+from minillm.eagle import shipped_draft_path
 from minillm.tools import cli
 from minillm.tools.benchmarks import common
 from minillm.tools.benchmarks import paged as paged_bench
@@ -122,8 +123,8 @@ def test_train_never_overwrites_a_shipped_model_unless_asked(capsys):
     assert shipped_path("draft").read_bytes() == before
 
 
-DEMO_ARGS = [["--max-new-tokens", "12", "--k", "3", "--answer-tokens", "12"],
-             ["demo", "--k", "3", "--max-new-tokens", "9", "--no-real-model"]]
+DEMO_ARGS = [["--max-new-tokens", "12", "--k", "3", "--answer-tokens", "12", "--repeats", "1"],
+             ["demo", "--k", "3", "--max-new-tokens", "9", "--no-real-model", "--temperature", "0"]]
 
 
 @pytest.mark.skipif(not shipped_path("target").is_file(), reason="shipped models not trained yet")
@@ -136,9 +137,14 @@ def test_demo_options_with_and_without_the_demo_command(args, capsys):
     demo opens with the real model's streamed answer unless told not to."""
     assert cli.main(args) == 0
     out = capsys.readouterr().out
-    assert "K=3" in out and "speculative K=3" in out and "identical: yes" in out
+    assert "K=3" in out and "speculative K=3" in out
+    greedy = "--temperature" in args  # part 2 samples at 0.8 by default
+    assert ("greedy outputs identical: yes" in out) == greedy
+    assert ("(temperature > 0: two samples" in out) == (not greedy)
     real = "--no-real-model" not in args and registry_model_installed()
     assert ("assistant: The capital of France is Paris" in out and "TTFT" in out) == real
+    eagle = real and shipped_draft_path("smollm2-135m").is_file()
+    assert ("EAGLE chain K=4" in out and "identical: yes" in out) == eagle
 
 
 def registry_model_installed() -> bool:

@@ -26,7 +26,8 @@ from minillm.llama import Llama, apply_rope, rms_norm, rope_cos_sin
 from minillm.sampling import SamplingSettings
 from minillm.token_tree import Round, tree_generate, verify_tree
 
-pytestmark = pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "8.1", "8.2", "8.3", "9.1", "9.2", "9.3")
+# the draft is a Llama block (8.1-8.3); the loop runs the KV cache (3.x), verification (5.1) and trees (9.x)
+USES = pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "8.1", "8.2", "8.3", "9.1", "9.2", "9.3")
 
 CFG = LlamaConfig(vocab_size=8, block_size=40, n_layer=2, n_head=4, n_kv_head=2, n_embd=16, n_hidden=24)
 SUBSET = [0, 2, 3, 5]
@@ -66,6 +67,7 @@ def numeric_grad(f, x, h=1e-6):
     return g
 
 
+@USES
 def test_rms_norm_and_rope_backward_match_finite_differences(rng):
     x, w, dy = rng.normal(size=(3, 8)), rng.normal(size=8), rng.normal(size=(3, 8))
     dx, dw = rms_norm_backward(dy, x, w, 1e-5)
@@ -77,6 +79,7 @@ def test_rms_norm_and_rope_backward_match_finite_differences(rng):
                                numeric_grad(lambda: float((apply_rope(q, cos, sin) * dq).sum()), q), atol=1e-7)
 
 
+@USES
 def test_draft_backward_matches_finite_differences(target, draft, rng):
     """Every parameter's gradient, a few entries each, float64; targets -1 (outside the subset) included."""
     P = {k: to_numpy(v).astype(np.float64) for k, v in draft.params.items()}
@@ -114,6 +117,7 @@ def test_frequency_subset_worked_examples():
     assert subset_coverage([6, 3, 1], [1, 2, 3]) == {1: 0.6, 2: 0.9, 3: 1.0}
 
 
+@USES
 def test_draft_q_is_zero_outside_the_subset(draft):
     _, logits = draft.step(np.zeros((1, CFG.n_embd), np.float32), [3])
     q = draft.full_probs(SamplingSettings(1.0).probs(to_numpy(logits[0])))
@@ -159,6 +163,7 @@ def joint(table, V):
     return np.concatenate([table[()][a] * table[(a,)] for a in range(V)])
 
 
+@USES
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_a_round_is_lossless(target, draft, mode, temperature):
@@ -187,6 +192,7 @@ class IdsShifted(EagleDraft):
         return out
 
 
+@USES
 @pytest.mark.parametrize("bug", [Unnormalized, IdsShifted])
 def test_the_harness_rejects_a_wrong_draft_distribution(target, draft, bug):
     broken = bug(target, {k: to_numpy(v) for k, v in draft.params.items()}, SUBSET)
@@ -247,6 +253,7 @@ def drafted_rounds(target, draft, cls):
     return proposer.rounds
 
 
+@USES
 def test_each_round_drafts_what_a_recompute_drafts(target, draft):
     rounds = drafted_rounds(target, draft, Recording)
     assert len(rounds) >= 3
@@ -254,6 +261,7 @@ def test_each_round_drafts_what_a_recompute_drafts(target, draft):
         assert chain == reference_chain(target, draft, seq, len(chain))
 
 
+@USES
 @pytest.mark.parametrize("bug", [WrongPosition, NotRolledBack])
 def test_the_recompute_check_catches_cache_bugs(target, draft, bug):
     rounds = drafted_rounds(target, draft, bug)
@@ -264,6 +272,7 @@ def test_the_recompute_check_catches_cache_bugs(target, draft, bug):
 # greedy output is plain decoding's
 
 
+@USES
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 @pytest.mark.parametrize("n_new", [10, 60])  # 60 runs past block_size = 40: the window slides
 def test_greedy_output_is_plain_decoding(target, draft, mode, n_new):
@@ -299,6 +308,7 @@ def test_bad_input_one_line_errors(target, draft, tmp_path):
 # training data and the training loop
 
 
+@USES
 def test_answer_batch_features_are_the_targets_own(target):
     """Each answer's features are the target's hidden states of the whole sequence (one forward), the
     padded batch included: the data is what decoding will meet."""
@@ -322,6 +332,7 @@ def synthetic_data(target, n_seqs=6, length=40, seed=0):
             "prompt_lengths": [4] * n_seqs}
 
 
+@USES
 def test_training_resumes_where_it_stopped(target, tmp_path):
     """6 steps in one go == 3 steps, a stop, and --resume to 6 (parameters, bit for bit)."""
     from dataclasses import replace

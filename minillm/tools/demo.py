@@ -1,35 +1,44 @@
 """``python -m minillm``: the main demo, in two parts.
 
 1. A real model: SmolLM2-135M-Instruct (chapter 8), run from its 4-bit GGUF in plain arrays, answers
-   a question; the answer streams as it is generated, then its TTFT and tokens/s.
+   a question; the answer streams as it is generated, then its TTFT and tokens/s. Then the same
+   answer with and without speculation by the shipped EAGLE draft (chapter 11): after a warm-up,
+   ``--repeats`` alternating runs of each, their medians, and whether the texts are identical.
 2. Speculative decoding (chapter 5): the shipped character-level target writes a passage twice, once
    with plain cached decoding (``minillm.generate``) and once with speculative decoding (the shipped
    1-layer draft proposing K tokens per target call), then prints both passages and a stats table.
 
-Under greedy decoding (the default) the two passages are identical, token for token: speculative
-decoding changes the speed, never the text. At a temperature above 0 each passage is a sample
-from the same distribution, so they differ.
+Part 2 samples at temperature 0.8 by default: each passage is a sample from the same distribution,
+so they differ. Under greedy decoding (``--temperature 0``) they are identical, token for token:
+speculative decoding changes the speed, never the text (a model this small, decoded greedily, soon
+repeats itself: "the state of the state of ...").
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 
+from ..backend import fast_products, set_fast_products
 from ..chat import answer, turn_summary
 from ..checkpoint import CheckpointError, load_model
+from ..eagle import EagleDraft, EagleProposer, shipped_draft_path
 from ..generate import generate
+from ..measure import time_pairs
 from ..notebook import format_table
 from ..registry import SMOLLM2
 from ..registry import load_model as load_any_model
 from ..sampling import SamplingSettings
 from ..speculative import speculative_generate
+from ..token_tree import tree_generate
 from .chat_cli import check_message
-from .options import finite_float, nonnegative_int, positive_int
+from .options import finite_float, int_in, nonnegative_int, positive_int
 
 DEFAULT_PROMPT = "ROMEO:\nBut soft, what light"
 DEFAULT_QUESTION = "What is the capital of France?"
 WARMUP_TOKENS = 8  # untimed runs first, so neither method pays for first-call overheads
+EAGLE_DEPTH = 4  # draft tokens per round in part 1
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,10 +46,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", default=DEFAULT_PROMPT, help=f"text to continue (default {DEFAULT_PROMPT!r})")
     p.add_argument("--max-new-tokens", type=positive_int, default=200, help="characters to write (default 200)")
     p.add_argument("--k", type=positive_int, default=4, help="draft tokens per target call (default 4)")
-    p.add_argument("--temperature", type=finite_float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--temperature", type=finite_float, default=0.8, help="part 2's sampling temperature, 0 = greedy "
+                   "(default 0.8)")
     p.add_argument("--seed", type=nonnegative_int, default=0, help="sampling seed (default 0)")
     p.add_argument("--question", default=DEFAULT_QUESTION, help="what the real model is asked (part 1)")
     p.add_argument("--answer-tokens", type=positive_int, default=48, help="longest answer in tokens (default 48)")
+    p.add_argument("--repeats", type=int_in(1, 20), default=3,
+                   help="part 1: timed runs of each, plain and EAGLE, alternating (default 3)")
     p.add_argument("--no-real-model", action="store_true", help="skip part 1 (SmolLM2)")
 
 
@@ -62,6 +74,37 @@ def real_model_answer(args) -> None:
           f"sharing {model.config.n_kv_head} KV heads\nuser: {args.question}\nassistant: ", end="", flush=True)
     reply = answer(model, tok, args.question, lambda text: print(text, end="", flush=True), args.answer_tokens)
     print(f"\n{turn_summary(reply)}\n")
+    if shipped_draft_path(SMOLLM2).is_file():
+        real_model_speculation(model, tok, args)
+
+
+def real_model_speculation(model, tok, args) -> None:
+    """The answer again, greedy, plain and with the EAGLE draft: alternating timed runs, medians."""
+    before = fast_products()
+    set_fast_products(True)  # both ways: a verify over a few tokens streams each weight once
+    ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": args.question}]))
+    draft = EagleDraft.load(model, shipped_draft_path(SMOLLM2))
+    n = args.answer_tokens
+
+    def plain():
+        return generate(model, ids, n, temperature=0.0)
+
+    def eagle():
+        return tree_generate(model, ids, n, EagleProposer(draft, "chain", depth=EAGLE_DEPTH), temperature=0.0)
+
+    plain_s, eagle_s, result = time_pairs(plain, eagle, args.repeats)
+    same = result.tokens == plain().tokens
+    set_fast_products(before)
+    s = result.stats
+    rows = [{"method": "plain cached", "median s": statistics.median(plain_s), "ms/token":
+             statistics.median(plain_s) / n * 1e3, "tokens/call": 1.0, "speed-up": 1.0},
+            {"method": f"EAGLE chain K={EAGLE_DEPTH}", "median s": statistics.median(eagle_s),
+             "ms/token": statistics.median(eagle_s) / n * 1e3, "tokens/call": s.tokens_per_call,
+             "speed-up": statistics.median(plain_s) / statistics.median(eagle_s)}]
+    print(f"=== the same answer ({n} tokens, greedy) with and without the EAGLE draft: after a warm-up, "
+          f"{args.repeats} alternating runs each, medians ===")
+    print(format_table(rows))
+    print(f"identical: {'yes' if same else 'NO'}\n")
 
 
 def run(args) -> int:
