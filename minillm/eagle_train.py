@@ -145,13 +145,13 @@ def write_answers(model, tokenizer, prompts: list, out_dir, max_new_tokens: int 
     return {"parts": len(groups), "tokens_written": written, "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def read_answers(data_dir) -> dict:
-    """``write_answers``' parts -> {"sequences": [ids], "features": [(n - 1, C) float16], "kinds", "temperatures",
-    "prompt_lengths"}, in part order."""
-    parts = sorted(Path(data_dir).glob("part-*.npz"))
+def read_answers(data_dir, max_parts: int | None = None) -> dict:
+    """``write_answers``' parts (the first ``max_parts``, all by default) -> {"sequences": [ids], "features":
+    [(n - 1, C) float16], "kinds", "temperatures", "prompt_lengths", "parts"}, in part order."""
+    parts = sorted(Path(data_dir).glob("part-*.npz"))[:max_parts]
     if not parts:
         raise ValueError(f"{data_dir} holds no EAGLE data parts (part-*.npz): run python -m minillm eagle-data")
-    out = {"sequences": [], "features": [], "kinds": [], "temperatures": [], "prompt_lengths": []}
+    out = {"sequences": [], "features": [], "kinds": [], "temperatures": [], "prompt_lengths": [], "parts": len(parts)}
     for path in parts:
         header, arrays = read_state(path, DATA_FORMAT)
         lengths = arrays["lengths"]

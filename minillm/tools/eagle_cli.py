@@ -70,6 +70,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=nonnegative_count, default=EAGLE_TRAIN.batch_size,
                    help="windows of 128 positions per step")
     p.add_argument("--lr", type=nonnegative_float, default=EAGLE_TRAIN.lr, help="peak learning rate")
+    p.add_argument("--parts", type=nonnegative_count, default=None,
+                   help="read only the first N data parts (answers are written by temperature: greedy first)")
     p.add_argument("--train-tokens", type=nonnegative_count, default=None,
                    help="train on the first N positions only (a data-scaling curve)")
     p.add_argument("--resume", action="store_true", help="continue from <out>.eagle-train.npz")
@@ -88,7 +90,7 @@ def run_train(args) -> int:
     check_run_files([args.out, state_path, log_path], args.overwrite or args.overwrite_shipped, args.resume)
     t_start = time.perf_counter()
     model, tokenizer = load_model(args.model)
-    data = read_answers(args.data)
+    data = read_answers(args.data, args.parts)
     n = len(data["sequences"])
     counts = token_counts(data["sequences"][: n - max(1, n // 20)], model.config.vocab_size)
     subset = frequency_subset(counts, args.vocab, always=(tokenizer.eos_token_id,))
@@ -100,6 +102,7 @@ def run_train(args) -> int:
     notes = {
         "model": str(args.model), "gguf_sha256": SMOLLM2_SHA256 if str(args.model) == SMOLLM2 else None,
         "subset_size": int(len(subset)), "coverage": subset_coverage(counts, COVERAGE_SIZES),
+        "data_parts": data["parts"], "answers": len(data["sequences"]),
         "train_positions": int(len(pairs.train[0])), "held_out_positions": int(len(pairs.held[0])),
         "held_out_top1": round(held_out_accuracy(rounded, pairs), 4),  # as shipped: float16 weights
         "train_time_s": history[-1]["elapsed_s"], "total_time_s": round(time.perf_counter() - t_start, 1),

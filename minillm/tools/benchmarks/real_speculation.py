@@ -180,6 +180,8 @@ def main(argv=None) -> int:
                         "measured faster, the default) or blas (the reference)")
     args = parse_args(parser, argv)
     set_fast_products(args.products == "fast")
+    print(f"weight products for this run: {'streaming where measured faster' if args.products == 'fast' else 'BLAS'} "
+          f"(--products {args.products})", flush=True)
     unknown = sorted(set(args.methods) - set(METHODS)) + sorted(set(args.kinds) - set(KINDS))
     if unknown:
         raise ValueError(f"unknown method or kind {unknown[0]!r}: methods {', '.join(METHODS)}; "

@@ -1,0 +1,52 @@
+"""``bench real-speculation``'s own logic on a tiny Llama: the cost model, the greedy identity check
+before timing (a method whose output differs is refused, nothing timed), and the JSON keys."""
+
+import argparse
+
+import numpy as np
+import pytest
+
+from minillm.config import LlamaConfig
+from minillm.draft_free import PromptLookup
+from minillm.eagle import EagleDraft, EagleProposer
+from minillm.llama import Llama
+from minillm.tools.benchmarks import real_speculation as rs
+from minillm.tools.benchmarks.common import BenchmarkError
+
+CFG = LlamaConfig(vocab_size=16, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=16, n_hidden=24)
+ARGS = argparse.Namespace(max_new_tokens=12, repeat=1)
+USES = pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "8.1", "8.2", "8.3", "9.1", "9.2", "9.3")
+
+
+def test_interpolate_and_the_cost_model():
+    costs = {1: 1.0, 2: 1.2, 4: 1.6}
+    assert rs.interpolate(costs, 3) == pytest.approx(1.4)
+    assert rs.interpolate(costs, 9) == 1.6 and rs.interpolate(costs, 0.5) == 1.0
+    cell = rs.Cell(accepted=20, checked=25, rounds=10, new_tokens=30, target_calls=10, verified=30, draft_s=0.1,
+                   ratios=[1.5, 1.7, 1.6])
+    (row,) = rs.rows_of({("eagle-chain", "chat", 0.0): cell}, t_step=0.05, costs=costs)
+    # tau = (20 + 10) / 10 = 3; n = 1 + 30 / 10 = 4 -> v 1.6; c = 0.1 / 10 / 0.05 = 0.2 -> 3 / 1.8
+    assert row["tau"] == 3.0 and row["v_n"] == 1.6 and row["draft_c"] == 0.2
+    assert row["predicted_speedup"] == pytest.approx(3 / 1.8, abs=0.01) and row["speedup"] == 1.6
+    assert row["alpha"] == 0.8
+
+
+@USES
+def test_a_method_that_changes_the_greedy_output_is_refused(monkeypatch):
+    model = Llama.init(CFG, seed=1)
+    draft = EagleDraft.init(model, np.arange(0, 16, 2))
+    proposers = {"eagle-chain": EagleProposer(draft), "lookup": PromptLookup()}
+    cells = {(m, "chat", 0.0): rs.Cell() for m in proposers}
+    ids = [1, 2, 3, 4, 1, 2]
+    rs.run_prompt(model, ids, ARGS, list(proposers), proposers, 0.0, cells, "chat", seed=0)
+    assert all(c.identical and len(c.ratios) == 1 and c.rounds > 0 for c in cells.values())
+    real = rs.tree_generate
+
+    def off_by_one(*args, **kwargs):
+        result = real(*args, **kwargs)
+        result.tokens[-1] = (result.tokens[-1] + 1) % CFG.vocab_size
+        return result
+
+    monkeypatch.setattr(rs, "tree_generate", off_by_one)
+    with pytest.raises(BenchmarkError, match="eagle-chain: greedy output differs from plain decoding"):
+        rs.run_prompt(model, ids, ARGS, list(proposers), proposers, 0.0, cells, "chat", seed=0)
