@@ -81,11 +81,11 @@ def frequency_subset(counts, size: int, always=()) -> np.ndarray:
 
     Example: counts [5, 0, 9, 1], size 2 -> [0, 2]; with always (3,) -> [2, 3].
     """
-    counts = np.asarray(counts)
-    size = check_int("the draft vocabulary size V'", size, max(MIN_SUBSET, len(always)) if len(counts) >= MIN_SUBSET
-                     else 1, len(counts))
-    ranked = [int(t) for t in np.argsort(-counts, kind="stable") if int(t) not in set(always)]
-    return np.array(sorted([*map(int, always), *ranked[: size - len(always)]]), dtype=np.int64)
+    counts, forced = np.asarray(counts), sorted({int(t) for t in always})
+    lowest = max(MIN_SUBSET, len(forced)) if len(counts) >= MIN_SUBSET else 1  # a tiny test vocabulary: any size
+    size = check_int("the draft vocabulary size V'", size, lowest, len(counts))
+    ranked = [int(t) for t in np.argsort(-counts, kind="stable") if int(t) not in forced]
+    return np.array(sorted([*forced, *ranked[: size - len(forced)]]), dtype=np.int64)
 
 
 def subset_coverage(counts, sizes) -> dict:

@@ -350,9 +350,8 @@ class DraftData:
 def held_out_accuracy(draft, data: DraftData, max_windows: int = 64) -> float:
     """Share of held-out answer positions where the draft's first guess is the target's next token
     (teacher forced: the draft reads the target's features, as in its first step of a round)."""
-    rows, _, y = data.held
     T = data.window
-    n_windows = min(max_windows, len(rows) // T)
+    n_windows = min(max_windows, len(data.held[0]) // T)
     hits = total = 0
     for w in range(n_windows):
         f, x1, _, yy = data.windows(data.held, [w * T])
