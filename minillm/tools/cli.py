@@ -236,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .eagle_cli import add_data_arguments as add_eagle_data_arguments
     from .eagle_cli import add_train_arguments as add_eagle_train_arguments
     from .medusa_cli import add_arguments as add_medusa_arguments
+    from .server import add_arguments as add_serve_arguments
+    from .server import serve
 
     parser = argparse.ArgumentParser(prog="python -m minillm", description=__doc__.splitlines()[0],
                                      epilog="With no command (or only demo options) it runs the demo.")
@@ -274,6 +276,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve-demo", help="a continuous-batching engine replaying a request trace, live")
     add_serve_demo_arguments(p)
     p.set_defaults(func=cmd_serve_demo)
+
+    p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the continuous-batching engine")
+    add_serve_arguments(p)
+    p.set_defaults(func=serve)
 
     p = sub.add_parser("info", help="backend, GPU, shipped models")
     p.set_defaults(func=cmd_info)

@@ -1,0 +1,539 @@
+"""``python -m minillm serve``: chapter 10's engine behind an OpenAI-compatible HTTP API.
+
+    POST /v1/chat/completions   POST /v1/completions   (streamed as server-sent events, or not)
+    GET  /v1/models   GET /health   GET /metrics (Prometheus text)
+
+One thread runs the engine loop (``EngineLoop``): it takes new requests and aborts from an inbox
+between steps, runs ``Engine.step()`` and hands each new token to its request's queue. The HTTP
+front end (Starlette on uvicorn, asyncio) never touches the engine's state: it checks a request,
+turns text into token ids and back, and waits on its queue. A client that goes away has its request
+aborted before the next step, and its KV blocks go back to the pool. More requests in flight than
+the engine's sequence budget plus ``max_queue`` get 429 with Retry-After at once.
+
+Why Starlette + uvicorn: Starlette is the small ASGI toolkit FastAPI is built on; it streams a
+response from an async generator and cancels it when the client disconnects, which is what aborting
+a request needs, without FastAPI's request models (whose 422 errors are not OpenAI's error objects).
+uvicorn is its standard server and stops on SIGINT/SIGTERM, waiting a bounded time for open requests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import queue
+import secrets
+import threading
+import time
+from dataclasses import dataclass, field
+
+from ..registry import KNOWN_MODELS, load_model
+from ..serving import Engine, Request
+from ..tokenizer import TextStream
+from .options import int_in, nonnegative_int, positive_int
+
+ABORT, ADD, STOP = "abort", "add", "stop"
+FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # the engine's reasons -> OpenAI's
+TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+MAX_STOPS = 4  # as the OpenAI API
+
+
+class ApiError(Exception):
+    """An error the client caused (or overload): HTTP ``status`` with an OpenAI-style error object."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 retry_after: int | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.retry_after = status, message, param, code, retry_after
+
+    def body(self) -> dict:
+        kind = "invalid_request_error" if self.status < 500 and self.status != 429 else "server_error"
+        kind = "rate_limit_error" if self.status == 429 else kind
+        return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+# ---- the engine loop (one thread) ----------------------------------------------------------------
+
+
+@dataclass
+class Outbox:
+    """One request's tokens, from the engine thread to the front end's event loop."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    request_id: int | None = None  # the engine's id, set by the engine thread
+
+    def put(self, item) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class EngineLoop:
+    """Owns the ``Engine``: every call on it happens in this thread, between steps."""
+
+    def __init__(self, engine: Engine):
+        self.engine = engine
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self.outboxes: dict[int, Outbox] = {}
+        self.in_flight = 0  # accepted by the front end and not yet finished (front end's thread only)
+        self.steps = 0
+        self.snapshot = self.read_snapshot()
+        self.thread = threading.Thread(target=self.run, name="minillm-engine", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Cancel what is left (each client gets "cancelled") and end the thread."""
+        self.inbox.put((STOP, None, None))
+        self.thread.join(timeout)
+
+    def read_snapshot(self) -> dict:
+        pool, prefix = self.engine.pool, self.engine.prefix
+        return {"running": len(self.engine.running), "waiting": len(self.engine.waiting),
+                "blocks_free": pool.num_free_blocks, "blocks_used": pool.num_blocks - pool.num_free_blocks,
+                "prefix_reused_tokens": 0 if prefix is None else prefix.reused_tokens, "steps": self.steps}
+
+    def handle(self, command) -> bool:
+        """Apply one inbox command -> False when the loop must stop."""
+        kind, request, outbox = command
+        if kind == STOP:
+            for rid, box in list(self.outboxes.items()):
+                self.engine.abort(rid)
+                box.put(("cancelled", None))
+            self.outboxes.clear()
+            return False
+        if kind == ADD:
+            try:
+                state = self.engine.add_request(request)
+            except ValueError as exc:  # checked by the front end already; a race cannot crash the loop
+                outbox.put(("error", str(exc)))
+                return True
+            outbox.request_id = state.id
+            self.outboxes[state.id] = outbox
+        elif kind == ABORT and outbox.request_id in self.outboxes:
+            self.engine.abort(outbox.request_id)
+            del self.outboxes[outbox.request_id]
+        return True
+
+    def run(self) -> None:
+        while True:
+            try:  # wait for work when idle; between steps only drain what has arrived
+                command = self.inbox.get(timeout=None if not self.engine.has_unfinished else 0)
+                if not self.handle(command):
+                    return
+                self.snapshot = self.read_snapshot()
+                continue
+            except queue.Empty:
+                pass
+            new = self.engine.step()
+            self.steps += 1
+            for rid, tokens in new.items():
+                box = self.outboxes.get(rid)
+                if box is None:
+                    continue
+                box.put(("tokens", tokens))
+                state = self.engine.finished.pop(rid, None)  # the server keeps no finished requests
+                if state is not None:
+                    del self.outboxes[rid]
+                    box.put(("done", state.finish_reason))
+            self.engine.history.clear()  # the server keeps no per-step records either
+            self.snapshot = self.read_snapshot()
+
+
+# ---- text out: stop strings, incomplete characters -----------------------------------------------
+
+
+class TextOut:
+    """Tokens -> text deltas; the text ends before the first stop string, which is not part of it.
+
+    A delta never ends inside a UTF-8 character, and while a stop string may still be forming, its
+    possible beginning is held back. Example: stop ["\\n\\n"], text "a\\n" -> "a" now, "\\n" held.
+    """
+
+    def __init__(self, tokenizer, stop: list[str]):
+        self.decoder = TextStream(tokenizer)
+        self.stop, self.hold = stop, max((len(s) for s in stop), default=1) - 1
+        self.text, self.sent, self.stopped = "", 0, False
+
+    def push(self, token: int) -> str:
+        self.text += self.decoder.push(token)
+        return self.deltas(final=False)
+
+    def finish(self) -> str:
+        self.text += self.decoder.flush()
+        return self.deltas(final=True)
+
+    def deltas(self, final: bool) -> str:
+        found = [i for i in (self.text.find(s, max(0, self.sent - self.hold)) for s in self.stop) if i >= 0]
+        if found:
+            self.text, self.stopped = self.text[: min(found)], True
+        end = len(self.text) if final or self.stopped else max(self.sent, len(self.text) - self.hold)
+        out, self.sent = self.text[self.sent : end], end
+        return out
+
+
+# ---- requests in: checks ---------------------------------------------------------------------------
+
+
+def number(body: dict, name: str, default: float, low: float, high: float) -> float:
+    value = body.get(name, default)
+    value = default if value is None else value
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or not low <= value <= high:
+        raise ApiError(400, f"{name} must be a finite number in [{low}, {high}], got {value!r}", name)
+    return float(value)
+
+
+def integer(body: dict, name: str, default, low: int) -> int | None:
+    value = body.get(name, default)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < low:
+        raise ApiError(400, f"{name} must be an integer >= {low}, got {value!r}", name)
+    return value
+
+
+def stop_strings(body: dict) -> list[str]:
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > MAX_STOPS or not all(isinstance(s, str) and s for s in stop):
+        raise ApiError(400, f"stop must be a non-empty string or a list of at most {MAX_STOPS} of them", "stop")
+    return stop
+
+
+@dataclass
+class Job:
+    """A checked request: token ids for the engine, how to sample, how to turn tokens into text."""
+
+    prompt: list
+    max_tokens: int
+    temperature: float
+    top_p: float
+    seed: int
+    stop: list
+    stream: bool
+
+
+class Server:
+    """The front end: the checks, the OpenAI formats, the metrics; ``EngineLoop`` runs the engine."""
+
+    def __init__(self, model_name: str, model, tokenizer, engine: Engine, max_queue: int = 64,
+                 default_max_tokens: int = 256):
+        self.model_name, self.model, self.tokenizer = model_name, model, tokenizer
+        self.loop = EngineLoop(engine)
+        self.max_in_flight = engine.max_num_seqs + max_queue
+        self.default_max_tokens = default_max_tokens
+        self.created = int(time.time())
+        self.ttft = Histogram(TTFT_BUCKETS)
+        self.itl = Histogram(ITL_BUCKETS)
+        self.counts = {"requests_total": 0, "requests_rejected_total": 0, "requests_aborted_total": 0}
+
+    # -- checks
+    def check_model(self, body: dict) -> None:
+        if body.get("model") != self.model_name:
+            raise ApiError(400, f"unknown model {body.get('model')!r}: this server serves {self.model_name!r}",
+                           "model", "model_not_found")
+
+    def job(self, body: dict, prompt: list) -> Job:
+        if integer(body, "n", 1, 1) != 1:
+            raise ApiError(400, "n must be 1: this server returns one choice per request", "n")
+        stream = body.get("stream", False)
+        if not isinstance(stream, bool):
+            raise ApiError(400, f"stream must be true or false, got {stream!r}", "stream")
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        max_tokens = integer({name: max_tokens}, name, self.default_max_tokens, 1)
+        seed = integer(body, "seed", None, 0)
+        job = Job(prompt, max_tokens if max_tokens is not None else self.default_max_tokens,
+                  number(body, "temperature", 1.0, 0.0, 2.0), number(body, "top_p", 1.0, 0.0, 1.0),
+                  secrets.randbits(63) if seed is None else seed, stop_strings(body), stream)
+        if job.top_p == 0.0:
+            raise ApiError(400, "top_p must be > 0 (top_p 1 keeps every token)", "top_p")
+        try:
+            self.loop.engine.check_fits(self.request(job))
+        except ValueError as exc:
+            raise ApiError(400, str(exc), "messages" if "messages" in body else "prompt",
+                           "context_length_exceeded") from None
+        return job
+
+    def request(self, job: Job) -> Request:
+        return Request(tuple(job.prompt), job.max_tokens, job.temperature, None,
+                       None if job.top_p >= 1.0 else job.top_p, job.seed,
+                       getattr(self.tokenizer, "eos_token_id", None))
+
+    def chat_prompt(self, body: dict) -> list:
+        if not hasattr(self.tokenizer, "chat_pieces"):
+            raise ApiError(400, f"{self.model_name} has no chat template: use /v1/completions", "model")
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise ApiError(400, "messages must be a non-empty list of {role, content}", "messages")
+        for m in messages:
+            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
+                    or not isinstance(m.get("content"), str):
+                raise ApiError(400, "each message needs a role (system, user or assistant) and string content",
+                               "messages")
+        return self.tokenizer.encode_pieces(self.tokenizer.chat_pieces(
+            [{"role": m["role"], "content": m["content"]} for m in messages]))
+
+    def text_prompt(self, body: dict) -> list:
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+            prompt = prompt[0]
+        if not isinstance(prompt, str) or not prompt:
+            raise ApiError(400, "prompt must be a non-empty string", "prompt")
+        try:
+            return self.tokenizer.encode(prompt)
+        except (KeyError, ValueError) as exc:  # the character model knows only its alphabet
+            raise ApiError(400, f"the prompt cannot be encoded by {self.model_name}'s tokenizer: {exc}",
+                           "prompt") from None
+
+    def admit(self) -> None:
+        if self.loop.in_flight >= self.max_in_flight:
+            self.counts["requests_rejected_total"] += 1
+            raise ApiError(429, f"server busy: {self.loop.in_flight} requests in flight (at most "
+                           f"{self.max_in_flight}); retry later", code="overloaded", retry_after=1)
+
+    # -- running a job: an async generator of (text delta, finish reason or None, tokens so far)
+    async def run(self, job: Job, disconnected=None):
+        """Yield text deltas; the last item carries the finish reason. The request is aborted in the
+        engine when the generator is left early: a client that went away (``disconnected()`` true,
+        or the task cancelled), or a stop string the engine does not know about."""
+        self.loop.in_flight += 1
+        self.counts["requests_total"] += 1
+        box = Outbox(asyncio.get_running_loop())
+        self.loop.inbox.put((ADD, self.request(job), box))
+        out, eos = TextOut(self.tokenizer, job.stop), getattr(self.tokenizer, "eos_token_id", None)
+        engine_done, n_tokens = False, 0
+        start = last = time.perf_counter()
+        try:
+            while True:
+                try:
+                    kind, payload = await asyncio.wait_for(box.queue.get(), timeout=0.25)
+                except TimeoutError:
+                    if disconnected is not None and await disconnected():
+                        return
+                    continue
+                if kind != "tokens":
+                    engine_done = True
+                    if kind == "error":
+                        raise ApiError(400, payload)
+                    if kind == "cancelled":
+                        raise ApiError(503, "the server is shutting down", code="shutting_down", retry_after=1)
+                    yield out.finish(), FINISH.get(payload, payload), n_tokens  # "done"
+                    return
+                now = time.perf_counter()
+                for token in payload:
+                    n_tokens += 1
+                    (self.ttft if n_tokens == 1 else self.itl).observe(now - (start if n_tokens == 1 else last))
+                    last = now
+                    delta = "" if token == eos else out.push(token)
+                    if out.stopped:
+                        yield out.finish(), "stop", n_tokens
+                        return
+                    if delta:
+                        yield delta, None, n_tokens
+        finally:
+            self.loop.in_flight -= 1
+            if not engine_done:  # left early: the engine still runs it; free its blocks before the next step
+                self.counts["requests_aborted_total"] += not out.stopped  # a stop string is not an abort
+                self.loop.inbox.put((ABORT, None, box))
+
+    # -- metrics
+    def metrics(self) -> str:
+        s = self.loop.snapshot
+        lines = []
+        for name, kind, value, about in [
+            ("minillm_requests_running", "gauge", s["running"], "requests in the running batch"),
+            ("minillm_requests_waiting", "gauge", s["waiting"], "requests queued in the engine"),
+            ("minillm_requests_in_flight", "gauge", self.loop.in_flight, "requests accepted and not finished"),
+            ("minillm_kv_blocks_used", "gauge", s["blocks_used"], "KV cache blocks held by sequences"),
+            ("minillm_kv_blocks_free", "gauge", s["blocks_free"], "KV cache blocks free"),
+            ("minillm_prefix_cache_reused_tokens_total", "counter", s["prefix_reused_tokens"],
+             "prompt tokens read from the prefix cache instead of computed"),
+            ("minillm_engine_steps_total", "counter", s["steps"], "engine steps run"),
+            ("minillm_requests_total", "counter", self.counts["requests_total"], "requests accepted"),
+            ("minillm_requests_rejected_total", "counter", self.counts["requests_rejected_total"],
+             "requests refused with 429 (overload)"),
+            ("minillm_requests_aborted_total", "counter", self.counts["requests_aborted_total"],
+             "requests whose client went away before the end"),
+        ]:
+            lines += [f"# HELP {name} {about}", f"# TYPE {name} {kind}", f"{name} {value}"]
+        lines += self.ttft.lines("minillm_time_to_first_token_seconds", "time from request to its first token")
+        lines += self.itl.lines("minillm_inter_token_latency_seconds", "time between two tokens of a request")
+        return "\n".join(lines) + "\n"
+
+
+class Histogram:
+    """A Prometheus histogram: cumulative bucket counts, sum and count."""
+
+    def __init__(self, buckets):
+        self.buckets, self.counts, self.sum, self.count = tuple(buckets), [0] * len(buckets), 0.0, 0
+
+    def observe(self, value: float) -> None:
+        self.sum, self.count = self.sum + value, self.count + 1
+        for i, le in enumerate(self.buckets):
+            if value <= le:
+                self.counts[i] += 1
+
+    def lines(self, name: str, about: str) -> list[str]:
+        out = [f"# HELP {name} {about}", f"# TYPE {name} histogram"]
+        out += [f'{name}_bucket{{le="{le}"}} {c}' for le, c in zip(self.buckets, self.counts)]
+        return out + [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.sum:.6f}",
+                      f"{name}_count {self.count}"]
+
+
+# ---- HTTP --------------------------------------------------------------------------------------------
+
+
+def build_app(server: Server):
+    """The Starlette application over ``server``; its lifespan starts and stops the engine thread."""
+    import contextlib
+
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.routing import Route
+
+    def error_response(exc: ApiError) -> JSONResponse:
+        headers = {} if exc.retry_after is None else {"Retry-After": str(exc.retry_after)}
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    async def read_body(request) -> dict:
+        raw = await request.body()
+        try:
+            body = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise ApiError(400, "the request body is not UTF-8") from None
+        except json.JSONDecodeError as exc:
+            raise ApiError(400, f"the request body is not JSON: {exc}") from None
+        if not isinstance(body, dict):
+            raise ApiError(400, "the request body must be a JSON object")
+        return body
+
+    def completion_endpoint(chat: bool):
+        kind = "chat.completion" if chat else "text_completion"
+
+        def choice(text: str, reason, streaming: bool) -> dict:
+            if chat:
+                key = "delta" if streaming else "message"
+                content = {"content": text} if streaming else {"role": "assistant", "content": text}
+                return {"index": 0, key: content, "finish_reason": reason, "logprobs": None}
+            return {"index": 0, "text": text, "finish_reason": reason, "logprobs": None}
+
+        async def endpoint(request):
+            try:
+                body = await read_body(request)
+                server.check_model(body)
+                job = server.job(body, server.chat_prompt(body) if chat else server.text_prompt(body))
+                server.admit()
+            except ApiError as exc:
+                return error_response(exc)
+            rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
+            head = {"id": rid, "created": int(time.time()), "model": server.model_name}
+            # a stream is cancelled by Starlette when its client goes; a plain request polls
+            gen = server.run(job, None if job.stream else request.is_disconnected)
+
+            def usage(n: int) -> dict:
+                return {"prompt_tokens": len(job.prompt), "completion_tokens": n,
+                        "total_tokens": len(job.prompt) + n}
+
+            if not job.stream:
+                text, reason, n = [], None, 0
+                try:
+                    async for item in gen:
+                        text.append(item[0])
+                        reason, n = item[1], item[2]
+                except ApiError as exc:
+                    return error_response(exc)
+                if reason is None:  # the client went away: nobody reads an answer
+                    return PlainTextResponse("", status_code=499)
+                return JSONResponse({**head, "object": kind, "choices": [choice("".join(text), reason, False)],
+                                     "usage": usage(n)})
+
+            async def events():
+                chunk = {**head, "object": kind + ".chunk" if chat else kind}
+                if chat:
+                    first = {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}
+                    yield f"data: {json.dumps({**chunk, 'choices': [first]})}\n\n"
+                try:
+                    async for delta, reason, n in gen:
+                        yield f"data: {json.dumps({**chunk, 'choices': [choice(delta, reason, True)]})}\n\n"
+                        if reason is not None and body.get("stream_options", {}).get("include_usage"):
+                            yield f"data: {json.dumps({**chunk, 'choices': [], 'usage': usage(n)})}\n\n"
+                except ApiError as exc:
+                    yield f"data: {json.dumps(exc.body())}\n\n"
+                finally:
+                    await gen.aclose()
+                yield "data: [DONE]\n\n"
+
+            return StreamingResponse(events(), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})
+
+        return endpoint
+
+    async def models(request):
+        return JSONResponse({"object": "list", "data": [
+            {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "minillm"}]})
+
+    async def health(request):
+        return JSONResponse({"status": "ok" if server.loop.thread.is_alive() else "engine stopped"},
+                            status_code=200 if server.loop.thread.is_alive() else 503)
+
+    async def metrics(request):
+        return PlainTextResponse(server.metrics(), media_type="text/plain; version=0.0.4")
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app):
+        server.loop.start()
+        yield
+        server.loop.stop()
+
+    return Starlette(routes=[
+        Route("/v1/chat/completions", completion_endpoint(True), methods=["POST"]),
+        Route("/v1/completions", completion_endpoint(False), methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+    ], lifespan=lifespan)
+
+
+def make_server(args, loader=load_model) -> Server:
+    model, tokenizer = loader(args.model)
+    context = model.config.block_size if args.context is None else min(args.context, model.config.block_size)
+    num_blocks = args.num_blocks or -(-context * args.max_num_seqs // args.page_size)
+    engine = Engine(model, num_blocks=num_blocks, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
+                    max_num_batched_tokens=args.max_num_batched_tokens, chunk_size=args.chunk_size,
+                    prefix_caching=not args.no_prefix_caching)
+    return Server(args.model, model, tokenizer, engine, max_queue=args.max_queue,
+                  default_max_tokens=args.default_max_tokens)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="target", choices=KNOWN_MODELS, help="the model to serve (default target)")
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int_in(0, 65535), default=8000, help="TCP port (default 8000; 0: any free one)")
+    p.add_argument("--context", type=positive_int, help="tokens a request may hold (default: the model's context)")
+    p.add_argument("--max-num-seqs", type=positive_int, default=8, help="requests in the running batch (default 8)")
+    p.add_argument("--max-num-batched-tokens", type=positive_int, default=256,
+                   help="tokens in one engine step (default 256)")
+    p.add_argument("--chunk-size", type=positive_int, default=64, help="prompt tokens per step (default 64)")
+    p.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV block (default 16)")
+    p.add_argument("--num-blocks", type=positive_int, help="KV blocks (default: the context for every running request)")
+    p.add_argument("--max-queue", type=nonnegative_int, default=64,
+                   help="requests waiting beyond --max-num-seqs before 429 (default 64)")
+    p.add_argument("--default-max-tokens", type=positive_int, default=256,
+                   help="max_tokens of a request that gives none (default 256)")
+    p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    p.add_argument("--shutdown-timeout", type=positive_int, default=5,
+                   help="seconds to wait for open requests on SIGINT/SIGTERM (default 5)")
+
+
+def serve(args) -> int:
+    import uvicorn
+
+    server = make_server(args)
+    print(f"serving {args.model} on http://{args.host}:{args.port}/v1 (OpenAI API); Ctrl-C stops", flush=True)
+    uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning",
+                timeout_graceful_shutdown=args.shutdown_timeout)
+    return 0

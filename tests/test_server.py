@@ -1,0 +1,335 @@
+"""The OpenAI-compatible server (``minillm.tools.server``), through the official ``openai`` client.
+
+A server on 127.0.0.1 with a free port, in this process (uvicorn in a thread), over chapter 10's
+engine:
+- greedy answers equal offline ``generate`` token for token; streamed deltas concatenate to the
+  same text; a seed reproduces a sampled answer; stop strings cut the text as the API says;
+- 16 concurrent clients with different prompts each get their own answer;
+- a client that disconnects mid-stream has its request aborted within a step, and after 100 such
+  clients the KV pool checks clean with every block free;
+- overload gets 429 with Retry-After at once; bad input gets 400 with an OpenAI error object, and
+  the server keeps serving;
+- SIGTERM on ``python -m minillm serve`` ends in-flight streams and the process within a bound.
+"""
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+
+from minillm import GPT, GPTConfig, generate, load_model
+from minillm.serving import Engine
+from minillm.tools.server import Server, TextOut, build_app
+
+openai = pytest.importorskip("openai")
+uvicorn = pytest.importorskip("uvicorn")
+
+pytestmark = pytest.mark.host_only  # an HTTP front end over the NumPy engine; no array code of its own
+# the engine runs the paged KV cache and the scheduler (chapters 3, 6, 10) and samples (chapter 1)
+USES = pytest.mark.uses_exercise("1.1", "1.2", "3.1", "3.3", "6.1", "6.4", "7.1", "10.1", "10.2", "10.3")
+PROMPTS = ["ROMEO:", "JULIET:\nO", "First Citizen:\nWe", "KING HENRY:", "To be, or", "HAMLET:\nAy"]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return load_model("target")
+
+
+@contextlib.contextmanager
+def running(server: Server):
+    """Serve ``server`` on 127.0.0.1 at a free port -> its base URL; stop it afterwards."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))
+    uv = uvicorn.Server(uvicorn.Config(build_app(server), log_level="warning", timeout_graceful_shutdown=2))
+    thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not uv.started and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert uv.started, "the server did not start"
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        uv.should_exit = True
+        thread.join(10)
+        sock.close()
+
+
+def make_server(model, tok, name="target", max_num_seqs=8, max_queue=64, num_blocks=256):
+    engine = Engine(model, num_blocks=num_blocks, page_size=16, max_num_seqs=max_num_seqs,
+                    max_num_batched_tokens=256, chunk_size=64, prefix_caching=True)
+    return Server(name, model, tok, engine, max_queue=max_queue)
+
+
+@pytest.fixture(scope="module")
+def served(target):
+    server = make_server(*target)
+    with running(server) as url:
+        yield server, url
+
+
+def client(url):
+    return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def offline(model, tok, prompt: str, n: int, **sampling) -> str:
+    return tok.decode(generate(model, tok.encode(prompt), n, **sampling).tokens)
+
+
+def pool_is_clean(server: Server) -> None:
+    """Once idle: nothing in flight, the pool's books balance, every block is free (a cached prefix
+    block no sequence holds counts as free: the pool evicts it when it needs the room)."""
+    deadline = time.monotonic() + 10
+    engine = server.loop.engine
+    while (server.loop.in_flight or engine.running or engine.waiting) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert not (server.loop.in_flight or engine.running or engine.waiting)
+    engine.pool.check()
+    assert engine.pool.num_free_blocks == engine.pool.num_blocks
+
+
+# ---- answers ---------------------------------------------------------------------------------------
+
+
+@USES
+def test_greedy_completions_equal_offline_generate_streamed_or_not(target, served):
+    model, tok = target
+    server, url = served
+    c = client(url)
+    for prompt in PROMPTS[:3]:
+        want = offline(model, tok, prompt, 24, temperature=0.0)
+        r = c.completions.create(model="target", prompt=prompt, max_tokens=24, temperature=0)
+        assert r.choices[0].text == want and r.choices[0].finish_reason == "length"
+        assert r.usage.completion_tokens == 24 and r.usage.prompt_tokens == len(tok.encode(prompt))
+        parts = [ch.choices[0].text for ch in c.completions.create(model="target", prompt=prompt, max_tokens=24,
+                                                                  temperature=0, stream=True)]
+        assert "".join(parts) == want and len(parts) > 1
+    pool_is_clean(server)
+
+
+@USES
+def test_a_seed_reproduces_a_sampled_answer_and_top_p_is_the_engines(target, served):
+    model, tok = target
+    c = client(served[1])
+    want = offline(model, tok, "ROMEO:", 30, temperature=0.9, top_p=0.8, seed=7)
+    got = [c.completions.create(model="target", prompt="ROMEO:", max_tokens=30, temperature=0.9, top_p=0.8,
+                                seed=7).choices[0].text for _ in range(2)]
+    assert got == [want, want]
+
+
+@USES
+def test_stop_strings_cut_the_text_before_them(target, served):
+    model, tok = target
+    c = client(served[1])
+    full = offline(model, tok, "ROMEO:", 60, temperature=0.0)
+    stop = full[20:22]  # a string the greedy answer writes
+    want = full[: full.index(stop)]
+    r = c.completions.create(model="target", prompt="ROMEO:", max_tokens=60, temperature=0, stop=[stop, "@@"])
+    assert r.choices[0].text == want and r.choices[0].finish_reason == "stop"
+    parts = [ch.choices[0].text for ch in c.completions.create(model="target", prompt="ROMEO:", max_tokens=60,
+                                                              temperature=0, stop=stop, stream=True)]
+    assert "".join(parts) == want
+    pool_is_clean(served[0])
+
+
+def test_text_out_holds_back_a_forming_stop_string_and_whole_characters():
+    class Bytes:  # a byte-level tokenizer: token i is the byte i
+        token_bytes = [bytes([i]) for i in range(256)]
+
+    out = TextOut(Bytes(), ["\n\n"])
+    deltas = [out.push(b) for b in b"ab\n"]
+    assert "".join(deltas) == "ab" and not out.stopped  # "\n" may start the stop string: held
+    assert out.push(ord("\n")) == "" and out.stopped and out.finish() == ""
+    out = TextOut(Bytes(), [])
+    assert [out.push(b) for b in "é!".encode()] == ["", "é", "!"]  # never half a character
+    out = TextOut(Bytes(), ["xy"])
+    assert "".join(out.push(b) for b in b"axb") + out.finish() == "axb" and not out.stopped
+
+
+@USES
+@pytest.mark.uses_exercise("8.4")
+def test_chat_completions_use_the_models_chat_template(served):
+    """SmolLM2's tokenizer on a tiny random model: the prompt is the ChatML of the messages, the
+    answer offline generate's tokens up to the end of turn."""
+    from test_bpe import smollm2_gguf
+
+    from minillm.registry import load_tokenizer
+
+    tok = load_tokenizer(smollm2_gguf())
+    model = GPT.init(GPTConfig(vocab_size=tok.vocab_size, block_size=128, n_layer=1, n_head=2, n_embd=16), seed=3)
+    server = make_server(model, tok, name="tiny")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi <|im_end|>"}]
+    ids = tok.encode_pieces(tok.chat_pieces(messages))
+    tokens = generate(model, ids, 12, temperature=0.0).tokens
+    if tok.eos_token_id in tokens:
+        tokens = tokens[: tokens.index(tok.eos_token_id)]
+    with running(server) as url:
+        c = client(url)
+        r = c.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+        assert r.choices[0].message.content == tok.decode(tokens) and r.choices[0].message.role == "assistant"
+        assert r.usage.prompt_tokens == len(ids)
+        parts = [ch.choices[0].delta.content or "" for ch in
+                 c.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0, stream=True)]
+        assert "".join(parts) == tok.decode(tokens)
+
+
+@USES
+def test_sixteen_concurrent_clients_each_get_their_own_answer(target, served):
+    model, tok = target
+    prompts = [f"{p} {i}" for i, p in enumerate(PROMPTS * 3)][:16]
+    want = [offline(model, tok, p, 20, temperature=0.0) for p in prompts]
+    c = client(served[1])
+
+    def ask(i):
+        if i % 2:
+            return c.completions.create(model="target", prompt=prompts[i], max_tokens=20, temperature=0).choices[0].text
+        stream = c.completions.create(model="target", prompt=prompts[i], max_tokens=20, temperature=0, stream=True)
+        return "".join(ch.choices[0].text for ch in stream)
+
+    with ThreadPoolExecutor(16) as pool:
+        assert list(pool.map(ask, range(16))) == want
+    pool_is_clean(served[0])
+
+
+# ---- faults -----------------------------------------------------------------------------------------
+
+
+@USES
+def test_a_client_that_disconnects_is_aborted_at_once_and_leaks_nothing(target, served):
+    server, url = served
+    body = {"model": "target", "prompt": "ROMEO:", "max_tokens": 240, "temperature": 0, "stream": True}
+    with httpx.Client(base_url=url, timeout=30) as http:
+        with http.stream("POST", "/v1/completions", json=body) as r:
+            lines = r.iter_lines()
+            next(lines)
+            steps = server.loop.snapshot["steps"]
+        deadline = time.monotonic() + 10
+        while server.loop.engine.running and time.monotonic() < deadline:
+            time.sleep(0.005)
+        assert not server.loop.engine.running
+        assert server.loop.snapshot["steps"] - steps <= 3  # aborted within a step or two of the close
+        for i in range(100):  # a hundred clients that go away after their first token
+            with http.stream("POST", "/v1/completions", json=body | {"prompt": PROMPTS[i % 6]}) as r:
+                next(r.iter_lines())
+        pool_is_clean(server)
+        metrics = http.get("/metrics").text
+    assert "minillm_requests_running 0" in metrics and "minillm_requests_in_flight 0" in metrics
+    aborted = next(line for line in metrics.splitlines() if line.startswith("minillm_requests_aborted_total "))
+    assert int(aborted.split()[1]) >= 101
+
+
+@USES
+def test_overload_gets_429_with_retry_after_at_once(target):
+    """The engine is held before its next step (so no request can finish): 2 running + 1 queued
+    fill the budget, and the next request is refused at once."""
+    server = make_server(*target, max_num_seqs=2, max_queue=1)
+    gate, step = threading.Event(), server.loop.engine.step
+    server.loop.engine.step = lambda: (gate.wait(), step())[1]
+    body = {"model": "target", "prompt": "ROMEO:", "max_tokens": 240, "temperature": 0, "stream": True}
+    with running(server) as url, httpx.Client(base_url=url, timeout=30) as http:
+        with contextlib.ExitStack() as streams:
+            for _ in range(3):
+                streams.enter_context(http.stream("POST", "/v1/completions", json=body))
+            deadline = time.monotonic() + 10
+            while server.loop.in_flight < 3 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            t0 = time.monotonic()
+            r = http.post("/v1/completions", json=body)
+            assert r.status_code == 429 and r.headers["Retry-After"] == "1" and time.monotonic() - t0 < 2
+            assert r.json()["error"]["type"] == "rate_limit_error"
+            with pytest.raises(openai.RateLimitError):
+                client(url).completions.create(model="target", prompt="x", max_tokens=2)
+            gate.set()
+        pool_is_clean(server)
+        assert http.post("/v1/completions", json=body | {"stream": False, "max_tokens": 3}).status_code == 200
+
+
+@USES
+@pytest.mark.parametrize("content, message", [
+    (b'{"model": "target", "prompt": ', "not JSON"),
+    (b'{"model": "target", "prompt": "\xff\xfe"}', "not UTF-8"),
+    (b'[1, 2]', "JSON object"),
+    (b'{"model": "gpt-4", "prompt": "ROMEO:"}', "unknown model"),
+    (b'{"model": "target", "prompt": "ROMEO:", "temperature": NaN}', "temperature"),
+    (b'{"model": "target", "prompt": "ROMEO:", "temperature": -1}', "temperature"),
+    (b'{"model": "target", "prompt": "ROMEO:", "top_p": 2}', "top_p"),
+    (b'{"model": "target", "prompt": "ROMEO:", "max_tokens": 0}', "max_tokens"),
+    (b'{"model": "target", "prompt": "ROMEO:", "n": 2}', "n must be 1"),
+    (b'{"model": "target", "prompt": ""}', "prompt"),
+    (b'{"model": "target", "prompt": "ROMEO:", "stop": [1]}', "stop"),
+    (b'{"model": "target", "prompt": "ROMEO:", "max_tokens": 100000}', "too long"),
+    (b'{"model": "target", "prompt": "ROMEO:", "seed": -3}', "seed"),
+    (b'{"model": "target", "messages": [{"role": "user", "content": "hi"}]}', "no chat template"),
+])
+def test_bad_input_gets_400_with_an_error_object_and_the_server_keeps_serving(served, content, message):
+    url = served[1]
+    path = "/v1/chat/completions" if b"messages" in content else "/v1/completions"
+    r = httpx.post(url + path, content=content, headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert message in error["message"] and error["type"] == "invalid_request_error" and "\n" not in error["message"]
+    ok = httpx.post(url + "/v1/completions", json={"model": "target", "prompt": "ROMEO:", "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200
+
+
+def test_the_long_prompt_error_reaches_the_openai_client(served):
+    with pytest.raises(openai.BadRequestError, match="context"):
+        client(served[1]).completions.create(model="target", prompt="ROMEO: " * 200, max_tokens=5)
+
+
+def test_models_health_and_metrics(served):
+    url = served[1]
+    assert [m.id for m in client(url).models.list()] == ["target"]
+    assert httpx.get(url + "/health").json() == {"status": "ok"}
+    metrics = httpx.get(url + "/metrics").text
+    for name in ("minillm_requests_running", "minillm_requests_waiting", "minillm_kv_blocks_used",
+                 "minillm_kv_blocks_free", "minillm_prefix_cache_reused_tokens_total",
+                 'minillm_time_to_first_token_seconds_bucket{le="+Inf"}', "minillm_inter_token_latency_seconds_count"):
+        assert f"\n{name} " in metrics, name
+
+
+@USES
+def test_sigterm_ends_streams_and_the_server_within_a_bound(tmp_path):
+    """``python -m minillm serve`` in a child process: SIGTERM during a long stream -> the stream
+    ends (the client is not left hanging) and the process exits within the shutdown timeout + 5 s."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    child = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--model", "target", "--port", str(port),
+                              "--shutdown-timeout", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.1)
+        body = {"model": "target", "prompt": "ROMEO:", "max_tokens": 240, "temperature": 0, "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=30) as r:
+            lines = r.iter_lines()
+            first = json.loads(next(lines).removeprefix("data: "))
+            assert first["object"] == "text_completion"
+            t0 = time.monotonic()
+            child.send_signal(signal.SIGTERM)
+            with contextlib.suppress(httpx.TransportError):
+                for _ in lines:  # ends: the server cancels or finishes it, or closes the connection
+                    pass
+            assert time.monotonic() - t0 < 10
+        child.wait(timeout=10)  # uvicorn shuts down, then ends with the signal it caught (-15), as a server should
+        assert child.returncode in (0, -signal.SIGTERM) and time.monotonic() - t0 < 2 + 5
+        assert b"Traceback" not in child.stderr.read()
+    finally:
+        if child.poll() is None:
+            child.kill()
+            child.wait()
