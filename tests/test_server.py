@@ -333,3 +333,22 @@ def test_sigterm_ends_streams_and_the_server_within_a_bound(tmp_path):
         if child.poll() is None:
             child.kill()
             child.wait()
+
+
+@USES
+def test_serve_load_fault_run_leaves_no_block_and_every_surviving_answer_right(served, capsys, tmp_path):
+    """``bench serve-load --kill 0.5``: half the clients hang up mid-stream; the rest get the answer
+    their prompt gets alone, and the server holds no KV block afterwards. The JSON is a new file."""
+    from minillm.tools.benchmarks import serve_load
+
+    out = tmp_path / "row.json"
+    args = ["--url", served[1], "--rate", "20", "--duration", "1.5", "--max-tokens", "24", "--kill", "0.5",
+            "--shared-prefix", "40", "--seed", "3", "--json", str(out)]
+    assert serve_load.main(args) == 0
+    row = json.loads(out.read_text())
+    assert row["fault_hung_up"] > 0 and row["fault_survivors"] > 0 and row["completed"] == row["fault_survivors"]
+    assert row["fault_survivors_wrong"] == 0 and row["fault_blocks_held_after"] == 0 and row["errors"] == "-"
+    assert "KV blocks held afterwards: 0" in capsys.readouterr().out
+    with pytest.raises(ValueError, match="refusing to overwrite"):
+        serve_load.main(args)
+    pool_is_clean(served[0])

@@ -24,6 +24,7 @@ TOPICS = {
     "verify-cost": "minillm.tools.benchmarks.verify_cost",
     "real-speculation": "minillm.tools.benchmarks.real_speculation",
     "device-calls": "minillm.tools.benchmarks.device_calls",
+    "serve-load": "minillm.tools.benchmarks.serve_load",
 }
 
 
