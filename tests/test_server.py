@@ -183,6 +183,26 @@ def test_chat_completions_use_the_models_chat_template(served):
 
 
 @USES
+@pytest.mark.uses_exercise("8.1", "8.2", "8.3", "8.4")
+def test_smollm2_chat_answers_equal_offline_generate():
+    """The real model through the server: greedy chat answers are ``generate``'s tokens up to the end of
+    turn, plain and streamed."""
+    model, tok = load_model("smollm2-135m")
+    server = make_server(model, tok, name="smollm2-135m", max_num_seqs=2, num_blocks=64)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    tokens = generate(model, tok.encode_pieces(tok.chat_pieces(messages)), 16, temperature=0.0).tokens
+    want = tok.decode(tokens[: tokens.index(tok.eos_token_id)] if tok.eos_token_id in tokens else tokens)
+    with running(server) as url:
+        c = client(url)
+        r = c.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=16, temperature=0)
+        assert r.choices[0].message.content == want and "Paris" in want
+        stream = c.chat.completions.create(model="smollm2-135m", messages=messages, max_tokens=16, temperature=0,
+                                           stream=True)
+        assert "".join(ch.choices[0].delta.content or "" for ch in stream) == want
+        pool_is_clean(server)
+
+
+@USES
 def test_sixteen_concurrent_clients_each_get_their_own_answer(target, served):
     model, tok = target
     prompts = [f"{p} {i}" for i, p in enumerate(PROMPTS * 3)][:16]
@@ -286,9 +306,11 @@ def test_the_long_prompt_error_reaches_the_openai_client(served):
         client(served[1]).completions.create(model="target", prompt="ROMEO: " * 200, max_tokens=5)
 
 
+@USES
 def test_models_health_and_metrics(served):
     url = served[1]
     assert [m.id for m in client(url).models.list()] == ["target"]
+    assert client(url).completions.create(model="target", prompt="ROMEO:", max_tokens=3).usage.completion_tokens == 3
     assert httpx.get(url + "/health").json() == {"status": "ok"}
     metrics = httpx.get(url + "/metrics").text
     for name in ("minillm_requests_running", "minillm_requests_waiting", "minillm_kv_blocks_used",
@@ -352,3 +374,21 @@ def test_serve_load_fault_run_leaves_no_block_and_every_surviving_answer_right(s
     with pytest.raises(ValueError, match="refusing to overwrite"):
         serve_load.main(args)
     pool_is_clean(served[0])
+
+
+def test_an_engine_that_raises_fails_its_requests_and_refuses_new_ones(target):
+    """A bug in a step must not leave clients hanging: the open request gets a 500 at once, /health
+    turns 503 with the reason, and a new request gets 503."""
+    server = make_server(*target)
+
+    def broken():
+        raise RuntimeError("a bug in the step")
+
+    server.loop.engine.step = broken
+    with running(server) as url:
+        with pytest.raises(openai.InternalServerError, match="a bug in the step"):
+            client(url).completions.create(model="target", prompt="ROMEO:", max_tokens=5)
+        health = httpx.get(url + "/health")
+        assert health.status_code == 503 and "a bug in the step" in health.json()["error"]
+        r = httpx.post(url + "/v1/completions", json={"model": "target", "prompt": "ROMEO:", "max_tokens": 2})
+        assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed"

@@ -49,8 +49,8 @@ class ApiError(Exception):
         self.status, self.message, self.param, self.code, self.retry_after = status, message, param, code, retry_after
 
     def body(self) -> dict:
-        kind = "invalid_request_error" if self.status < 500 and self.status != 429 else "server_error"
-        kind = "rate_limit_error" if self.status == 429 else kind
+        kind = "rate_limit_error" if self.status == 429 else "invalid_request_error" if self.status < 500 \
+            else "server_error"
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
 
 
@@ -78,6 +78,7 @@ class EngineLoop:
         self.outboxes: dict[int, Outbox] = {}
         self.in_flight = 0  # accepted by the front end and not yet finished (front end's thread only)
         self.steps = 0
+        self.failed: str | None = None  # why the engine stopped serving (an exception in a step)
         self.snapshot = self.read_snapshot()
         self.thread = threading.Thread(target=self.run, name="minillm-engine", daemon=True)
 
@@ -95,6 +96,16 @@ class EngineLoop:
                 "blocks_free": pool.num_free_blocks, "blocks_used": pool.num_blocks - pool.num_free_blocks,
                 "prefix_reused_tokens": 0 if prefix is None else prefix.reused_tokens, "steps": self.steps}
 
+    def fail(self, message: str) -> None:
+        """The engine raised: its state cannot be trusted, so every open request gets a 500 (each
+        client learns at once) and every new one a 503; /health says so."""
+        self.failed = message
+        for box in self.outboxes.values():
+            box.put(("failed", message))
+        self.outboxes.clear()
+        self.engine.waiting.clear()
+        self.engine.running.clear()
+
     def handle(self, command) -> bool:
         """Apply one inbox command -> False when the loop must stop."""
         kind, request, outbox = command
@@ -104,7 +115,9 @@ class EngineLoop:
                 box.put(("cancelled", None))
             self.outboxes.clear()
             return False
-        if kind == ADD:
+        if kind == ADD and self.failed is not None:
+            outbox.put(("failed", self.failed))
+        elif kind == ADD:
             try:
                 state = self.engine.add_request(request)
             except ValueError as exc:  # checked by the front end already; a race cannot crash the loop
@@ -127,7 +140,11 @@ class EngineLoop:
                 continue
             except queue.Empty:
                 pass
-            new = self.engine.step()
+            try:
+                new = self.engine.step()
+            except Exception as exc:  # a bug in a step: fail every open request, refuse new ones
+                self.fail(f"{type(exc).__name__}: {exc}")
+                continue
             self.steps += 1
             for rid, tokens in new.items():
                 box = self.outboxes.get(rid)
@@ -290,6 +307,9 @@ class Server:
                            "prompt") from None
 
     def admit(self) -> None:
+        if self.loop.failed is not None:
+            raise ApiError(503, f"the engine failed and serves no more requests: {self.loop.failed}",
+                           code="engine_failed")
         if self.loop.in_flight >= self.max_in_flight:
             self.counts["requests_rejected_total"] += 1
             raise ApiError(429, f"server busy: {self.loop.in_flight} requests in flight (at most "
@@ -319,6 +339,8 @@ class Server:
                     engine_done = True
                     if kind == "error":
                         raise ApiError(400, payload)
+                    if kind == "failed":
+                        raise ApiError(500, f"the engine failed: {payload}", code="engine_failed")
                     if kind == "cancelled":
                         raise ApiError(503, "the server is shutting down", code="shutting_down", retry_after=1)
                     yield out.finish(), FINISH.get(payload, payload), n_tokens  # "done"
@@ -477,8 +499,9 @@ def build_app(server: Server):
             {"id": server.model_name, "object": "model", "created": server.created, "owned_by": "minillm"}]})
 
     async def health(request):
-        return JSONResponse({"status": "ok" if server.loop.thread.is_alive() else "engine stopped"},
-                            status_code=200 if server.loop.thread.is_alive() else 503)
+        problem = server.loop.failed or (None if server.loop.thread.is_alive() else "the engine thread stopped")
+        return JSONResponse({"status": "ok"} if problem is None else {"status": "failed", "error": problem},
+                            status_code=200 if problem is None else 503)
 
     async def metrics(request):
         return PlainTextResponse(server.metrics(), media_type="text/plain; version=0.0.4")
