@@ -30,8 +30,8 @@ from pathlib import Path
 import numpy as np
 
 from ...notebook import format_table
-from ..options import count, float_in, nonnegative_int, positive_float
-from .common import parse_args
+from ..options import count, float_in, list_of, nonnegative_int, positive_float
+from .common import add_output_args, figure_dir, parse_args, save_figure
 
 PROMPTS = ["ROMEO:", "JULIET:\nO", "First Citizen:\nWe", "KING HENRY:", "To be, or", "HAMLET:\nAy",
            "Tell me about the sea.", "What is a prime number?", "Write a short poem about rain.",
@@ -93,7 +93,7 @@ async def one_request(http, url, model, prompt, max_tokens, stop_after, outcome:
         outcome.error = f"connection: {type(exc).__name__}"
 
 
-async def run_load(args) -> tuple[list, float, dict]:
+async def run_load(args, rate: float) -> tuple[list, float, dict]:
     import httpx
 
     rng = random.Random(args.seed)
@@ -110,7 +110,7 @@ async def run_load(args) -> tuple[list, float, dict]:
         t0 = time.perf_counter()
         t = 0.0
         for _ in range(args.max_requests):
-            t += rng.expovariate(args.rate)
+            t += rng.expovariate(rate)
             if t > args.duration:
                 break
             await asyncio.sleep(max(0.0, t0 + t - time.perf_counter()))
@@ -144,7 +144,7 @@ async def check_after_faults(http, args, model, outcomes) -> dict:
             "survivors_wrong": sum(o.text != alone[o.prompt] for o in survivors), "blocks_held_after": used}
 
 
-def summarize(outcomes: list, wall: float, args) -> dict:
+def summarize(outcomes: list, wall: float, args, rate: float) -> dict:
     done = [o for o in outcomes if o.error is None and not o.killed and o.first is not None]
     ttft = [o.first - o.start for o in done]
     itl = [b - a for o in done for a, b in zip(o.times, o.times[1:])]
@@ -158,7 +158,7 @@ def summarize(outcomes: list, wall: float, args) -> dict:
     def pct(xs, q, scale=1.0):
         return float(np.percentile(xs, q) * scale) if xs else "-"
 
-    return {"rate": args.rate, "shared_prefix": args.shared_prefix, "requests": len(outcomes),
+    return {"rate": rate, "shared_prefix": args.shared_prefix, "requests": len(outcomes),
             "completed": len(done), "killed": sum(o.killed for o in outcomes),
             "req_per_s": len(done) / wall, "tok_per_s": sum(len(o.times) for o in done) / wall,
             "ttft_p50_s": pct(ttft, 50), "ttft_p90_s": pct(ttft, 90), "ttft_p99_s": pct(ttft, 99),
@@ -171,7 +171,8 @@ def main(argv=None) -> int:
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:8000")
     parser.add_argument("--model", help="model id (default: the first of /v1/models)")
-    parser.add_argument("--rate", type=positive_float, required=True, help="requests per second (Poisson)")
+    parser.add_argument("--rate", type=list_of(positive_float), required=True,
+                        help="requests per second (Poisson); a comma-separated list runs each in turn")
     parser.add_argument("--duration", type=float_in(0, 3600, open_low=True), default=30.0,
                         help="seconds of arrivals (default 30)")
     parser.add_argument("--max-requests", type=count, default=1000, help="at most this many requests (default 1000)")
@@ -187,18 +188,42 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout", type=positive_float, default=120.0, help="seconds per request (default 120)")
     parser.add_argument("--seed", type=nonnegative_int, default=0, help="arrivals and prompts (default 0)")
     parser.add_argument("--json", metavar="OUT", help="also write the row as JSON (a new file)")
+    parser.add_argument("--plot", action="store_true", help="save serve_load.png: latency and goodput by rate")
+    add_output_args(parser)
     args = parse_args(parser, argv)
     if args.json and Path(args.json).exists():
         raise ValueError(f"{args.json} exists: refusing to overwrite it")
-    outcomes, wall, faults = asyncio.run(run_load(args))
-    row = summarize(outcomes, wall, args)
-    print(format_table([row], list(row)))
-    if faults:
-        print(f"fault run: {faults['hung_up']} clients hung up mid-stream; of {faults['survivors']} answers not "
-              f"cut, {faults['survivors_wrong']} differ from their prompt asked alone; KV blocks held "
-              f"afterwards: {faults['blocks_held_after']}")
-        row |= {"fault_" + k: v for k, v in faults.items()}
+    rows = []
+    for rate in args.rate:
+        outcomes, wall, faults = asyncio.run(run_load(args, rate))
+        row = summarize(outcomes, wall, args, rate)
+        if faults:
+            print(f"fault run at {rate}/s: {faults['hung_up']} clients hung up mid-stream; of {faults['survivors']} "
+                  f"answers not cut, {faults['survivors_wrong']} differ from their prompt asked alone; KV blocks "
+                  f"held afterwards: {faults['blocks_held_after']}", flush=True)
+            row |= {"fault_" + k: v for k, v in faults.items()}
+        rows.append(row)
+    print(format_table(rows, list(rows[0])))
+    if args.plot:
+        print(f"figure: {plot(rows, figure_dir(args))}")
     if args.json:
         with open(args.json, "x") as f:
-            json.dump(row, f, indent=1)
+            json.dump(rows if len(rows) > 1 else rows[0], f, indent=1)
     return 0
+
+
+def plot(rows: list, out_dir) -> Path:
+    import matplotlib.pyplot as plt
+
+    done = [r for r in rows if r["ttft_p50_s"] != "-"]
+    rates = [r["rate"] for r in done]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for key, style in (("ttft_p50_s", "o-"), ("ttft_p90_s", "s--"), ("ttft_p99_s", "^:")):
+        a.plot(rates, [r[key] for r in done], style, label=key.replace("ttft_", "TTFT ").replace("_s", ""))
+    a.set_xlabel("arrival rate (requests/s)"), a.set_ylabel("seconds"), a.set_yscale("log"), a.legend()
+    b.plot(rates, rates, "k:", label="offered")
+    b.plot(rates, [r["req_per_s"] for r in done], "o-", label="completed")
+    b.plot(rates, [r["goodput_req_per_s"] for r in done], "s--", label="goodput (met the SLOs)")
+    b.set_xlabel("arrival rate (requests/s)"), b.set_ylabel("requests/s"), b.legend()
+    fig.tight_layout()
+    return save_figure(fig, "serve_load", out_dir)
