@@ -328,7 +328,7 @@ def test_sigterm_ends_streams_and_the_server_within_a_bound(tmp_path):
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     child = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--model", "target", "--port", str(port),
-                              "--shutdown-timeout", "2"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+                              "--shutdown-timeout", "2", "--exit-with-parent"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
@@ -392,3 +392,41 @@ def test_an_engine_that_raises_fails_its_requests_and_refuses_new_ones(target):
         assert health.status_code == 503 and "a bug in the step" in health.json()["error"]
         r = httpx.post(url + "/v1/completions", json={"model": "target", "prompt": "ROMEO:", "max_tokens": 2})
         assert r.status_code == 503 and r.json()["error"]["code"] == "engine_failed"
+
+
+def alive(pid: int) -> bool:
+    """Running (not gone, and not a zombie waiting for whoever adopted it to reap it); Linux's /proc."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="reads process states from Linux's /proc")
+def test_a_server_started_with_exit_with_parent_does_not_outlive_its_parent():
+    """A parent starts ``serve --exit-with-parent`` and is killed (SIGKILL: no cleanup of its own):
+    the server notices and exits within seconds."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    code = (f"import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-m', 'minillm', 'serve', "
+            f"'--port', '{port}', '--exit-with-parent']); print(p.pid, flush=True); time.sleep(600)")
+    parent = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    server_pid = int(parent.stdout.readline())
+    try:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            with contextlib.suppress(httpx.TransportError):
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.1)
+        parent.kill()
+        parent.wait()
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and alive(server_pid):
+            time.sleep(0.1)
+        assert not alive(server_pid), "the server outlived its parent"
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(server_pid, signal.SIGKILL)

@@ -22,8 +22,10 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import queue
 import secrets
+import signal
 import threading
 import time
 from dataclasses import dataclass, field
@@ -550,12 +552,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
     p.add_argument("--shutdown-timeout", type=positive_int, default=5,
                    help="seconds to wait for open requests on SIGINT/SIGTERM (default 5)")
+    p.add_argument("--exit-with-parent", action="store_true",
+                   help="shut down when the process that started this one ends (a notebook, a test)")
+
+
+def exit_with_parent(poll_s: float = 0.5) -> None:
+    """Watch the parent process; when it is gone (this process is re-parented), SIGTERM ourselves,
+    so a server started by a notebook or a test never outlives it."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="minillm-parent-watch", daemon=True).start()
 
 
 def serve(args) -> int:
     import uvicorn
 
     server = make_server(args)
+    if args.exit_with_parent:
+        exit_with_parent()
     print(f"serving {args.model} on http://{args.host}:{args.port}/v1 (OpenAI API); Ctrl-C stops", flush=True)
     uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning",
                 timeout_graceful_shutdown=args.shutdown_timeout)
