@@ -170,10 +170,12 @@ class EagleDraft:
 
     def full_probs(self, subset_probs) -> np.ndarray:
         """(..., V') probabilities over the subset -> (..., V) over the vocabulary, zero outside it."""
+        # EXERCISE 11.3 BEGIN: place column i at token id subset[i]; every id outside the subset gets 0
         subset_probs = np.asarray(subset_probs, dtype=np.float64)
         out = np.zeros((*subset_probs.shape[:-1], self.target.config.vocab_size))
         out[..., self.subset] = subset_probs
         return out
+        # EXERCISE 11.3 END
 
     def save(self, path, notes: dict | None = None, overwrite_shipped: bool = False) -> None:
         """float16 parameters, the subset and the identity of the target, atomically."""

@@ -175,10 +175,12 @@ def rms_norm_backward(dy, x, w, eps: float):
 
     dy/dx is r w - x r^3 (x w) / C for each row: dx = r (dy w) - x r^3 mean(dy w x).
     """
+    # EXERCISE 11.1 BEGIN: the gradient through r too (not only r w); dw sums dy x r over every row
     r = 1.0 / xp.sqrt((x * x).mean(axis=-1, keepdims=True) + eps)  # (..., 1)
     dxhat = dy * w
     dx = r * dxhat - x * r**3 * (dxhat * x).mean(axis=-1, keepdims=True)
     return dx, (dy * x * r).reshape(-1, x.shape[-1]).sum(axis=0)
+    # EXERCISE 11.1 END
 
 
 def rope_backward(dy, cos, sin):
@@ -186,9 +188,11 @@ def rope_backward(dy, cos, sin):
 
     rotate_half is a rotation by 90 degrees; its transpose is (x1, x2) -> (x2, -x1).
     """
+    # EXERCISE 11.2 BEGIN: dy cos plus the transposed rotation of dy sin: (g1, g2) -> (g2, -g1)
     g = dy * sin
     half = g.shape[-1] // 2
     return dy * cos + xp.concatenate([g[..., half:], -g[..., :half]], axis=-1)
+    # EXERCISE 11.2 END
 
 
 def silu_grad(x):

@@ -232,7 +232,7 @@ def test_chapters_selects_what_is_stubbed(tmp_path):
     rows = json.loads((tmp_path / "ed" / course.MANIFEST_JSON).read_text())
     assert [r["id"] for r in rows] == [ex.id for ex in exercises]
     with pytest.raises(course.CourseError, match="no exercises in chapter"):
-        course.student_edition(ROOT, tmp_path / "ed2", chapters=["11"])
+        course.student_edition(ROOT, tmp_path / "ed2", chapters=["12"])
 
 
 def test_exercises_hands_out_single_exercises(tmp_path):
@@ -332,7 +332,9 @@ def edition(tmp_path_factory):
     """The full student edition, built once per test run through the CLI and shared (read only) by
     the tests below, across pytest-xdist's workers too: the first one builds it, the others wait."""
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    base = tmp_path_factory.getbasetemp().parent / f"edition-{run}" if run else tmp_path_factory.mktemp("student")
+    # xdist's workers share the folder of their run; a run without xdist builds in a folder of its own
+    temp = tmp_path_factory.getbasetemp()
+    base = temp.parent / f"edition-{run}" if run else temp / "shared-edition"
     out, done = base / "edition", base / "built"
     try:
         base.mkdir(parents=True, exist_ok=False)  # atomic: this worker builds

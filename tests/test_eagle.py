@@ -1,7 +1,9 @@
 """The EAGLE draft (``minillm.eagle``) and its training (``minillm.eagle_train``).
 
 - the backward pass of the draft layer (RMSNorm, RoPE, grouped attention, SwiGLU, fc, both losses)
-  against central finite differences in float64;
+  against central finite differences in float64 (exercises 11.1 and 11.2), and the classic wrong
+  backward passes caught by the same check;
+- the draft's q over the whole vocabulary (exercise 11.3);
 - the reduced vocabulary: the worked examples, and q zero outside the subset;
 - lossless: the first two tokens of a round with the real proposer and the target's real forward
   follow the target's joint distribution (chi-square, T = 1 and 0.7, chain and tree), and the same
@@ -70,19 +72,67 @@ def numeric_grad(f, x, h=1e-6):
     return g
 
 
-@USES
-def test_rms_norm_and_rope_backward_match_finite_differences(rng):
+def rms_norm_backward_error(backward, rng) -> float:
+    """Largest gap between ``backward``'s dx, dw and central differences of sum(rms_norm(x, w) * dy)."""
     x, w, dy = rng.normal(size=(3, 8)), rng.normal(size=8), rng.normal(size=(3, 8))
-    dx, dw = rms_norm_backward(dy, x, w, 1e-5)
-    np.testing.assert_allclose(dx, numeric_grad(lambda: float((rms_norm(x, w, 1e-5) * dy).sum()), x), atol=1e-7)
-    np.testing.assert_allclose(dw, numeric_grad(lambda: float((rms_norm(x, w, 1e-5) * dy).sum()), w), atol=1e-7)
+    dx, dw = backward(dy, x, w, 1e-5)
+    def loss():
+        return float((rms_norm(x, w, 1e-5) * dy).sum())
+    return max(np.abs(dx - numeric_grad(loss, x)).max(), np.abs(dw - numeric_grad(loss, w)).max())
+
+
+def rope_backward_error(backward, rng) -> float:
     cos, sin = (c.astype(np.float64) for c in rope_cos_sin(np.arange(5), 8, 100.0))
     q, dq = rng.normal(size=(1, 2, 5, 8)), rng.normal(size=(1, 2, 5, 8))
-    np.testing.assert_allclose(rope_backward(dq, cos, sin),
-                               numeric_grad(lambda: float((apply_rope(q, cos, sin) * dq).sum()), q), atol=1e-7)
+    return np.abs(backward(dq, cos, sin) - numeric_grad(lambda: float((apply_rope(q, cos, sin) * dq).sum()), q)).max()
+
+
+@pytest.mark.exercise("11.1")
+@pytest.mark.uses_exercise("8.2")
+def test_rms_norm_backward_matches_finite_differences(rng):
+    assert rms_norm_backward_error(rms_norm_backward, rng) < 1e-7
+
+
+@pytest.mark.exercise("11.2")
+@pytest.mark.uses_exercise("8.1")
+def test_rope_backward_matches_finite_differences(rng):
+    assert rope_backward_error(rope_backward, rng) < 1e-7
+
+
+# the classic wrong backward passes: each must be caught by the same finite-difference check
+def rms_r_held_constant(dy, x, w, eps):  # forgets that r depends on x
+    r = 1.0 / np.sqrt((x * x).mean(axis=-1, keepdims=True) + eps)
+    return r * dy * w, (dy * x * r).sum(axis=0)
+
+
+def rms_dw_without_r(dy, x, w, eps):  # dw = sum dy x: the normalization left out of the scale's gradient
+    dx, _ = rms_norm_backward(dy, x, w, eps)
+    return dx, (dy * x).sum(axis=0)
+
+
+def rope_forward_rotation(dy, cos, sin):  # rotates the gradient forward instead of back (R, not R^T)
+    return apply_rope(dy, cos, sin)
+
+
+def rope_cos_only(dy, cos, sin):  # drops the rotate_half term
+    return dy * cos
+
+
+@pytest.mark.uses_exercise("8.2")
+@pytest.mark.parametrize("bug", [rms_r_held_constant,
+                                 pytest.param(rms_dw_without_r, marks=pytest.mark.uses_exercise("11.1"))])
+def test_the_check_catches_rms_norm_backward_bugs(bug, rng):
+    assert rms_norm_backward_error(bug, rng) > 1e-2
+
+
+@pytest.mark.uses_exercise("8.1")
+@pytest.mark.parametrize("bug", [rope_forward_rotation, rope_cos_only])
+def test_the_check_catches_rope_backward_bugs(bug, rng):
+    assert rope_backward_error(bug, rng) > 1e-2
 
 
 @USES
+@pytest.mark.uses_exercise("11.1", "11.2")
 def test_draft_backward_matches_finite_differences(target, draft, rng):
     """Every parameter's gradient, a few entries each, float64; targets -1 (outside the subset) included."""
     P = {k: to_numpy(v).astype(np.float64) for k, v in draft.params.items()}
@@ -120,7 +170,14 @@ def test_frequency_subset_worked_examples():
     assert subset_coverage([6, 3, 1], [1, 2, 3]) == {1: 0.6, 2: 0.9, 3: 1.0}
 
 
+@pytest.mark.exercise("11.3")
+def test_full_probs_places_each_column_at_its_token_id(draft):
+    q = draft.full_probs(np.array([[0.1, 0.2, 0.3, 0.4], [1.0, 0.0, 0.0, 0.0]]))  # SUBSET = [0, 2, 3, 5]
+    np.testing.assert_array_equal(q, [[0.1, 0, 0.2, 0.3, 0, 0.4, 0, 0], [1, 0, 0, 0, 0, 0, 0, 0]])
+
+
 @USES
+@pytest.mark.uses_exercise("11.3")
 def test_draft_q_is_zero_outside_the_subset(draft):
     _, logits = draft.step(np.zeros((1, CFG.n_embd), np.float32), [3])
     q = draft.full_probs(SamplingSettings(1.0).probs(to_numpy(logits[0])))
@@ -167,7 +224,7 @@ def joint(table, V):
 
 
 @USES
-@pytest.mark.parametrize("mode", ["chain", "tree"])
+@pytest.mark.parametrize("mode", [pytest.param("chain", marks=pytest.mark.uses_exercise("11.3")), "tree"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 def test_a_round_is_lossless(target, draft, mode, temperature):
     settings = SamplingSettings(temperature)
@@ -189,14 +246,13 @@ class IdsShifted(EagleDraft):
     """Bug: q is scattered to the wrong vocabulary ids (the subset's index i taken as id subset[i + 1])."""
 
     def full_probs(self, subset_probs):
-        subset_probs = np.asarray(subset_probs, dtype=np.float64)
-        out = np.zeros((*subset_probs.shape[:-1], self.target.config.vocab_size))
-        out[..., np.roll(self.subset, -1)] = subset_probs
-        return out
+        q = np.zeros((*np.shape(subset_probs)[:-1], self.target.config.vocab_size))
+        q[..., np.roll(self.subset, -1)] = subset_probs
+        return q
 
 
 @USES
-@pytest.mark.parametrize("bug", [Unnormalized, IdsShifted])
+@pytest.mark.parametrize("bug", [pytest.param(Unnormalized, marks=pytest.mark.uses_exercise("11.3")), IdsShifted])
 def test_the_harness_rejects_a_wrong_draft_distribution(target, draft, bug):
     broken = bug(target, {k: to_numpy(v) for k, v in draft.params.items()}, SUBSET)
     settings = SamplingSettings(1.0)
@@ -336,6 +392,7 @@ def synthetic_data(target, n_seqs=6, length=40, seed=0):
 
 
 @USES
+@pytest.mark.uses_exercise("11.1", "11.2")
 def test_training_resumes_where_it_stopped(target, tmp_path):
     """6 steps in one go == 3 steps, a stop, and --resume to 6 (parameters, bit for bit)."""
     from dataclasses import replace

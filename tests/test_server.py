@@ -328,7 +328,8 @@ def test_sigterm_ends_streams_and_the_server_within_a_bound(tmp_path):
         port = s.getsockname()[1]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     child = subprocess.Popen([sys.executable, "-m", "minillm", "serve", "--model", "target", "--port", str(port),
-                              "--shutdown-timeout", "2", "--exit-with-parent"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+                              "--shutdown-timeout", "2", "--exit-with-parent"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + 60
