@@ -180,6 +180,16 @@ def test_chat_completions_use_the_models_chat_template(served):
         parts = [ch.choices[0].delta.content or "" for ch in
                  c.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0, stream=True)]
         assert "".join(parts) == tok.decode(tokens)
+        as_parts = [{"role": "developer", "content": [{"type": "text", "text": "Be brief."}]}, messages[1]]
+        chunks = list(c.chat.completions.create(model="tiny", messages=as_parts, max_tokens=12, temperature=0,
+                                                stream=True, stream_options={"include_usage": True}))
+        assert "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices) == tok.decode(tokens)
+        assert chunks[-1].choices == [] and chunks[-1].usage.prompt_tokens == len(ids)
+        image = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "cat.png"}}]}]
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": image}, timeout=30)
+        assert r.status_code == 400 and "text parts" in r.json()["error"]["message"]
+        r = httpx.post(url + "/v1/chat/completions", json={"model": "tiny", "messages": [{"role": "robot"}]})
+        assert r.status_code == 400 and "role" in r.json()["error"]["message"]
 
 
 @USES
@@ -289,6 +299,7 @@ def test_overload_gets_429_with_retry_after_at_once(target):
     (b'{"model": "target", "prompt": "ROMEO:", "max_tokens": 100000}', "too long"),
     (b'{"model": "target", "prompt": "ROMEO:", "seed": -3}', "seed"),
     (b'{"model": "target", "messages": [{"role": "user", "content": "hi"}]}', "no chat template"),
+    (b'{"model": "target", "prompt": "ROMEO:", "stream": true, "stream_options": 3}', "stream_options"),
 ])
 def test_bad_input_gets_400_with_an_error_object_and_the_server_keeps_serving(served, content, message):
     url = served[1]

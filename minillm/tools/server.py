@@ -222,6 +222,17 @@ def stop_strings(body: dict) -> list[str]:
     return stop
 
 
+def message_text(content) -> str:
+    """A message's content: a string, or a list of parts of which only {"type": "text"} ones are read."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list) and all(isinstance(p, dict) and p.get("type") == "text"
+                                         and isinstance(p.get("text"), str) for p in content):
+        return "".join(p["text"] for p in content)
+    raise ApiError(400, "a message's content must be a string or a list of text parts (this model reads text only)",
+                   "messages")
+
+
 @dataclass
 class Job:
     """A checked request: token ids for the engine, how to sample, how to turn tokens into text."""
@@ -233,6 +244,7 @@ class Job:
     seed: int
     stop: list
     stream: bool
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with the token counts
 
 
 class Server:
@@ -258,16 +270,19 @@ class Server:
     def job(self, body: dict, prompt: list) -> Job:
         if integer(body, "n", 1, 1) != 1:
             raise ApiError(400, "n must be 1: this server returns one choice per request", "n")
-        stream = body.get("stream", False)
+        stream, options = body.get("stream", False), body.get("stream_options") or {}
         if not isinstance(stream, bool):
             raise ApiError(400, f"stream must be true or false, got {stream!r}", "stream")
+        if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
+            raise ApiError(400, "stream_options must be an object like {\"include_usage\": true}", "stream_options")
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
         max_tokens = integer({name: max_tokens}, name, self.default_max_tokens, 1)
         seed = integer(body, "seed", None, 0)
         job = Job(prompt, max_tokens if max_tokens is not None else self.default_max_tokens,
                   number(body, "temperature", 1.0, 0.0, 2.0), number(body, "top_p", 1.0, 0.0, 1.0),
-                  secrets.randbits(63) if seed is None else seed, stop_strings(body), stream)
+                  secrets.randbits(63) if seed is None else seed, stop_strings(body), stream,
+                  options.get("include_usage", False))
         if job.top_p == 0.0:
             raise ApiError(400, "top_p must be > 0 (top_p 1 keeps every token)", "top_p")
         try:
@@ -288,13 +303,13 @@ class Server:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise ApiError(400, "messages must be a non-empty list of {role, content}", "messages")
+        turns = []
         for m in messages:
-            if not isinstance(m, dict) or m.get("role") not in ("system", "user", "assistant") \
-                    or not isinstance(m.get("content"), str):
-                raise ApiError(400, "each message needs a role (system, user or assistant) and string content",
-                               "messages")
-        return self.tokenizer.encode_pieces(self.tokenizer.chat_pieces(
-            [{"role": m["role"], "content": m["content"]} for m in messages]))
+            role = m.get("role") if isinstance(m, dict) else None
+            if role not in ("system", "developer", "user", "assistant"):
+                raise ApiError(400, "each message needs a role: system, developer, user or assistant", "messages")
+            turns.append({"role": "system" if role == "developer" else role, "content": message_text(m.get("content"))})
+        return self.tokenizer.encode_pieces(self.tokenizer.chat_pieces(turns))
 
     def text_prompt(self, body: dict) -> list:
         prompt = body.get("prompt")
@@ -483,7 +498,7 @@ def build_app(server: Server):
                 try:
                     async for delta, reason, n in gen:
                         yield f"data: {json.dumps({**chunk, 'choices': [choice(delta, reason, True)]})}\n\n"
-                        if reason is not None and body.get("stream_options", {}).get("include_usage"):
+                        if reason is not None and job.include_usage:
                             yield f"data: {json.dumps({**chunk, 'choices': [], 'usage': usage(n)})}\n\n"
                 except ApiError as exc:
                     yield f"data: {json.dumps(exc.body())}\n\n"
