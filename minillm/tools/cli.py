@@ -238,6 +238,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .medusa_cli import add_arguments as add_medusa_arguments
     from .server import add_arguments as add_serve_arguments
     from .server import serve
+    from .site import add_arguments as add_site_arguments
+    from .site import main as site_main
 
     parser = argparse.ArgumentParser(prog="python -m minillm", description=__doc__.splitlines()[0],
                                      epilog="With no command (or only demo options) it runs the demo.")
@@ -280,6 +282,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("serve", help="an OpenAI-compatible HTTP server over the continuous-batching engine")
     add_serve_arguments(p)
     p.set_defaults(func=serve)
+
+    p = sub.add_parser("site", help="the course as a static site (notebooks and docs), checked in headless Chromium")
+    add_site_arguments(p)
+    p.set_defaults(func=site_main)
 
     p = sub.add_parser("info", help="backend, GPU, shipped models")
     p.set_defaults(func=cmd_info)
