@@ -118,7 +118,7 @@ def stage(root: Path, staging: Path) -> dict:
         "theme": {"name": "material", "font": False, "features": ["navigation.sections"]},
         "extra_javascript": [],
         "markdown_extensions": ["tables", "toc", "admonition", "fenced_code"],
-        "plugins": [{"search": {}}, {"mkdocs-jupyter": {"execute": False, "include_source": False,
+        "plugins": [{"search": {}}, {"mkdocs-jupyter": {"execute": False, "include_source": False, "cache": False,
                                                       "custom_mathjax_url": "/" + MATHJAX}}],
         "nav": [{"Home": "index.md"},
                 {"Chapters": [{title_of(p): f"notebooks/{p.name}"} for p in notebooks]},
