@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -68,7 +69,8 @@ class Outbox:
     request_id: int | None = None  # the engine's id, set by the engine thread
 
     def put(self, item) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        with contextlib.suppress(RuntimeError):  # its event loop has closed (the server is gone): nobody reads it
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
 class EngineLoop:
@@ -428,8 +430,6 @@ class Histogram:
 
 def build_app(server: Server):
     """The Starlette application over ``server``; its lifespan starts and stops the engine thread."""
-    import contextlib
-
     from starlette.applications import Starlette
     from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
     from starlette.routing import Route
