@@ -255,6 +255,7 @@ class Server:
     def __init__(self, model_name: str, model, tokenizer, engine: Engine, max_queue: int = 64,
                  default_max_tokens: int = 256):
         self.model_name, self.model, self.tokenizer = model_name, model, tokenizer
+        self.eos = getattr(tokenizer, "eos_token_id", None)  # ends an answer; not part of its text
         self.loop = EngineLoop(engine)
         self.max_in_flight = engine.max_num_seqs + max_queue
         self.default_max_tokens = default_max_tokens
@@ -277,11 +278,9 @@ class Server:
             raise ApiError(400, f"stream must be true or false, got {stream!r}", "stream")
         if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
             raise ApiError(400, "stream_options must be an object like {\"include_usage\": true}", "stream_options")
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
-        max_tokens = integer({name: max_tokens}, name, self.default_max_tokens, 1)
         seed = integer(body, "seed", None, 0)
-        job = Job(prompt, max_tokens if max_tokens is not None else self.default_max_tokens,
+        job = Job(prompt, integer(body, name, None, 1) or self.default_max_tokens,
                   number(body, "temperature", 1.0, 0.0, 2.0), number(body, "top_p", 1.0, 0.0, 1.0),
                   secrets.randbits(63) if seed is None else seed, stop_strings(body), stream,
                   options.get("include_usage", False))
@@ -296,8 +295,7 @@ class Server:
 
     def request(self, job: Job) -> Request:
         return Request(tuple(job.prompt), job.max_tokens, job.temperature, None,
-                       None if job.top_p >= 1.0 else job.top_p, job.seed,
-                       getattr(self.tokenizer, "eos_token_id", None))
+                       None if job.top_p >= 1.0 else job.top_p, job.seed, self.eos)
 
     def chat_prompt(self, body: dict) -> list:
         if not hasattr(self.tokenizer, "chat_pieces"):
@@ -343,7 +341,7 @@ class Server:
         self.counts["requests_total"] += 1
         box = Outbox(asyncio.get_running_loop())
         self.loop.inbox.put((ADD, self.request(job), box))
-        out, eos = TextOut(self.tokenizer, job.stop), getattr(self.tokenizer, "eos_token_id", None)
+        out, eos = TextOut(self.tokenizer, job.stop), self.eos
         engine_done, n_tokens = False, 0
         start = last = time.perf_counter()
         try:
