@@ -19,16 +19,27 @@ on a CPU first:
   a Python float as a double, which a kernel's ``int``/``float`` parameter silently misreads), and
   more than 48 KiB of dynamic shared memory needs the opt-in ``max_dynamic_shared_size_bytes``.
 
-``COUNTS`` holds the running totals (kernels, syncs, attribute queries, host-to-device copies).
+- stream capture (``stream.begin_capture()`` ... ``end_capture()`` -> a ``Graph``, CuPy's API): while a
+  stream records, nothing runs; each kernel is recorded on the buffers it reads and writes (a new array is
+  filled with NaN until a replay writes it), and ``graph.launch()`` reruns the recording, counted as one
+  graph launch. What a CUDA graph cannot hold is refused with a ``CaptureError`` naming the line: a
+  synchronization (``int(a)``, ``.get()``, ``bool(a)``: a Python branch on a device value), a copy from the
+  host, an array whose size depends on device data (``nonzero``, a boolean mask), a kernel's first launch
+  (its compile) and another capture.
+
+``COUNTS`` holds the running totals (kernels, syncs, attribute queries, host-to-device copies, graph launches).
 """
 
 from __future__ import annotations
 
 import builtins
+import contextlib
 import functools
 import hashlib
 import operator
+import traceback
 from collections import Counter
+from pathlib import Path
 
 import numpy
 
@@ -42,13 +53,83 @@ from .kernels.build import (
 )
 
 __version__ = "strict stand-in (NumPy " + numpy.__version__ + ")"
-COUNTS: Counter = Counter()  # kernels, syncs, attribute_queries, copies_to_device
+COUNTS: Counter = Counter()  # kernels, syncs, attribute_queries, copies_to_device, graph_launches
 IMPLICIT = ("Implicit conversion to a NumPy array is not allowed. "
             "Please use `.get()` to construct a NumPy array explicitly.")  # CuPy's own message
 
 
 def reset_counts() -> None:
     COUNTS.clear()
+
+
+# ---- stream capture: what a CUDA graph records, and what it refuses ------------------------------------------
+
+
+class CaptureError(RuntimeError):
+    """An operation that a CUDA graph cannot record, met while a stream was capturing."""
+
+
+class Recording:
+    """The operations recorded by the capture in progress (None when no stream captures)."""
+
+    ops: list | None = None
+
+
+RECORDING = Recording()
+DATA_SIZED = {"nonzero", "flatnonzero", "argwhere", "unique", "compress", "extract", "bincount"}  # sized by values
+
+
+def caller_line() -> str:
+    """file:line (code) of the innermost frame outside this module, NumPy and functools: the user's line."""
+    numpy_dir = str(Path(numpy.__file__).parent)
+    for frame in reversed(traceback.extract_stack()):
+        if frame.filename not in (__file__, functools.__file__) and not frame.filename.startswith(numpy_dir):
+            return f"{Path(frame.filename).name}:{frame.lineno} ({(frame.line or '').strip()})"
+    return "?"
+
+
+def refuse_in_capture(what: str) -> None:
+    """Raise CaptureError if a stream is capturing: ``what`` cannot be recorded into a CUDA graph."""
+    if RECORDING.ops is not None:
+        raise CaptureError(f"{what} inside a CUDA graph capture, at {caller_line()}")
+
+
+def mutate(run) -> None:
+    """A kernel that writes existing arrays (``a[...] = b``, ``a += b``, ``out=``, a RawKernel): run it now, or
+    record it while a stream captures."""
+    COUNTS["kernels"] += 1
+    if RECORDING.ops is None:
+        run()
+    else:
+        RECORDING.ops.append(run)
+
+
+def record_call(fn, args, kwargs, found):
+    """``fn`` during a capture: computed once to learn its result's shape and dtype, which then holds NaN (or
+    its dtype's smallest value) until a replay writes it; a view of an input records nothing."""
+    if getattr(fn, "__name__", "") in DATA_SIZED or (getattr(fn, "__name__", "") == "where" and len(args) == 1):
+        refuse_in_capture(f"{fn.__name__}(): an array whose size depends on device data")
+    if "out" in kwargs:
+        mutate(lambda: fn(*args, **kwargs))
+        return ndarray(kwargs["out"])
+    result = fn(*args, **kwargs)
+    if isinstance(result, (tuple, list)):
+        return type(result)(wrap(r, found) if is_view(r, found) else recorded(r, lambda i=i: fn(*args, **kwargs)[i])
+                            for i, r in enumerate(result))
+    return wrap(result, found) if is_view(result, found) else recorded(result, lambda: fn(*args, **kwargs))
+
+
+def is_view(result, inputs) -> bool:
+    return type(result) is numpy.ndarray and result.base is not None and builtins.any(
+        numpy.may_share_memory(result, x) for x in inputs)
+
+
+def recorded(result, compute) -> ndarray:
+    """A new array made during a capture: poisoned now, written by ``compute`` at each replay."""
+    buf = numpy.array(result, copy=True)
+    buf[...] = numpy.nan if buf.dtype.kind in "fc" else (numpy.iinfo(buf.dtype).min if buf.dtype.kind in "iu" else 0)
+    mutate(lambda: numpy.copyto(buf, compute()))
+    return ndarray(buf)
 
 
 # ---- moving between the host and the device -----------------------------------------------------------
@@ -85,15 +166,22 @@ def wrap(result, inputs: list):
 
 
 def device_call(fn, *args, **kwargs):
-    """fn (a NumPy function or method) on device arguments -> device result, under CuPy's rules."""
+    """fn (a NumPy function or method) on device arguments -> device result, under CuPy's rules (recorded,
+    not run, while a stream captures)."""
     found = []
     args = [unwrap(a, found) for a in args]
     if kwargs:
         kwargs = {k: unwrap(v, found) for k, v in kwargs.items()}
+    if RECORDING.ops is not None:
+        return record_call(fn, args, kwargs, found)
+    if "out" in kwargs:  # a kernel that writes an existing array
+        COUNTS["kernels"] += 1
+        return ndarray(fn(*args, **kwargs))
     return wrap(fn(*args, **kwargs), found)
 
 
-def to_host(a: ndarray) -> numpy.ndarray:
+def to_host(a: ndarray, what: str = "a synchronization (the host reads a device array)") -> numpy.ndarray:
+    refuse_in_capture(what)
     COUNTS["syncs"] += 1
     return a._a.copy()
 
@@ -102,6 +190,7 @@ def asarray(a, dtype=None, order=None):
     """Host data (NumPy array, list, number) or a device array -> a device array: the way up."""
     if isinstance(a, ndarray):
         return a if dtype is None or a.dtype == dtype else a.astype(dtype)
+    refuse_in_capture("a copy from the host to the device")
     COUNTS["copies_to_device"] += 1  # a copy, not a kernel
     return ndarray(numpy.array(unwrap(a, []) if isinstance(a, (list, tuple)) else a, dtype=dtype, order=order or "K"))
 
@@ -150,7 +239,7 @@ class ndarray:  # noqa: N801  (cupy.ndarray's name)
         return float(self.item())
 
     def __bool__(self):
-        return bool(self.item())
+        return bool(to_host(self, "a Python branch on a device value (bool() waits for the device)").item())
 
     def __index__(self):
         return operator.index(self.item())
@@ -177,13 +266,15 @@ class ndarray:  # noqa: N801  (cupy.ndarray's name)
 
     # indexing: an index may come from the host (CuPy copies it up); a value may not
     def __getitem__(self, key):
-        key = key._a if isinstance(key, ndarray) else unwrap_index(key)
+        key = unwrap_index(key)
+        if RECORDING.ops is not None:
+            return record_call(operator.getitem, [self._a, key], {}, [self._a])
         return wrap(self._a[key], [self._a])  # a slice is a view: no kernel
 
     def __setitem__(self, key, value):
-        key = key._a if isinstance(key, ndarray) else unwrap_index(key)
-        COUNTS["kernels"] += 1
-        self._a[key] = unwrap(value, [])
+        key = unwrap_index(key)
+        value, a = unwrap(value, []), self._a
+        mutate(lambda: a.__setitem__(key, value))
 
     # NumPy functions on device arrays run here, as CuPy's do; a NumPy array among them raises TypeError
     def __array_ufunc__(self, ufunc, method, *inputs, **kwargs):
@@ -199,17 +290,28 @@ class ndarray:  # noqa: N801  (cupy.ndarray's name)
         if name.startswith("__"):  # NumPy's __array_interface__, __array_struct__, buffers: no way down
             raise AttributeError(name)
         attr = getattr(self._a, name)
+        if callable(attr) and name in IN_PLACE_METHODS:  # a.fill(0), a.sort(): a kernel on a itself
+            return lambda *args, **kwargs: mutate(lambda: attr(*unwrap(args, []), **kwargs))
         if callable(attr):  # NumPy's unbound method, self among the inputs (a view of it launches nothing)
             return functools.partial(device_call, getattr(numpy.ndarray, name), self)
         return wrap(attr, [self._a])
 
 
+IN_PLACE_METHODS = {"fill", "sort", "put", "partition", "itemset", "resize"}
+
+
 def unwrap_index(key):
     """An index from the host: integers, slices, None, Ellipsis, lists and NumPy integer arrays pass
-    (CuPy copies list and array indices to the device); device arrays inside a tuple are unwrapped."""
+    (CuPy copies list and array indices to the device); device arrays inside a tuple are unwrapped. A boolean
+    device array (a mask) selects as many elements as it holds True: refused while a stream captures."""
     if isinstance(key, tuple):
-        return tuple(k._a if isinstance(k, ndarray) else unwrap_index(k) for k in key)
+        return tuple(unwrap_index(k) for k in key)
+    if isinstance(key, ndarray):
+        if key.dtype == bool:
+            refuse_in_capture("a boolean mask index: an array whose size depends on device data")
+        return key._a
     if isinstance(key, (list, numpy.ndarray)):
+        refuse_in_capture("a host index (a copy from the host to the device)")
         COUNTS["copies_to_device"] += 1
     return key
 
@@ -241,8 +343,8 @@ def in_place(name):
     fn = getattr(operator, f"i{name}")
 
     def op(self, other):
-        fn(self._a, unwrap(other, []))
-        COUNTS["kernels"] += 1
+        a, other = self._a, unwrap(other, [])
+        mutate(lambda: fn(a, other))
         return self
 
     return op
@@ -288,14 +390,71 @@ def ascontiguousarray(a, dtype=None):
     return a if contiguous else device_call(numpy.ascontiguousarray, a, dtype=dtype)
 
 
+class Graph:
+    """A recorded stream capture (cupy.cuda.graph.Graph): ``launch`` reruns every recorded kernel, in order,
+    on the buffers it recorded, with the scalars it recorded: one launch from the host."""
+
+    def __init__(self, ops: list):
+        self.ops = ops
+
+    def launch(self, stream=None):
+        refuse_in_capture("a graph launch")
+        COUNTS["graph_launches"] += 1
+        for run in self.ops:
+            run()
+
+
 class Stream:
-    """The device's one stream: synchronize() is where the host waits."""
+    """A stream: ``synchronize()`` is where the host waits; ``with stream:`` makes it the current one, and
+    ``begin_capture()`` ... ``end_capture()`` records what is issued meanwhile into a ``Graph``."""
+
+    def __init__(self, null: bool = False, non_blocking: bool = False, ptds: bool = False):
+        self.null = null
 
     def synchronize(self):
+        refuse_in_capture("a stream synchronization")
         COUNTS["syncs"] += 1
 
+    def __enter__(self):
+        STREAMS.append(self)
+        return self
 
-STREAM = Stream()
+    def __exit__(self, *exc):
+        STREAMS.pop()
+
+    def begin_capture(self, mode=None):
+        if self.null:
+            raise RuntimeError("cudaErrorStreamCaptureUnsupported: the legacy default stream cannot capture")
+        if Cuda.get_current_stream() is not self:
+            raise RuntimeError("begin_capture on a stream that is not the current one: record inside `with stream:`")
+        refuse_in_capture("another begin_capture")
+        RECORDING.ops = []
+
+    def is_capturing(self) -> bool:
+        return RECORDING.ops is not None
+
+    def end_capture(self) -> Graph:
+        if RECORDING.ops is None:
+            raise RuntimeError("end_capture on a stream that is not capturing")
+        graph, RECORDING.ops = Graph(RECORDING.ops), None
+        return graph
+
+
+STREAM = Stream(null=True)
+STREAMS: list = []  # the streams entered with `with`, innermost last
+
+
+class MemoryPool:
+    """cupy.cuda.MemoryPool: the stand-in's arrays are NumPy's, so its malloc only marks where CuPy's would be."""
+
+    def malloc(self, size: int):
+        raise NotImplementedError("the strict stand-in allocates with NumPy")
+
+
+@contextlib.contextmanager
+def using_allocator(allocator=None):
+    """cupy.cuda.using_allocator: allocations in the block come from ``allocator`` (here: NumPy's, always)."""
+    yield
 
 
 class Runtime:
@@ -350,11 +509,15 @@ class Cuda:
 
     runtime = Runtime
     Device = Device
+    Stream = Stream
+    Graph = Graph
+    MemoryPool = MemoryPool
+    using_allocator = staticmethod(using_allocator)
     memory = type("memory", (), {"OutOfMemoryError": OutOfMemoryError})
 
     @staticmethod
     def get_current_stream():
-        return STREAM
+        return STREAMS[-1] if STREAMS else STREAM
 
 
 cuda = Cuda
@@ -372,6 +535,7 @@ class RawKernel:
             raise NotImplementedError(f"the strict stand-in runs only {', '.join(KERNELS)}, not {name}")
         self.code, self.name, self.kernel = code, name, KERNELS[name]
         self.max_dynamic_shared_size_bytes = 0  # CuPy's opt-in attribute: 0 until set
+        self.lib = None  # the emulator, built at the first launch (CuPy compiles at the first launch too)
 
     def source_file(self):
         """The code as a .cu file in the kernel cache (one per distinct code), for build_emulator."""
@@ -393,10 +557,12 @@ class RawKernel:
                                f"opt-in (max_dynamic_shared_size_bytes = {self.max_dynamic_shared_size_bytes})")
         if block[1:] not in ((), (1,), (1, 1)):
             raise NotImplementedError("the emulated launcher takes one-dimensional blocks")
-        host_args = check_kernel_args(args, self.kernel.params)
-        COUNTS["kernels"] += 1
-        lib = build_emulator(self.source_file(), shared_bytes=EMULATED_SMEM_OPTIN, kernel=self.kernel)
-        run_emulated(lib, host_args, (grid + (1, 1))[:3], block[0], shared_mem, self.name)
+        host_args = check_kernel_args(args, self.kernel.signature(self.name))
+        if self.lib is None:
+            refuse_in_capture(f"the first launch of {self.name} (its compile and module load)")
+            self.lib = build_emulator(self.source_file(), shared_bytes=EMULATED_SMEM_OPTIN, kernel=self.kernel)
+        lib, grid3, name = self.lib, (grid + (1, 1))[:3], self.name
+        mutate(lambda: run_emulated(lib, host_args, grid3, block[0], shared_mem, name))
 
 
 def check_kernel_args(args, params) -> list:

@@ -81,13 +81,18 @@ FLOAT_P, INT_P = ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_int)
 
 @dataclass(frozen=True)
 class KernelFile:
-    """A .cu file and its extern "C" kernels, which all take ``params`` (ctypes types, in order) and report
-    ``status`` codes ({code: meaning}) through their int* status argument."""
+    """A .cu file and its extern "C" kernels, which take ``params`` (ctypes types, in order: one tuple that
+    every kernel of the file shares, or {kernel name: its tuple}) and report ``status`` codes ({code:
+    meaning}) through an int* status argument."""
 
     source: Path
     names: tuple[str, ...]
-    params: tuple
+    params: tuple | dict
     status: dict
+
+    def signature(self, name: str) -> tuple:
+        """The ctypes types of kernel ``name``'s parameters, in order."""
+        return self.params[name] if isinstance(self.params, dict) else self.params
 
 
 # v1: Q, K, V, O, L, status, Tq, Tk, d, Bc, causal, scale
@@ -97,7 +102,32 @@ V1 = KernelFile(KERNEL_SOURCE, (KERNEL_NAME,), (FLOAT_P,) * 5 + (INT_P,) + (ctyp
 V2 = KernelFile(V2_SOURCE, tuple(f"flash_attention_v2_hs{h}" for h in V2_HEAD_SIZES),
                 (FLOAT_P,) * 5 + (INT_P,) + (ctypes.c_int,) * 3 + (ctypes.c_float,),
                 status_codes(V2_DEFINES, "FLASH2_"))
-KERNELS = {name: kernel for kernel in (V1, V2) for name in kernel.names}  # kernel name -> its file
+# fused.cu: the elementwise and row-wise kernels of a decode step (minillm.fused), each with its own parameters
+FUSED_SOURCE = KERNEL_DIR / "fused.cu"
+FUSED_DEFINES = read_defines(FUSED_SOURCE)
+FUSED_THREADS, FUSED_HS_MAX, NORM_SMEM_FLOATS = (FUSED_DEFINES[n][0] for n in ("FUSED_THREADS", "HS_MAX",
+                                                                                  "NORM_SMEM_FLOATS"))
+I, F = ctypes.c_int, ctypes.c_float
+FUSED = KernelFile(FUSED_SOURCE, (
+    "embed_rows", "embed_pos_rows", "layer_norm_rows", "rms_norm_rows", "add_layer_norm_rows", "add_rms_norm_rows",
+    "bias_gelu", "silu_mul", "qkv_to_cache", "qkv_rope_to_cache", "decode_attention"), {
+    # ids, lengths, wte, (wpe,) x, pos, status, T, C, V, max_len
+    "embed_rows": (INT_P, INT_P, FLOAT_P, FLOAT_P, INT_P, INT_P, I, I, I, I),
+    "embed_pos_rows": (INT_P, INT_P, FLOAT_P, FLOAT_P, FLOAT_P, INT_P, INT_P, I, I, I, I),
+    # x, (y, bias,) w, (b,) out, C, eps
+    "layer_norm_rows": (FLOAT_P,) * 4 + (I, F),
+    "rms_norm_rows": (FLOAT_P,) * 3 + (I, F),
+    "add_layer_norm_rows": (FLOAT_P,) * 6 + (I, F),
+    "add_rms_norm_rows": (FLOAT_P,) * 4 + (I, F),
+    "bias_gelu": (FLOAT_P, FLOAT_P, I),  # h, bias, H
+    "silu_mul": (FLOAT_P, FLOAT_P, I),  # gu, a, H
+    # qkv, (bias,) pos, q, k cache, v cache, status, T, nh, nkv, hs, max_len (, theta)
+    "qkv_to_cache": (FLOAT_P, FLOAT_P, INT_P, FLOAT_P, FLOAT_P, FLOAT_P, INT_P) + (I,) * 5,
+    "qkv_rope_to_cache": (FLOAT_P, INT_P, FLOAT_P, FLOAT_P, FLOAT_P, INT_P) + (I,) * 5 + (F,),
+    # q, k cache, v cache, pos, out, status, T, nh, nkv, hs, max_len, scale
+    "decode_attention": (FLOAT_P, FLOAT_P, FLOAT_P, INT_P, FLOAT_P, INT_P) + (I,) * 5 + (F,),
+}, status_codes(FUSED_DEFINES, "FUSED_"))
+KERNELS = {name: kernel for kernel in (V1, V2, FUSED) for name in kernel.names}  # kernel name -> its file
 
 
 def raise_status(code: int, name: str = KERNEL_NAME) -> None:
@@ -144,11 +174,15 @@ extern "C" int launch_{name}({params},
 C_TYPES = {FLOAT_P: "float*", INT_P: "int*", ctypes.c_int: "int", ctypes.c_float: "float"}
 
 
+def emu_entry(name: str, signature: tuple) -> str:
+    """The extern "C" entry point launch_<name> for a kernel whose parameters have these ctypes types."""
+    params = ", ".join(f"{C_TYPES[t]} a{n}" for n, t in enumerate(signature))
+    return EMU_ENTRY.format(name=name, params=params, args=", ".join(f"a{n}" for n in range(len(signature))))
+
+
 def emu_launcher(source: Path, kernel: KernelFile) -> str:
     """The launcher translation unit of ``source`` (kernel's file, or a mutant of it)."""
-    params = ", ".join(f"{C_TYPES[t]} a{n}" for n, t in enumerate(kernel.params))
-    args = ", ".join(f"a{n}" for n in range(len(kernel.params)))
-    entries = "".join(EMU_ENTRY.format(name=name, params=params, args=args) for name in kernel.names)
+    entries = "".join(emu_entry(name, kernel.signature(name)) for name in kernel.names)
     return f'#include "{source.as_posix()}"\nCUDA_EMU_DYNAMIC_SHARED(float, sram);\n{entries}'
 
 EMU_FLAGS = ["-std=c++20", "-O2", "-shared", "-fPIC", "-pthread"]
@@ -211,7 +245,7 @@ def load_emulator(lib: Path, name: str = KERNEL_NAME):
     """The ``launch_<name>`` entry point of a built library, with its ctypes signature."""
     if (lib, name) not in _emulators:
         fn = getattr(ctypes.CDLL(str(lib)), f"launch_{name}")
-        fn.argtypes = list(KERNELS[name].params) + LAUNCH_PARAMS
+        fn.argtypes = list(KERNELS[name].signature(name)) + LAUNCH_PARAMS
         fn.restype = ctypes.c_int
         _emulators[lib, name] = fn
     return _emulators[lib, name]
@@ -224,7 +258,7 @@ def run_emulated(lib: Path, args, grid: tuple[int, int, int], block_x: int, smem
     Raises KernelError with the emulator's message when it refuses the launch (a diverged barrier,
     shared memory beyond its device's)."""
     c_args = [a.ctypes.data_as(param) if param in (FLOAT_P, INT_P) else param(a).value
-              for a, param in zip(args, KERNELS[name].params)]
+              for a, param in zip(args, KERNELS[name].signature(name))]
     err = ctypes.create_string_buffer(1024)
     with EMULATOR_LOCK:
         rc = load_emulator(lib, name)(*c_args, *grid, block_x, smem_bytes, err, len(err))

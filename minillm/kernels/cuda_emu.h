@@ -11,7 +11,8 @@
 // The execution model, kept as close to CUDA as a CPU allows:
 //   - blocks run one after another, in blockIdx order x, then y, then z;
 //   - the threads of one block run as real std::threads, so races are real races
-//     (build with -fsanitize=thread and ThreadSanitizer reports them);
+//     (build with -fsanitize=thread and ThreadSanitizer reports them); the threads are kept between
+//     blocks and launches (ThreadPool), since making a thread costs more than a small block's work;
 //   - threadIdx, blockIdx, blockDim, gridDim are thread_local;
 //   - `extern __shared__` storage is one static array, used by the one block being run and
 //     filled with NaN before each block (uninitialized shared memory shows up as NaN);
@@ -36,10 +37,12 @@
 #include <bit>
 #include <chrono>
 #include <cmath>
+#include <condition_variable>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <mutex>
 #include <string>
 #include <thread>
@@ -205,6 +208,54 @@ class BlockBarrier {
 inline BlockBarrier g_barrier;
 inline std::mutex g_launch_lock;
 
+// The threads that run a block's CUDA threads, made once and kept: run(n, job) hands job(t) to threads
+// 0..n-1, all at once, and returns when every one has finished. Each thread is a real std::thread, so the
+// threads of one block still run concurrently (and race, where a kernel lets them).
+class ThreadPool {
+  public:
+    void run(int n, const std::function<void(int)>& job) {
+        std::unique_lock<std::mutex> lk(mu_);
+        while (static_cast<int>(started_) < n) {
+            const int id = static_cast<int>(started_++);
+            std::thread([this, id] { work(id); }).detach();  // lives as long as the process
+        }
+        job_ = &job;
+        n_ = n;
+        remaining_ = n;
+        ++generation_;
+        wake_.notify_all();
+        done_.wait(lk, [this] { return remaining_ == 0; });
+        job_ = nullptr;
+    }
+
+  private:
+    void work(int id) {
+        unsigned long seen = 0;
+        std::unique_lock<std::mutex> lk(mu_);
+        for (;;) {
+            wake_.wait(lk, [&] { return generation_ != seen; });
+            seen = generation_;
+            if (id >= n_) continue;  // this block has fewer threads
+            const std::function<void(int)>* job = job_;
+            lk.unlock();
+            (*job)(id);
+            lk.lock();
+            if (--remaining_ == 0) done_.notify_one();
+        }
+    }
+
+    std::mutex mu_;
+    std::condition_variable wake_, done_;
+    const std::function<void(int)>* job_ = nullptr;
+    int n_ = 0, remaining_ = 0;
+    unsigned long generation_ = 0, started_ = 0;
+};
+
+inline ThreadPool& thread_pool() {
+    static ThreadPool* pool = new ThreadPool;  // never destroyed: its threads wait on it until the process exits
+    return *pool;
+}
+
 constexpr int kWarpSize = 32;
 constexpr int kMaxWarps = 1024 / kWarpSize;
 constexpr unsigned int kFullMask = 0xffffffffu;
@@ -285,20 +336,15 @@ int launch(dim3 grid, dim3 block, unsigned int smem_bytes, void* shared, char* e
                 g_barrier.reset(nthreads);
                 for (int w = 0; w * kWarpSize < nthreads; ++w)
                     g_warp_barriers[w].reset(warp_lanes(w, nthreads), "a warp call of warp " + std::to_string(w));
-                std::vector<std::thread> threads;
-                threads.reserve(nthreads);
-                for (int t = 0; t < nthreads; ++t) {
-                    threads.emplace_back([=] {
-                        threadIdx = uint3{t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
-                        blockIdx = uint3{bx, by, bz};
-                        blockDim = block;
-                        gridDim = grid;
-                        kernel(args...);
-                        g_barrier.thread_exit(t);
-                        g_warp_barriers[t / kWarpSize].thread_exit(t);
-                    });
-                }
-                for (auto& th : threads) th.join();
+                thread_pool().run(nthreads, [=](int t) {
+                    threadIdx = uint3{t % block.x, (t / block.x) % block.y, t / (block.x * block.y)};
+                    blockIdx = uint3{bx, by, bz};
+                    blockDim = block;
+                    gridDim = grid;
+                    kernel(args...);
+                    g_barrier.thread_exit(t);
+                    g_warp_barriers[t / kWarpSize].thread_exit(t);
+                });
                 std::string e = g_barrier.error();
                 for (int w = 0; e.empty() && w * kWarpSize < nthreads; ++w) e = g_warp_barriers[w].error();
                 if (!e.empty()) {

@@ -1,5 +1,5 @@
 """Broken kernels on purpose: the classic CUDA mistakes, each an edit of the real flash_attention.cu
-(KERNEL_MUTANTS) or flash_attention_v2.cu (V2_MUTANTS).
+(KERNEL_MUTANTS), flash_attention_v2.cu (V2_MUTANTS) or fused.cu (FUSED_MUTANTS).
 
 Chapter 4 shows that its checks bite by running them on these, and tests/test_flash_attention.py
 asserts that every one is caught. Each mutant is the current kernel with one or two textual edits,
@@ -77,6 +77,53 @@ V2_MUTANTS = {
 }
 
 
+# name -> [(old, new), ...]: the edits of minillm/kernels/fused.cu (the launch floor's fused kernels)
+FUSED_MUTANTS = {
+    # the loop over the cache stops before the query's own position: a token does not see itself.
+    # Caught by the output check (every T, every position).
+    "attention_off_by_one": [(
+        "    for (int j = lane; j <= p; j += FUSED_THREADS) {\n",
+        "    for (int j = lane; j < p; j += FUSED_THREADS) {  // (mutant: stops before the query's own key)\n",
+    )],
+    # the running sum and output are not rescaled when a lane's running max grows: exp(s - m_new) mixes
+    # scales. Caught by the output check on scores that grow along the sequence.
+    "attention_no_rescale": [
+        ("        l = alpha * l + e;\n", "        l = l + e;  // (mutant: no rescaling)\n"),
+        ("        for (int d = 0; d < hs; ++d) acc[d] = alpha * acc[d] + e * V[(long long)j * hs + d];\n",
+         "        for (int d = 0; d < hs; ++d) acc[d] = acc[d] + e * V[(long long)j * hs + d];  // (mutant)\n"),
+    ],
+    # grouped-query attention maps query head h to KV head h % n_kv (round robin) instead of h / (nh / n_kv)
+    # (consecutive query heads share one KV head). Caught by the output check with n_kv < nh.
+    "gqa_round_robin": [(
+        "    const int kv_head = head / (nh / nkv);\n",
+        "    const int kv_head = head % nkv;  // (mutant: round robin)\n",
+    )],
+    # LayerNorm's variance is taken around 0, not around the mean (RMSNorm's formula in LayerNorm). Caught by
+    # the output check on rows whose mean is far from 0.
+    "norm_uncentered_variance": [(
+        "        const float d = xr[c] - mean;\n",
+        "        const float d = xr[c];  // (mutant: the variance ignores the mean)\n",
+    )],
+    # epsilon added outside the square root. Caught by the output check on rows of tiny values.
+    "norm_eps_outside_sqrt": [(
+        "    const float inv_std = 1.0f / sqrtf(block_sum(s, sram + FUSED_THREADS) / C + eps);\n",
+        "    const float inv_std = 1.0f / (sqrtf(block_sum(s, sram + FUSED_THREADS) / C) + eps);  // (mutant)\n",
+    )],
+    # RoPE pairs neighbouring dims (2j, 2j + 1: GPT-J's interleaved layout) instead of j and j + hs/2 (the
+    # rotate-half layout SmolLM2's weights are in). Caught by the output check.
+    "rope_interleaved_pairs": [(
+        "            const int j = d % half, partner = d < half ? c + half : c - half;\n",
+        "            const int j = d % half, partner = c ^ 1;  // (mutant: interleaved pairs)\n",
+    )],
+    # the RoPE angle in float, not double: at position 5,000 it is off by about 3e-4 rad. Caught by the output
+    # check at large positions.
+    "rope_float_angle": [(
+        "            const double angle = (double)p * pow((double)theta, -2.0 * j / hs);\n",
+        "            const float angle = (float)p * powf(theta, -2.0f * j / hs);  // (mutant: float32 angle)\n",
+    )],
+}
+
+
 def mutate_kernel(name: str, source: str, mutants: dict = KERNEL_MUTANTS) -> str:
     """The kernel text ``source`` with the edits of mutants[name]; ValueError for an unknown
     name or an edit whose text does not occur exactly once."""
@@ -91,8 +138,9 @@ def mutate_kernel(name: str, source: str, mutants: dict = KERNEL_MUTANTS) -> str
 
 
 def write_kernel_mutant(name: str, kernel_path, out_dir, mutants: dict = KERNEL_MUTANTS) -> Path:
-    """Write the kernel at ``kernel_path`` with mutants[name]'s edits to out_dir/flash_<name>.cu -> that path."""
+    """Write the kernel at ``kernel_path`` with mutants[name]'s edits to out_dir/<kernel file>_<name>.cu -> that
+    path."""
     text = mutate_kernel(name, Path(kernel_path).read_text(), mutants)
-    path = Path(out_dir) / f"flash_{name}.cu"
+    path = Path(out_dir) / f"{Path(kernel_path).stem}_{name}.cu"
     path.write_text(text)
     return path

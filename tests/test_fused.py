@@ -1,0 +1,220 @@
+"""The fused kernels of kernels/fused.cu equal the array code they replace (minillm.fused's references) on every
+buffer they write, on awkward shapes: one token row or several, widths that are not a multiple of the warp,
+grouped-query heads, positions on both sides of a lane boundary, scores large enough to overflow exp() without
+the running max, RoPE at position 5,000. Each classic mistake (kernels.mutants.FUSED_MUTANTS) fails the same
+check, and a kernel refuses what it cannot take through its status word.
+
+The kernels run through the chapter-4 emulation (g++ and cuda_emu.h) on host arrays: no device code, so these
+run in the NumPy run only (host_only); the strict run drives the same kernels through the stand-in's RawKernel
+in tests/test_decode_step.py."""
+
+import shutil
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from minillm import fused
+from minillm.kernels import build
+from minillm.kernels.build import KernelError
+from minillm.kernels.mutants import FUSED_MUTANTS, mutate_kernel, write_kernel_mutant
+
+pytestmark = [pytest.mark.host_only,
+              pytest.mark.skipif(shutil.which("g++") is None, reason="the emulation compiles fused.cu with g++")]
+ATOL = 2e-5  # float32 arithmetic in another order (the kernel's sums run lane by lane)
+i32, f32 = np.int32, np.float32
+
+
+def run_both(name, grid, args, shared_mem=0, source=build.FUSED_SOURCE):
+    """Kernel ``name`` (emulated, from ``source``) and its reference on copies of the same arguments -> the two
+    argument lists after the run, so a test compares every buffer either one wrote."""
+    kernel_args = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
+    reference_args = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
+    fused.launch(name, grid, tuple(kernel_args), shared_mem, emulated=True, source=source)
+    fused.REFERENCES[name](*reference_args)
+    return kernel_args, reference_args
+
+
+def assert_same(kernel_args, reference_args, atol=ATOL):
+    for i, (got, want) in enumerate(zip(kernel_args, reference_args)):
+        if isinstance(got, np.ndarray):
+            np.testing.assert_allclose(got, want, atol=atol, rtol=1e-5, err_msg=f"argument {i}")
+
+
+def rand(rng, *shape, scale=1.0, shift=0.0):
+    return (rng.standard_normal(shape) * scale + shift).astype(np.float32)
+
+
+# ---- one case per kernel: (grid, args, shared memory) ----------------------------------------------------
+
+
+def norm_case(name, rows, C, rng, scale=1.0, shift=0.0):
+    x, y, bias = rand(rng, rows, C, scale=scale, shift=shift), rand(rng, rows, C), rand(rng, C)
+    w, b, out = rand(rng, C, shift=1.0), rand(rng, C), np.full((rows, C), np.nan, np.float32)
+    args = {"layer_norm_rows": (x, w, b), "rms_norm_rows": (x, w), "add_layer_norm_rows": (x, y, bias, w, b),
+            "add_rms_norm_rows": (x, y, w)}[name]
+    eps = f32(1e-5)
+    return (rows,), (*args, out, i32(C), eps), fused.NORM_SMEM_BYTES
+
+
+def qkv_case(name, B, T, nh, nkv, hs, rng, start=0, max_len=None):
+    lengths = start + np.arange(B, dtype=np.int32) * 2  # rows at different lengths
+    max_len = int(lengths.max()) + T + 1 if max_len is None else max_len
+    pos = (lengths[:, None] + np.arange(T)).reshape(-1).astype(np.int32)
+    width = (nh + 2 * nkv) * hs
+    qkv, bias = rand(rng, B * T, width), rand(rng, width)
+    q = np.full((B, nh, T, hs), np.nan, np.float32)
+    kc, vc = rand(rng, B, nkv, max_len, hs), rand(rng, B, nkv, max_len, hs)  # old entries must survive
+    status, dims = np.zeros(1, np.int32), (i32(T), i32(nh), i32(nkv), i32(hs), i32(max_len))
+    if name == "qkv_rope_to_cache":
+        return (B * T,), (qkv, pos, q, kc, vc, status, *dims, f32(10000.0)), 0
+    return (B * T,), (qkv, bias, pos, q, kc, vc, status, *dims), 0
+
+
+def attention_case(B, T, nh, nkv, hs, last_pos, rng, score_scale=1.0):
+    """Queries at positions last_pos - T + 1 .. last_pos (row b: last_pos + b) over a cache of last_pos + B + 1
+    slots, the slots past each query's position filled with huge values that must never be read."""
+    max_len = last_pos + B + 2
+    pos = np.concatenate([np.arange(last_pos + b - T + 1, last_pos + b + 1) for b in range(B)]).astype(np.int32)
+    q = rand(rng, B, nh, T, hs, scale=score_scale)
+    kc, vc = rand(rng, B, nkv, max_len, hs), rand(rng, B, nkv, max_len, hs)
+    kc[..., -1, :] = vc[..., -1, :] = 1e30  # the last slot lies past every query's position
+    kc[..., :, 0] += np.linspace(0, 8, max_len, dtype=np.float32)  # scores that grow along the sequence
+    out, status = np.full((B * T, nh * hs), np.nan, np.float32), np.zeros(1, np.int32)
+    args = (q, kc, vc, pos, out, status, i32(T), i32(nh), i32(nkv), i32(hs), i32(max_len), fused.attention_scale(hs))
+    return (T, nh, B), args, fused.attention_smem_bytes(hs)
+
+
+def embed_case(name, B, T, rng, V=11, C=40, max_len=12):
+    ids = rng.integers(0, V, (B, T)).astype(np.int32)
+    lengths = np.array([0, 3, 5][:B], np.int32)
+    wte, wpe = rand(rng, V, C), rand(rng, max_len, C)
+    x, pos = np.full((B * T, C), np.nan, np.float32), np.full(B * T, -1, np.int32)
+    status, dims = np.zeros(1, np.int32), (i32(T), i32(C), i32(V), i32(max_len))
+    if name == "embed_pos_rows":
+        return (B * T,), (ids, lengths, wte, wpe, x, pos, status, *dims), 0
+    return (B * T,), (ids, lengths, wte, x, pos, status, *dims), 0
+
+
+# ---- every kernel equals its reference ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", ["layer_norm_rows", "rms_norm_rows", "add_layer_norm_rows", "add_rms_norm_rows"])
+@pytest.mark.parametrize("rows, C", [(1, 32), (3, 45), (2, 576)])
+def test_norms_equal_the_array_code(name, rows, C):
+    """out = norm(x) (and x += y + bias, written back, for the residual ones): C below, at and above the warp."""
+    assert_same(*run_both(name, *norm_case(name, rows, C, np.random.default_rng(C))))
+
+
+@pytest.mark.parametrize("H", [7, 100])
+def test_activations_equal_the_array_code(H):
+    """GPT-2's bias + GELU in place; Llama's silu(gate) * up from the stacked product's row."""
+    rng = np.random.default_rng(H)
+    h, bias = rand(rng, 2, H, scale=3.0), rand(rng, H)
+    assert_same(*run_both("bias_gelu", (2,), (h, bias, i32(H))))
+    gu, a = rand(rng, 2, 2 * H, scale=3.0), np.full((2, H), np.nan, np.float32)
+    assert_same(*run_both("silu_mul", (2,), (gu, a, i32(H))))
+
+
+@pytest.mark.parametrize("name", ["qkv_to_cache", "qkv_rope_to_cache"])
+@pytest.mark.parametrize("B, T, nh, nkv, hs", [(1, 1, 4, 4, 8), (2, 3, 4, 2, 16), (2, 1, 9, 3, 64)])
+def test_qkv_split_and_cache_write_equal_the_array_code(name, B, T, nh, nkv, hs):
+    """q lands in (B, nh, T, hs); k and v in the caches at each row's own position, nothing else changes."""
+    assert_same(*run_both(name, *qkv_case(name, B, T, nh, nkv, hs, np.random.default_rng(hs))))
+
+
+def test_rope_at_position_5000_keeps_the_double_angle():
+    """The angle pos * theta^(-2j/hs) in double, as llama.rope_cos_sin computes it: in float it would be off by
+    about 3e-4 rad at this position."""
+    assert_same(*run_both("qkv_rope_to_cache", *qkv_case("qkv_rope_to_cache", 1, 2, 2, 1, 32,
+                                                           np.random.default_rng(0), start=5000)))
+
+
+@pytest.mark.parametrize("B, T, nh, nkv, hs", [(1, 1, 4, 4, 8), (2, 3, 4, 2, 16), (1, 2, 9, 3, 64),
+                                               (1, 1, 2, 1, 128)])
+@pytest.mark.parametrize("last_pos", [0, 31, 32, 70])
+def test_decode_attention_equals_the_masked_array_code(B, T, nh, nkv, hs, last_pos):
+    """Each query attends keys 0..pos of its KV head: one key (position 0), a lane's last key (31), one more
+    than the warp (32), several per lane (70); grouped heads; the slots past pos (1e30) are never read."""
+    if last_pos + 1 < T:
+        pytest.skip("T queries need T positions")
+    rng = np.random.default_rng(last_pos)
+    assert_same(*run_both("decode_attention", *attention_case(B, T, nh, nkv, hs, last_pos, rng)))
+
+
+def test_decode_attention_takes_scores_that_overflow_exp():
+    """Scores in the hundreds: without the running max exp() overflows to inf and the output is NaN."""
+    kernel, reference = run_both("decode_attention", *attention_case(1, 1, 2, 2, 16, 40, np.random.default_rng(1),
+                                                                     score_scale=60.0))
+    assert np.isfinite(kernel[4]).all()
+    assert_same(kernel, reference, atol=1e-4)
+
+
+@pytest.mark.parametrize("name", ["embed_rows", "embed_pos_rows"])
+def test_embedding_writes_positions_from_the_lengths(name):
+    """pos = lengths[b] + t on the device; x = wte[ids] (+ wpe[pos])."""
+    kernel, reference = run_both(name, *embed_case(name, 3, 2, np.random.default_rng(5)))
+    assert_same(kernel, reference)
+    np.testing.assert_array_equal(kernel[4 if name == "embed_rows" else 5], [0, 1, 3, 4, 5, 6])
+
+
+# ---- limits: refused through the status word ---------------------------------------------------------------
+
+
+def test_kernels_refuse_what_they_cannot_take():
+    """A token id outside the vocabulary, a position past the cache, a head above HS_MAX: each writes its
+    FUSED_* code and nothing else; fused.raise_status names it."""
+    rng = np.random.default_rng(0)
+    grid, args, _ = embed_case("embed_rows", 1, 1, rng)
+    args[0][...] = 11  # V = 11: one past the last id
+    x_before = args[3].copy()
+    fused.launch("embed_rows", grid, args, emulated=True)
+    assert args[5][0] == build.FUSED_DEFINES["FUSED_BAD_TOKEN"][0]
+    np.testing.assert_array_equal(args[3], x_before)  # nothing written
+    with pytest.raises(KernelError, match="token id outside"):
+        fused.raise_status(int(args[5][0]))
+    grid, args, _ = qkv_case("qkv_to_cache", 1, 1, 2, 2, 8, rng, max_len=4)
+    args[2][...] = 4  # position 4 of a 4-slot cache
+    fused.launch("qkv_to_cache", grid, args, emulated=True)
+    assert args[6][0] == build.FUSED_DEFINES["FUSED_PAST_CACHE"][0]
+    grid, args, smem = attention_case(1, 1, 1, 1, 8, 3, rng)
+    args = args[:9] + (i32(fused.HS_MAX + 1),) + args[10:]
+    fused.launch("decode_attention", grid, args, smem, emulated=True)
+    assert args[5][0] == build.FUSED_DEFINES["FUSED_HEAD_TOO_LARGE"][0]
+
+
+# ---- the bug zoo: every classic mistake fails the same checks ------------------------------------------------
+
+MUTANT_CASES = {
+    "attention_off_by_one": lambda rng: ("decode_attention", attention_case(1, 2, 2, 2, 16, 33, rng)),
+    "attention_no_rescale": lambda rng: ("decode_attention", attention_case(1, 1, 2, 2, 16, 70, rng, 3.0)),
+    "gqa_round_robin": lambda rng: ("decode_attention", attention_case(1, 1, 4, 2, 16, 20, rng)),
+    "norm_uncentered_variance": lambda rng: ("layer_norm_rows", norm_case("layer_norm_rows", 2, 45, rng,
+                                                                          shift=5.0)),
+    "norm_eps_outside_sqrt": lambda rng: ("rms_norm_rows", norm_case("rms_norm_rows", 2, 45, rng, scale=1e-3)),
+    "rope_interleaved_pairs": lambda rng: ("qkv_rope_to_cache", qkv_case("qkv_rope_to_cache", 1, 2, 2, 1, 16, rng)),
+    "rope_float_angle": lambda rng: ("qkv_rope_to_cache", qkv_case("qkv_rope_to_cache", 1, 2, 2, 1, 32, rng,
+                                                                   start=5000)),
+}
+
+
+def mutant(name) -> Path:
+    out = Path(tempfile.gettempdir()) / "minillm-kernel-mutants"
+    out.mkdir(exist_ok=True)
+    return write_kernel_mutant(name, build.FUSED_SOURCE, out, FUSED_MUTANTS)
+
+
+def test_every_mutant_has_a_case_and_edits_the_current_kernel_once():
+    assert set(MUTANT_CASES) == set(FUSED_MUTANTS)
+    for name in FUSED_MUTANTS:
+        mutate_kernel(name, build.FUSED_SOURCE.read_text(), FUSED_MUTANTS)
+
+
+@pytest.mark.parametrize("name", sorted(FUSED_MUTANTS))
+def test_the_checks_catch_each_mutant(name):
+    """The mutant passes its own case on the real kernel, and fails it on the mutant."""
+    kernel_name, (grid, args, smem) = MUTANT_CASES[name](np.random.default_rng(7))
+    assert_same(*run_both(kernel_name, grid, args, smem))
+    with pytest.raises(AssertionError):
+        assert_same(*run_both(kernel_name, grid, args, smem, source=mutant(name)))
