@@ -258,27 +258,88 @@ class StaticStep:
         self.graph = graph
 
 
-def greedy_generate(model, prompt_ids, max_new_tokens: int, graph: bool = False, max_len: int | None = None) -> list:
-    """Greedy decoding on static steps: the prompt in one eager step (T = len(prompt)), then one T = 1 step per
+def prefill(model, tokens: list, max_len: int) -> StaticCache:
+    """A static cache of ``max_len`` slots holding ``tokens`` (one eager step of T = len(tokens); none for [])."""
+    cache = StaticCache(model.config, 1, max_len)
+    if tokens:
+        step = StaticStep(model, cache, T=len(tokens))
+        step.set_ids([tokens])
+        step.step()
+    return cache
+
+
+def start_decoding(model, prompt: list, max_len: int, graph: bool = False) -> StaticStep:
+    """The T = 1 decode step of a static cache that holds prompt[:-1], its ids holding prompt[-1]: each
+    ``step()`` feeds the last token and leaves the next one, its argmax, in ``ids``. With ``graph`` the step is
+    captured, so each ``step()`` is one graph launch."""
+    decode = StaticStep(model, prefill(model, prompt[:-1], max_len), T=1)
+    decode.set_ids([[prompt[-1]]])
+    if graph:
+        decode.capture()
+    return decode
+
+
+def next_id(step: StaticStep) -> int:
+    """The token a T = 1 step chose, brought to the host: the one wait per token."""
+    return int(to_numpy(step.ids)[0, 0])
+
+
+def greedy_generate(model, prompt_ids, max_new_tokens: int, graph: bool = False) -> list:
+    """Greedy decoding on static steps: the prompt but its last token in one eager step, then one T = 1 step per
     token, replayed from a CUDA graph with ``graph=True``. The host waits once per token, for its id.
 
-    The same tokens as ``generate(model, prompt_ids, max_new_tokens, temperature=0).tokens`` (the reference)
-    while prompt + new tokens fit in ``max_len`` (default: exactly that many; at most block_size).
+    The same tokens as ``generate(model, prompt_ids, max_new_tokens, temperature=0).tokens`` (the reference);
+    prompt and new tokens must fit in the model's block_size (the static cache does not slide a window).
     """
     prompt = check_prompt(prompt_ids, max_new_tokens)
     if max_new_tokens == 0:
         return []
-    cache = StaticCache(model.config, 1, len(prompt) + max_new_tokens - 1 if max_len is None else max_len)
-    prefill = StaticStep(model, cache, T=len(prompt))
-    prefill.set_ids([prompt])
-    prefill.step()
-    decode = StaticStep(model, cache, T=1)
-    decode.ids[...] = prefill.next_ids[:, -1:]  # the prompt's next token, copied on the device
-    if graph:
-        decode.capture()
-    tokens = [int(to_numpy(decode.ids)[0, 0])]
+    decode = start_decoding(model, prompt, len(prompt) + max_new_tokens - 1, graph)
+    tokens = []
     while len(tokens) < max_new_tokens:
         decode.step()
-        tokens.append(int(to_numpy(decode.ids)[0, 0]))  # the one wait per token
-    cache.check_status()
+        tokens.append(next_id(decode))
+    decode.cache.check_status()
     return tokens
+
+
+def greedy_speculative_generate(target, draft, prompt_ids, max_new_tokens: int, k: int = 4,
+                                graph: bool = False) -> list:
+    """Greedy speculative decoding on static steps: per round the draft's T = 1 step proposes k tokens and the
+    target's T = k + 1 step verifies them in one forward; with ``graph`` both steps are replayed from their
+    graphs (one per model, per fixed k). Same tokens as ``generate(target, ..., temperature=0)``.
+
+    Both caches hold every token but the last one emitted (``last``). A round feeds the target [last, d_1..d_k];
+    its argmaxes g_0..g_k accept the drafts while d_i == g_(i-1); the first mismatch, or g_k after k matches, is
+    the new ``last``. Rollback is one copy of each cache's lengths to the device (``StaticCache.set_lengths``).
+    """
+    prompt = check_prompt(prompt_ids, max_new_tokens)
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"k (drafts per round) must be an int >= 1, got {k!r}")
+    max_len = len(prompt) + max_new_tokens + k  # the last round may verify k + 1 tokens past the emitted ones
+    propose = start_decoding(draft, prompt, max_len, graph)
+    verify = StaticStep(target, prefill(target, prompt[:-1], max_len), T=k + 1)
+    if graph:
+        verify.capture()
+    tokens, last = [], prompt[-1]
+    while len(tokens) < max_new_tokens:
+        length = int(verify.cache.host_lengths[0])  # tokens both caches hold: everything before `last`
+        propose.set_ids([[last]])
+        drafts = []
+        for _ in range(k):
+            propose.step()
+            drafts.append(next_id(propose))
+        verify.set_ids([[last, *drafts]])
+        verify.step()
+        greedy = to_numpy(verify.next_ids)[0].tolist()  # (k + 1,) the target's argmax after each fed token
+        accepted = next((i for i, d in enumerate(drafts) if d != greedy[i]), k)
+        tokens += drafts[:accepted] + [greedy[accepted]]
+        verify.cache.set_lengths(length + 1 + accepted)  # last and the accepted drafts
+        if accepted == k:  # the draft has not seen d_k yet: feed it
+            propose.set_ids([[drafts[-1]]])
+            propose.step()
+        else:
+            propose.cache.set_lengths(length + 1 + accepted)
+        last = greedy[accepted]
+    verify.cache.check_status()
+    return tokens[:max_new_tokens]

@@ -5,9 +5,14 @@ few microseconds) and how often the host waits for the device (a synchronization
 not by its FLOPs. Both are counted without a GPU by the strict CuPy stand-in (``minillm.strict``), so
 this benchmark runs itself under ``MINILLM_BACKEND=strict`` (in a subprocess when started without it).
 
-For the shipped model (or --model) and each attention: greedy generation from a short prompt, once
-with 1 new token and once with 1 + steps; the difference divided by steps is the cost of one decoded
-token (the prefill cancels out).
+For the shipped model (or --model, e.g. smollm2-135m), per decoded token of greedy generation:
+
+- the array code, ``model.forward`` with a KVCache, for each attention: greedy generation from a short
+  prompt, once with 1 new token and once with 1 + steps; the difference divided by steps is the cost of
+  one decoded token (the prefill cancels out);
+- the static step of ``minillm.decode_step`` with the fused kernels, eager: its launches against the
+  budget of 12 per layer plus 8 around the layers;
+- the same step captured as a CUDA graph: one graph launch per token.
 """
 
 from __future__ import annotations
@@ -19,15 +24,17 @@ import subprocess
 import sys
 import time
 
-from ...backend import BACKEND_ENV, xp
-from ...checkpoint import load_model
+from ...backend import BACKEND_ENV, to_numpy, xp
+from ...decode_step import start_decoding
 from ...generate import generate
 from ...notebook import format_table
+from ...registry import load_model
 from ..options import positive_int
 from .common import parse_args
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
-COUNTED = ("kernels", "syncs", "copies_to_device")
+COUNTED = ("kernels", "syncs", "copies_to_device", "graph_launches")
+LAYER_BUDGET, OUTSIDE_BUDGET = 12, 8  # the fused step's launches per layer, and around the layers, per token
 
 
 def per_token(model, steps: int) -> dict:
@@ -39,6 +46,23 @@ def per_token(model, steps: int) -> dict:
         generate(model, PROMPT, n, temperature=0)
         runs.append(dict(xp.COUNTS))
     return {k: (runs[1].get(k, 0) - runs[0].get(k, 0)) / steps for k in COUNTED}
+
+
+def static_per_token(model, steps: int, graph: bool) -> dict:
+    """{kernels, syncs, copies_to_device, graph_launches} per decoded token of the static T = 1 step
+    (``decode_step.StaticStep``) after a prefill, eager or replayed from its captured graph."""
+    decode = start_decoding(model, PROMPT, len(PROMPT) + steps, graph)
+    decode.step()  # the prompt's last token
+    xp.reset_counts()
+    for _ in range(steps):
+        decode.step()
+        to_numpy(decode.ids)  # the token id comes to the host: the one wait per token
+    return {k: xp.COUNTS.get(k, 0) / steps for k in COUNTED}
+
+
+def launch_budget(config) -> int:
+    """The fused step's launch budget per decoded token: 12 per layer plus 8 around the layers."""
+    return LAYER_BUDGET * config.n_layer + OUTSIDE_BUDGET
 
 
 def seconds_per_token(model, steps: int, repeat: int = 3) -> float:
@@ -59,20 +83,27 @@ def seconds_per_token(model, steps: int, repeat: int = 3) -> float:
 
 def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m minillm bench device-calls", description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="target", help="a shipped model name or a checkpoint path")
+    p.add_argument("--model", default="target", help="a model name (target, smollm2-135m, ...) or a checkpoint path")
     p.add_argument("--steps", type=positive_int, default=8, help="decoded tokens counted")
     if xp.__name__ != "minillm.strict":  # count under the stand-in: start this benchmark again under it
         p.parse_args(argv)  # a usage error stops here, once
         command = [sys.executable, "-m", "minillm", "bench", "device-calls", *argv]
         return subprocess.run(command, env={**os.environ, BACKEND_ENV: "strict"}).returncode
     args = parse_args(p, argv)
-    attentions = ["naive", "flash"] + (["cuda", "cuda_v2"] if shutil.which("g++") else [])  # emulated: g++
+    emulated = shutil.which("g++") is not None  # the kernels run through the g++ emulation
     rows = []
-    for attention in attentions:
+    for attention in ["naive", "flash"] + (["cuda", "cuda_v2"] if emulated else []):
         model, _ = load_model(args.model, attention)
-        rows.append({"attention": attention, **per_token(model, args.steps)})
+        rows.append({"path": f"array code, attention {attention}", **per_token(model, args.steps)})
+    if emulated:
+        for graph in (False, True):
+            path = "static step, fused kernels" + (", CUDA graph" if graph else "")
+            rows.append({"path": path, **static_per_token(model, args.steps, graph)})
     c = model.config
+    for row in rows:
+        row["budget"] = launch_budget(c)
     print(f"\nper decoded token, model {args.model} ({c.n_layer} layers, {c.n_head} heads), greedy, "
-          f"prompt {len(PROMPT)} tokens, mean of {args.steps} steps (strict CuPy stand-in)")
-    print(format_table(rows, ["attention", *COUNTED]))
+          f"prompt {len(PROMPT)} tokens, mean of {args.steps} steps (strict CuPy stand-in); budget: "
+          f"{LAYER_BUDGET} launches per layer + {OUTSIDE_BUDGET}")
+    print(format_table(rows, ["path", *COUNTED, "budget"]))
     return 0
