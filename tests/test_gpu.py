@@ -1,5 +1,6 @@
 """On the device, minillm gives the host's answers: the model's logits with each attention, plain and
-paged, generation, speculative decoding and batches (tests/fixtures/device_cases.py). The host's answers
+paged, generation, speculative decoding and batches, the static decode step with its fused kernels and graphs
+(tests/fixtures/device_cases.py). The host's answers
 come from a NumPy run in a subprocess; every comparison is made on the host, in NumPy."""
 
 import os
@@ -9,7 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from device_cases import ATTENTIONS, logits, tokens
+from device_cases import ATTENTIONS, logits, static, tokens
 
 from minillm.backend import is_cupy, is_gpu
 
@@ -48,3 +49,13 @@ def test_device_decoding_gives_the_hosts_tokens(host, attention):
     """generate (greedy and sampled), speculative decoding and a batch pick the host's tokens."""
     for name, got in tokens(attention).items():
         np.testing.assert_array_equal(got, host[f"tokens/{name}"], err_msg=name)
+
+
+def test_the_static_step_gives_the_hosts_answers(host):
+    """The fused kernels and the captured graphs (minillm.decode_step) give the logits of NumPy's array
+    references within 1e-4, and the same greedy and greedy speculative tokens."""
+    for name, got in static().items():
+        if name.startswith("logits/"):
+            np.testing.assert_allclose(got, host[name], atol=LOGITS_ATOL, err_msg=name)
+        else:
+            np.testing.assert_array_equal(got, host[name], err_msg=name)

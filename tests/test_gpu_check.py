@@ -1,11 +1,12 @@
 """python -m minillm.tools.gpu_check is honest: it fails when CuPy is installed but unusable, checks an install
-without a GPU, and sizes its benchmark down to any --max-n."""
+without a GPU, sizes its benchmark down to any --max-n, and checks every decode path against NumPy before timing."""
 
 import sys
 
 import pytest
 
 from minillm import backend
+from minillm.backend import is_gpu
 from minillm.tools import gpu_check
 from minillm.tools.benchmarks import attention
 from minillm.tools.benchmarks.attention import GPU_NS, sizes_up_to
@@ -61,3 +62,13 @@ def test_headers_must_match_nvrtcs_cuda_version(tmp_path):
     (tmp_path / "cuda_runtime_api.h").write_text("#define CUDART_VERSION  13000\n")
     assert gpu_check.headers_check(tmp_path, 12).startswith("WRONG VERSION: CUDA 13 headers")
     assert gpu_check.headers_check(tmp_path, 13) == f"ok: {tmp_path}"
+
+
+@pytest.mark.skipif(not is_gpu(), reason="runs the device paths: CuPy, or the strict stand-in")
+def test_decode_bench_checks_every_path_against_numpy():
+    """gpu_check's decode table: each path (array code with each attention, the static step eager and as a
+    graph, speculative decoding on static steps) first gives a NumPy run's greedy tokens, then is timed."""
+    table, _, ok = gpu_check.run_decode_bench(steps=1, models=("target",), attentions=("naive",), repeat=1)
+    assert ok, table
+    for path in ("array code, attention naive", "static step, fused, CUDA graph", "speculative k=4"):
+        assert path in table, table

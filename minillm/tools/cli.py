@@ -236,6 +236,8 @@ def build_parser() -> argparse.ArgumentParser:
     from .eagle_cli import add_data_arguments as add_eagle_data_arguments
     from .eagle_cli import add_train_arguments as add_eagle_train_arguments
     from .medusa_cli import add_arguments as add_medusa_arguments
+    from .parts import add_arguments as add_parts_arguments
+    from .parts import main as parts_main
     from .server import add_arguments as add_serve_arguments
     from .server import serve
     from .site import add_arguments as add_site_arguments
@@ -286,6 +288,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("site", help="the course as a static site (notebooks and docs), checked in headless Chromium")
     add_site_arguments(p)
     p.set_defaults(func=site_main)
+
+    p = sub.add_parser("parts", help="split a large file into checked parts, or join them (docs/gpu.md)")
+    add_parts_arguments(p)
+    p.set_defaults(func=parts_main)
 
     p = sub.add_parser("info", help="backend, GPU, shipped models")
     p.set_defaults(func=cmd_info)

@@ -17,7 +17,9 @@ Run it from a checkout of the project whenever a CUDA GPU is available (see docs
            error of each failure
 3. bench:  ``python -m minillm bench attention`` on the GPU (validates kernels v1 and v2 against naive
            attention, then times all three with CUDA events; TFLOP/s against the FP32 peak)
-4. decode: milliseconds per decoded token of the shipped target model (greedy) with each attention
+4. decode: milliseconds per decoded token, greedy, of the shipped target (and of SmolLM2 when installed) by
+           path: the array code with each attention, the static step with fused kernels, eager and replayed
+           from a CUDA graph, and speculative decoding; each path's tokens first checked against NumPy's
 Then a compact table. Exit status 1 when anything fails, including a CuPy that is installed but cannot
 be used; 0 with "skipped" only on a machine without CuPy and without an NVIDIA driver.
 """
@@ -163,22 +165,87 @@ def run_attention_bench(max_n: int, repeat: int, out_dir: Path) -> tuple[bool, s
 
 
 DECODE_ATTENTIONS = ("naive", "flash", "cuda", "cuda_v2")
+DECODE_PROMPTS = {"target": [1, 2, 3, 4, 5, 6, 7, 8], "smollm2-135m": [1, 504, 3575, 282, 4649, 314, 260, 1345]}
+HOST_TOKENS = """import json, sys
+from minillm import generate, load_model
+model, _ = load_model(sys.argv[1])
+print(json.dumps(generate(model, json.loads(sys.argv[2]), int(sys.argv[3]), temperature=0).tokens))"""
 
 
-def run_decode_bench(steps: int = 32) -> tuple[str, float]:
-    """ms per decoded token of the shipped target model on the GPU, greedy, per attention -> (table, seconds)."""
-    from ..checkpoint import load_model
+def host_tokens(model_name: str, prompt: list, n: int) -> list:
+    """Greedy tokens of the model computed by NumPy, in a subprocess: the reference the device must give."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "MINILLM_BACKEND": "numpy"}
+    out = subprocess.run([sys.executable, "-c", HOST_TOKENS, model_name, json.dumps(prompt), str(n)], env=env,
+                         capture_output=True, text=True, timeout=TEST_TIMEOUT_S, check=True)
+    return json.loads(out.stdout)
+
+
+def decode_paths(model, model_name: str, draft=None, attentions=DECODE_ATTENTIONS) -> dict:
+    """{path: decode(n) -> the n greedy tokens}: the array code with each attention, the static step eager and
+    replayed from its graph, and speculative decoding (a draft model on static steps, or the shipped EAGLE
+    draft for SmolLM2)."""
+    from ..decode_step import greedy_generate, greedy_speculative_generate
+    from ..generate import generate
+
+    prompt = DECODE_PROMPTS[model_name]
+
+    def array_code(attention):
+        def decode(n):
+            model.set_attention(attention)
+            return generate(model, prompt, n, temperature=0).tokens
+
+        return decode
+
+    paths = {f"array code, attention {a}": array_code(a) for a in attentions}
+    paths["static step, fused kernels"] = lambda n: greedy_generate(model, prompt, n)
+    paths["static step, fused, CUDA graph"] = lambda n: greedy_generate(model, prompt, n, graph=True)
+    if draft is not None:
+        paths["speculative k=4, static steps + graphs"] = lambda n: greedy_speculative_generate(
+            model, draft, prompt, n, k=4, graph=True)
+    else:
+        from ..eagle import EagleDraft, EagleProposer, shipped_draft_path
+        from ..token_tree import tree_generate
+
+        eagle = EagleDraft.load(model, shipped_draft_path(model_name))
+        paths["EAGLE chain k=4, array code"] = lambda n: tree_generate(
+            model, prompt, n, EagleProposer(eagle, "chain", depth=4), temperature=0.0).tokens
+    return paths
+
+
+def run_decode_bench(steps: int = 32, models=("target", "smollm2-135m"), attentions=DECODE_ATTENTIONS,
+                     repeat: int = 3) -> tuple[str, float, bool]:
+    """ms per decoded token on the GPU, greedy, for the shipped target (with its draft) and SmolLM2 (with its
+    EAGLE draft) when installed, by path; every path's tokens are first checked against a NumPy run's ->
+    (table, seconds, every path gave the host's tokens)."""
+    from ..gguf import GGUFError
     from ..notebook import format_table
+    from ..registry import SMOLLM2, load_model
     from .benchmarks.device_calls import seconds_per_token
 
-    t0 = time.perf_counter()
-    rows = []
-    model, _ = load_model("target")
-    for attention in DECODE_ATTENTIONS:
-        model.set_attention(attention)
-        rows.append({"attention": attention, "ms / token": 1e3 * seconds_per_token(model, steps)})
-    title = f"decode on the GPU: model target, greedy, prompt 8 tokens, {steps} steps, best of 3"
-    return f"{title}\n{format_table(rows, ['attention', 'ms / token'])}", time.perf_counter() - t0
+    t0, rows, ok = time.perf_counter(), [], True
+    for name, draft_name in (("target", "draft"), (SMOLLM2, None)):
+        if name not in models:
+            continue
+        try:
+            model, _ = load_model(name)
+        except GGUFError as exc:
+            rows.append({"model": name, "path": f"skipped: {first_line(exc)}"})
+            continue
+        draft = load_model(draft_name)[0] if draft_name else None
+        want = host_tokens(name, DECODE_PROMPTS[name], steps + 1)
+        for path, decode in decode_paths(model, name, draft, attentions).items():
+            same = decode(steps + 1) == want
+            ok &= same
+            ms = 1e3 * seconds_per_token(decode, steps, repeat) if same else float("nan")
+            rows.append({"model": name, "path": path, "tokens = NumPy's": "yes" if same else "NO", "ms / token": ms})
+    title = f"decode on the GPU: greedy, prompt 8 tokens, {steps} steps, best of {repeat}"
+    table = format_table(rows, ["model", "path", "tokens = NumPy's", "ms / token"])
+    return f"{title}\n{table}", time.perf_counter() - t0, ok
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -226,8 +293,8 @@ def main(argv: list[str] | None = None) -> int:
     ok_bench, bench_out, secs = run_attention_bench(args.max_n, args.repeat, out_dir)
     summary.append(("bench attention (kernel vs naive)", "ok" if ok_bench else "FAIL (validation)", secs))
 
-    decode_table, secs = run_decode_bench()
-    summary.append(("decode (ms per token)", "ok", secs))
+    decode_table, secs, ok_decode = run_decode_bench()
+    summary.append(("decode (ms per token)", "ok" if ok_decode else "FAIL (tokens differ from NumPy's)", secs))
 
     total = time.perf_counter() - t_start
     width = max(len(c) for c, _, _ in summary)

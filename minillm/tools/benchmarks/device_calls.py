@@ -65,17 +65,18 @@ def launch_budget(config) -> int:
     return LAYER_BUDGET * config.n_layer + OUTSIDE_BUDGET
 
 
-def seconds_per_token(model, steps: int, repeat: int = 3) -> float:
-    """Wall seconds per decoded token of greedy generation on this machine's backend: (time of 1 + steps
-    new tokens - time of 1) / steps, the best of ``repeat`` (generate returns the tokens on the host, so
-    each timing ends when the device is done)."""
-    generate(model, PROMPT, 1, temperature=0)
+def seconds_per_token(decode, steps: int, repeat: int = 3) -> float:
+    """Wall seconds per decoded token of ``decode(n)`` (a greedy generation of n new tokens that returns them on
+    the host, so each timing ends when the device is done) on this machine's backend: (time of 1 + steps new
+    tokens - time of 1) / steps, the best of ``repeat``; what each call sets up once (a prefill, a graph
+    capture) cancels out."""
+    decode(1)
     per_run = []
     for _ in range(repeat):
         times = []
         for n in (1, 1 + steps):
             t0 = time.perf_counter()
-            generate(model, PROMPT, n, temperature=0)
+            decode(n)
             times.append(time.perf_counter() - t0)
         per_run.append((times[1] - times[0]) / steps)
     return min(per_run)
