@@ -36,10 +36,14 @@ import numpy as np
 from . import fused
 from .backend import is_gpu, to_numpy, xp
 from .cache_contract import CacheFullError
-from .generate import check_prompt
+from .generate import check_prompt, generate
 from .kv_cache import cache_capacity
 from .llama import Llama
 from .model import GPT, LN_EPS
+
+LAYER_BUDGET, OUTSIDE_BUDGET = 12, 8  # the fused step's launches per layer, and around the layers, per token
+COUNTED = ("kernels", "syncs", "copies_to_device", "graph_launches")  # what the strict stand-in counts
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]  # the prompt the per-token counts decode after
 
 
 class CaptureUnavailable(RuntimeError):
@@ -332,6 +336,7 @@ def greedy_speculative_generate(target, draft, prompt_ids, max_new_tokens: int, 
         verify.set_ids([[last, *drafts]])
         verify.step()
         greedy = to_numpy(verify.next_ids)[0].tolist()  # (k + 1,) the target's argmax after each fed token
+        # EXERCISE 12.3 BEGIN: accept while d_i == g_(i-1); emit them and g_accepted; keep last + accepted ones cached
         accepted = next((i for i, d in enumerate(drafts) if d != greedy[i]), k)
         tokens += drafts[:accepted] + [greedy[accepted]]
         verify.cache.set_lengths(length + 1 + accepted)  # last and the accepted drafts
@@ -341,5 +346,38 @@ def greedy_speculative_generate(target, draft, prompt_ids, max_new_tokens: int, 
         else:
             propose.cache.set_lengths(length + 1 + accepted)
         last = greedy[accepted]
+        # EXERCISE 12.3 END
     verify.cache.check_status()
     return tokens[:max_new_tokens]
+
+
+# ---- what a decoded token costs the device, counted by the strict stand-in (MINILLM_BACKEND=strict) -------
+
+
+def per_token(model, steps: int) -> dict:
+    """{kernels, syncs, copies_to_device, graph_launches} per decoded token of ``generate`` (the array code, greedy):
+    the counts of 1 + steps new tokens minus those of 1, over steps (the prefill cancels out)."""
+    generate(model, PROMPT, 1, temperature=0)  # warm-up: what is made once (the kernel's status word)
+    runs = []
+    for n in (1, 1 + steps):
+        xp.reset_counts()
+        generate(model, PROMPT, n, temperature=0)
+        runs.append(dict(xp.COUNTS))
+    return {k: (runs[1].get(k, 0) - runs[0].get(k, 0)) / steps for k in COUNTED}
+
+
+def static_per_token(model, steps: int, graph: bool) -> dict:
+    """The same counts per decoded token of the static T = 1 step after a prefill, eager or replayed from its
+    captured graph."""
+    decode = start_decoding(model, PROMPT, len(PROMPT) + steps, graph)
+    decode.step()  # the prompt's last token
+    xp.reset_counts()
+    for _ in range(steps):
+        decode.step()
+        next_id(decode)
+    return {k: xp.COUNTS.get(k, 0) / steps for k in COUNTED}
+
+
+def launch_budget(config) -> int:
+    """The fused step's launch budget per decoded token: 12 per layer plus 8 around the layers."""
+    return LAYER_BUDGET * config.n_layer + OUTSIDE_BUDGET

@@ -63,16 +63,17 @@ def launch(name: str, grid: tuple, args: tuple, shared_mem: int = 0, emulated: b
     """Run kernel ``name`` of kernels/fused.cu on ``args`` (its parameters in order: arrays, then numpy.int32 /
     numpy.float32 scalars), grid ``grid``, one warp per block.
 
-    On a device (CuPy, the strict stand-in): the kernel, asynchronously (no wait for the device). On NumPy: the
-    reference ``REFERENCES[name]``; with ``emulated`` (or a ``source`` other than fused.cu, a mutant) the CUDA
-    source through the g++ emulation instead. A refused launch writes its FUSED_* code to the status argument.
+    With ``emulated`` (or a ``source`` other than fused.cu: a mutant), on host arrays: the CUDA source through
+    the g++ emulation. Else on a device (CuPy, the strict stand-in): the kernel, asynchronously (no wait for
+    the device); on NumPy: the reference ``REFERENCES[name]``. A refused launch writes its FUSED_* code to the
+    status argument.
     """
-    if is_gpu():
-        kernel = compile_raw_kernel(source, shared_mem, name)
-        kernel(tuple(grid), (FUSED_THREADS,), tuple(args), shared_mem=shared_mem)
-    elif emulated or source != FUSED_SOURCE:
+    if emulated or source != FUSED_SOURCE:
         lib = build_emulator(source, kernel=FUSED)
         run_emulated(lib, args, (tuple(grid) + (1, 1))[:3], FUSED_THREADS, shared_mem, name)
+    elif is_gpu():
+        kernel = compile_raw_kernel(source, shared_mem, name)
+        kernel(tuple(grid), (FUSED_THREADS,), tuple(args), shared_mem=shared_mem)
     else:
         REFERENCES[name](*args)
 
@@ -144,9 +145,11 @@ def qkv_to_cache(qkv, bias, pos, q, kc, vc, status, T, nh, nkv, hs, max_len, the
         cos, sin = rope_cos_sin(pos.reshape(B, T), hs, float(theta))  # (B, 1, T, hs)
         q_new, k_new = apply_rope(q_new, cos, sin), apply_rope(k_new, cos, sin)
     q[...] = q_new
+    # EXERCISE 12.2 BEGIN: write token row r's k and v into the caches at position pos[r] of batch row r // T
     row_batch = xp.arange(B * T) // T  # (B * T,): the batch row of each token row
     kc[row_batch, :, pos, :] = k_new.transpose(0, 2, 1, 3).reshape(B * T, nkv, hs)  # (B * T, nkv, hs)
     vc[row_batch, :, pos, :] = v_new.transpose(0, 2, 1, 3).reshape(B * T, nkv, hs)
+    # EXERCISE 12.2 END
 
 
 def qkv_rope_to_cache(qkv, pos, q, kc, vc, status, T, nh, nkv, hs, max_len, theta):
@@ -162,7 +165,9 @@ def decode_attention(q, kc, vc, pos, out, status, T, nh, nkv, hs, max_len, scale
     every one of the max_len slots and masks the unwritten ones (the kernel stops at pos[r])."""
     B, T = q.shape[0], int(T)
     k, v = repeat_kv(kc, int(nh) // int(nkv)), repeat_kv(vc, int(nh) // int(nkv))  # (B, nh, max_len, hs)
+    # EXERCISE 12.1 BEGIN: True where cache slot j is visible to token row (b, t): j at or before its position
     visible = xp.arange(int(max_len)) <= pos.reshape(B, T)[:, :, None]  # (B, T, max_len)
+    # EXERCISE 12.1 END
     scores = (q @ k.swapaxes(-1, -2)) * float(scale)  # (B, nh, T, max_len)
     weights = softmax(xp.where(visible[:, None], scores, -xp.inf))
     out[...] = merge_heads(weights @ v).reshape(B * T, -1)  # (B, nh, T, hs) -> (B * T, nh * hs)

@@ -14,8 +14,9 @@ from minillm.decode_step import (
     StaticStep,
     greedy_generate,
     greedy_speculative_generate,
+    launch_budget,
+    static_per_token,
 )
-from minillm.tools.benchmarks.device_calls import launch_budget, static_per_token
 
 on_the_stand_in = pytest.mark.skipif(xp is not strict, reason="the capture, the counts: MINILLM_BACKEND=strict")
 PROMPT = [1, 2, 3, 4, 5]
@@ -31,8 +32,13 @@ def tiny_llama():
 
 
 MODELS = {"gpt": tiny_gpt, "llama": tiny_llama}
+# On NumPy the static step runs minillm.fused's array references (exercises 12.1, 12.2); Llama's run chapter 8's
+# functions, and the reference decoding (generate) chapter 3's cache.
+REFERENCES = pytest.mark.uses_exercise("12.1", "12.2", "3.1", "3.3", "8.1", "8.2", "8.3")
+ON_A_DEVICE = pytest.mark.skipif(not is_gpu(), reason="a graph needs a device (CuPy, or the strict stand-in)")
 
 
+@REFERENCES
 @pytest.mark.parametrize("family", MODELS)
 def test_a_step_gives_the_forward_passes_logits(family):
     """Prefill (T = 5) and then a verify-shaped step (T = 3) at positions 5..7 give model.forward's logits for
@@ -50,8 +56,7 @@ def test_a_step_gives_the_forward_passes_logits(family):
 
 
 @pytest.mark.parametrize("family", MODELS)
-@pytest.mark.parametrize("graph", [False, pytest.param(True, marks=pytest.mark.skipif(not is_gpu(), reason="a graph "
-                                                       "needs a device (CuPy, or the strict stand-in)"))])
+@pytest.mark.parametrize("graph", [pytest.param(False, marks=REFERENCES), pytest.param(True, marks=ON_A_DEVICE)])
 def test_greedy_tokens_equal_generate(family, graph):
     """Greedy decoding on the static steps, eager or replayed from the captured graph, gives exactly
     generate(..., temperature=0)'s tokens."""
@@ -70,8 +75,8 @@ def tiny_draft(family):
 
 @pytest.mark.parametrize("family", MODELS)
 @pytest.mark.parametrize("k", [1, 3])
-@pytest.mark.parametrize("graph", [False, pytest.param(True, marks=pytest.mark.skipif(not is_gpu(), reason="a graph "
-                                                       "needs a device (CuPy, or the strict stand-in)"))])
+@pytest.mark.parametrize("graph", [pytest.param(False, marks=[REFERENCES, pytest.mark.exercise("12.3")]),
+                                   pytest.param(True, marks=ON_A_DEVICE)])
 def test_speculative_tokens_equal_the_targets_greedy(family, k, graph):
     """A draft's T = 1 step proposes, the target's T = k + 1 step verifies, the lengths roll back: the target's
     own greedy tokens, whatever the draft guesses (a draft that is the target itself accepts every guess)."""
@@ -81,6 +86,7 @@ def test_speculative_tokens_equal_the_targets_greedy(family, k, graph):
         assert greedy_speculative_generate(target, draft, PROMPT, 14, k=k, graph=graph) == want
 
 
+@REFERENCES
 def test_the_cache_refuses_to_overflow_before_launching():
     model = tiny_gpt()
     cache = StaticCache(model.config, 1, 6)
@@ -208,6 +214,7 @@ def test_a_position_passed_from_the_host_is_replayed_stale(monkeypatch):
     assert greedy_generate(model, PROMPT, 8, graph=True) != want
 
 
+@REFERENCES
 def test_the_real_model_decodes_on_the_static_step():
     """SmolLM2-135M (30 layers, GQA 9/3, RoPE at theta 1e5): the static step's greedy tokens equal generate's,
     through the fused kernels and a captured graph under the stand-in (the array references on NumPy)."""

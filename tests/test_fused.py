@@ -100,7 +100,13 @@ def embed_case(name, B, T, rng, V=11, C=40, max_len=12):
 # ---- every kernel equals its reference ----------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["layer_norm_rows", "rms_norm_rows", "add_layer_norm_rows", "add_rms_norm_rows"])
+RMS = pytest.mark.uses_exercise("8.2")  # the references of the RMSNorm kernels call llama.rms_norm
+ROPE = pytest.mark.uses_exercise("8.1")  # ... of the RoPE kernel llama.apply_rope
+GQA = pytest.mark.uses_exercise("8.3")  # ... of decode_attention llama.repeat_kv
+
+
+@pytest.mark.parametrize("name", ["layer_norm_rows", pytest.param("rms_norm_rows", marks=RMS), "add_layer_norm_rows",
+                                  pytest.param("add_rms_norm_rows", marks=RMS)])
 @pytest.mark.parametrize("rows, C", [(1, 32), (3, 45), (2, 576)])
 def test_norms_equal_the_array_code(name, rows, C):
     """out = norm(x) (and x += y + bias, written back, for the residual ones): C below, at and above the warp."""
@@ -117,13 +123,16 @@ def test_activations_equal_the_array_code(H):
     assert_same(*run_both("silu_mul", (2,), (gu, a, i32(H))))
 
 
-@pytest.mark.parametrize("name", ["qkv_to_cache", "qkv_rope_to_cache"])
+@pytest.mark.exercise("12.2")
+@pytest.mark.parametrize("name", ["qkv_to_cache", pytest.param("qkv_rope_to_cache", marks=ROPE)])
 @pytest.mark.parametrize("B, T, nh, nkv, hs", [(1, 1, 4, 4, 8), (2, 3, 4, 2, 16), (2, 1, 9, 3, 64)])
 def test_qkv_split_and_cache_write_equal_the_array_code(name, B, T, nh, nkv, hs):
     """q lands in (B, nh, T, hs); k and v in the caches at each row's own position, nothing else changes."""
     assert_same(*run_both(name, *qkv_case(name, B, T, nh, nkv, hs, np.random.default_rng(hs))))
 
 
+@pytest.mark.exercise("12.2")
+@ROPE
 def test_rope_at_position_5000_keeps_the_double_angle():
     """The angle pos * theta^(-2j/hs) in double, as llama.rope_cos_sin computes it: in float it would be off by
     about 3e-4 rad at this position."""
@@ -131,18 +140,22 @@ def test_rope_at_position_5000_keeps_the_double_angle():
                                                            np.random.default_rng(0), start=5000)))
 
 
-@pytest.mark.parametrize("B, T, nh, nkv, hs", [(1, 1, 4, 4, 8), (2, 3, 4, 2, 16), (1, 2, 9, 3, 64),
-                                               (1, 1, 2, 1, 128)])
-@pytest.mark.parametrize("last_pos", [0, 31, 32, 70])
+ATTENTION_SHAPES = [(1, 1, 4, 4, 8), (2, 3, 4, 2, 16), (1, 2, 9, 3, 64), (1, 1, 2, 1, 128)]  # B, T, nh, nkv, hs
+
+
+@pytest.mark.exercise("12.1")
+@GQA
+@pytest.mark.parametrize("B, T, nh, nkv, hs, last_pos", [(*shape, p) for shape in ATTENTION_SHAPES
+                                                         for p in (0, 31, 32, 70) if p + 1 >= shape[1]])
 def test_decode_attention_equals_the_masked_array_code(B, T, nh, nkv, hs, last_pos):
     """Each query attends keys 0..pos of its KV head: one key (position 0), a lane's last key (31), one more
     than the warp (32), several per lane (70); grouped heads; the slots past pos (1e30) are never read."""
-    if last_pos + 1 < T:
-        pytest.skip("T queries need T positions")
     rng = np.random.default_rng(last_pos)
     assert_same(*run_both("decode_attention", *attention_case(B, T, nh, nkv, hs, last_pos, rng)))
 
 
+@pytest.mark.exercise("12.1")
+@GQA
 def test_decode_attention_takes_scores_that_overflow_exp():
     """Scores in the hundreds: without the running max exp() overflows to inf and the output is NaN."""
     kernel, reference = run_both("decode_attention", *attention_case(1, 1, 2, 2, 16, 40, np.random.default_rng(1),
@@ -211,7 +224,11 @@ def test_every_mutant_has_a_case_and_edits_the_current_kernel_once():
         mutate_kernel(name, build.FUSED_SOURCE.read_text(), FUSED_MUTANTS)
 
 
-@pytest.mark.parametrize("name", sorted(FUSED_MUTANTS))
+MUTANT_USES = {"attention": pytest.mark.uses_exercise("12.1", "8.3"), "gqa": pytest.mark.uses_exercise("12.1", "8.3"),
+               "rope": pytest.mark.uses_exercise("12.2", "8.1"), "norm": pytest.mark.uses_exercise("8.2")}
+
+
+@pytest.mark.parametrize("name", [pytest.param(n, marks=MUTANT_USES[n.split("_")[0]]) for n in sorted(FUSED_MUTANTS)])
 def test_the_checks_catch_each_mutant(name):
     """The mutant passes its own case on the real kernel, and fails it on the mutant."""
     kernel_name, (grid, args, smem) = MUTANT_CASES[name](np.random.default_rng(7))

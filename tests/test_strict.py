@@ -10,9 +10,9 @@ import pytest
 
 from minillm import GPT, GPTConfig, generate_batch, speculative_generate_batch, strict
 from minillm.backend import xp
+from minillm.decode_step import per_token
 from minillm.kernels import launch
 from minillm.serving import Engine, Request, SimulatedClock
-from minillm.tools.benchmarks.device_calls import per_token
 
 on_the_stand_in = pytest.mark.skipif(xp is not strict, reason="counts the stand-in's calls: MINILLM_BACKEND=strict")
 needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the stand-in's RawKernel runs the g++ emulation")

@@ -24,45 +24,12 @@ import subprocess
 import sys
 import time
 
-from ...backend import BACKEND_ENV, to_numpy, xp
-from ...decode_step import start_decoding
-from ...generate import generate
+from ...backend import BACKEND_ENV, xp
+from ...decode_step import COUNTED, LAYER_BUDGET, OUTSIDE_BUDGET, PROMPT, launch_budget, per_token, static_per_token
 from ...notebook import format_table
 from ...registry import load_model
 from ..options import positive_int
 from .common import parse_args
-
-PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
-COUNTED = ("kernels", "syncs", "copies_to_device", "graph_launches")
-LAYER_BUDGET, OUTSIDE_BUDGET = 12, 8  # the fused step's launches per layer, and around the layers, per token
-
-
-def per_token(model, steps: int) -> dict:
-    """{kernels, syncs, copies_to_device} per decoded token of greedy generation (the stand-in's counts)."""
-    generate(model, PROMPT, 1, temperature=0)  # warm-up: what is made once (the kernel's status word)
-    runs = []
-    for n in (1, 1 + steps):
-        xp.reset_counts()
-        generate(model, PROMPT, n, temperature=0)
-        runs.append(dict(xp.COUNTS))
-    return {k: (runs[1].get(k, 0) - runs[0].get(k, 0)) / steps for k in COUNTED}
-
-
-def static_per_token(model, steps: int, graph: bool) -> dict:
-    """{kernels, syncs, copies_to_device, graph_launches} per decoded token of the static T = 1 step
-    (``decode_step.StaticStep``) after a prefill, eager or replayed from its captured graph."""
-    decode = start_decoding(model, PROMPT, len(PROMPT) + steps, graph)
-    decode.step()  # the prompt's last token
-    xp.reset_counts()
-    for _ in range(steps):
-        decode.step()
-        to_numpy(decode.ids)  # the token id comes to the host: the one wait per token
-    return {k: xp.COUNTS.get(k, 0) / steps for k in COUNTED}
-
-
-def launch_budget(config) -> int:
-    """The fused step's launch budget per decoded token: 12 per layer plus 8 around the layers."""
-    return LAYER_BUDGET * config.n_layer + OUTSIDE_BUDGET
 
 
 def seconds_per_token(decode, steps: int, repeat: int = 3) -> float:
