@@ -14,8 +14,8 @@ LAYERS = [  # lowest first; a module may import from its own layer and the ones 
      "kernels.build"},
     {"attention", "flash_attention", "kernels.launch", "data", "sampling", "workloads"},
     {"model", "kv_cache", "paged_kv", "prefix_blocks"},
-    {"llama", "checkpoint", "gguf", "registry", "drafts"},
-    {"generate", "speculative", "measure"},
+    {"llama", "checkpoint", "gguf", "registry", "drafts", "fused"},  # fused: the kernels beside their references
+    {"generate", "speculative", "measure", "decode_step"},
     {"token_tree"},
     {"draft_free", "lookahead", "medusa", "eagle"},
     {"batch_speculative"},
