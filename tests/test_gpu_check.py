@@ -67,8 +67,9 @@ def test_headers_must_match_nvrtcs_cuda_version(tmp_path):
 @pytest.mark.skipif(not is_gpu(), reason="runs the device paths: CuPy, or the strict stand-in")
 def test_decode_bench_checks_every_path_against_numpy():
     """gpu_check's decode table: each path (array code with each attention, the static step eager and as a
-    graph, speculative decoding on static steps) first gives a NumPy run's greedy tokens, then is timed."""
+    graph, speculative decoding on static steps, the serving engine) first gives a NumPy run's greedy tokens,
+    then is timed."""
     table, _, ok = gpu_check.run_decode_bench(steps=1, models=("target",), attentions=("naive",), repeat=1)
     assert ok, table
-    for path in ("array code, attention naive", "static step, fused, CUDA graph", "speculative k=4"):
+    for path in ("array code, attention naive", "static step, fused, CUDA graph", "speculative k=4", "serving engine"):
         assert path in table, table

@@ -217,6 +217,21 @@ def decode_paths(model, model_name: str, draft=None, attentions=DECODE_ATTENTION
     return paths
 
 
+def engine_decode(model, prompt: list):
+    """decode(n) through chapter 10's continuous-batching engine: the prompt and two of its prefixes decoded
+    together, greedy; it returns the full prompt's tokens (per token: a step of the three)."""
+    from ..serving import Engine, Request
+
+    def decode(n):
+        engine = Engine(model, num_blocks=3 * (len(prompt) + n) // 16 + 6, page_size=16)
+        states = [engine.add_request(Request(tuple(prompt[:cut]), n, temperature=0.0)) for cut in (len(prompt), 5, 3)]
+        while engine.has_unfinished:
+            engine.step()
+        return list(states[0].output)
+
+    return decode
+
+
 def run_decode_bench(steps: int = 32, models=("target", "smollm2-135m"), attentions=DECODE_ATTENTIONS,
                      repeat: int = 3) -> tuple[str, float, bool]:
     """ms per decoded token on the GPU, greedy, for the shipped target (with its draft) and SmolLM2 (with its
@@ -238,7 +253,9 @@ def run_decode_bench(steps: int = 32, models=("target", "smollm2-135m"), attenti
             continue
         draft = load_model(draft_name)[0] if draft_name else None
         want = host_tokens(name, DECODE_PROMPTS[name], steps + 1)
-        for path, decode in decode_paths(model, name, draft, attentions).items():
+        paths = decode_paths(model, name, draft, attentions)
+        paths["serving engine, 3 requests at once"] = engine_decode(model, DECODE_PROMPTS[name])
+        for path, decode in paths.items():
             same = decode(steps + 1) == want
             ok &= same
             ms = 1e3 * seconds_per_token(decode, steps, repeat) if same else float("nan")
