@@ -336,7 +336,6 @@ def greedy_speculative_generate(target, draft, prompt_ids, max_new_tokens: int, 
         verify.set_ids([[last, *drafts]])
         verify.step()
         greedy = to_numpy(verify.next_ids)[0].tolist()  # (k + 1,) the target's argmax after each fed token
-        # EXERCISE 12.3 BEGIN: accept while d_i == g_(i-1); emit them and g_accepted; keep last + accepted ones cached
         accepted = next((i for i, d in enumerate(drafts) if d != greedy[i]), k)
         tokens += drafts[:accepted] + [greedy[accepted]]
         verify.cache.set_lengths(length + 1 + accepted)  # last and the accepted drafts
@@ -346,7 +345,6 @@ def greedy_speculative_generate(target, draft, prompt_ids, max_new_tokens: int, 
         else:
             propose.cache.set_lengths(length + 1 + accepted)
         last = greedy[accepted]
-        # EXERCISE 12.3 END
     verify.cache.check_status()
     return tokens[:max_new_tokens]
 

@@ -164,10 +164,10 @@ def decode_attention(q, kc, vc, pos, out, status, T, nh, nkv, hs, max_len, scale
     q (B, nh, T, hs), caches (B, nkv, max_len, hs), pos (B * T,) -> out (B * T, nh * hs). The reference reads
     every one of the max_len slots and masks the unwritten ones (the kernel stops at pos[r])."""
     B, T = q.shape[0], int(T)
-    k, v = repeat_kv(kc, int(nh) // int(nkv)), repeat_kv(vc, int(nh) // int(nkv))  # (B, nh, max_len, hs)
     # EXERCISE 12.1 BEGIN: True where cache slot j is visible to token row (b, t): j at or before its position
     visible = xp.arange(int(max_len)) <= pos.reshape(B, T)[:, :, None]  # (B, T, max_len)
     # EXERCISE 12.1 END
+    k, v = repeat_kv(kc, int(nh) // int(nkv)), repeat_kv(vc, int(nh) // int(nkv))  # (B, nh, max_len, hs)
     scores = (q @ k.swapaxes(-1, -2)) * float(scale)  # (B, nh, T, max_len)
     weights = softmax(xp.where(visible[:, None], scores, -xp.inf))
     out[...] = merge_heads(weights @ v).reshape(B * T, -1)  # (B, nh, T, hs) -> (B * T, nh * hs)

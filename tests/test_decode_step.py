@@ -38,6 +38,7 @@ REFERENCES = pytest.mark.uses_exercise("12.1", "12.2", "3.1", "3.3", "8.1", "8.2
 ON_A_DEVICE = pytest.mark.skipif(not is_gpu(), reason="a graph needs a device (CuPy, or the strict stand-in)")
 
 
+@pytest.mark.exercise("12.2")
 @REFERENCES
 @pytest.mark.parametrize("family", MODELS)
 def test_a_step_gives_the_forward_passes_logits(family):
@@ -75,8 +76,7 @@ def tiny_draft(family):
 
 @pytest.mark.parametrize("family", MODELS)
 @pytest.mark.parametrize("k", [1, 3])
-@pytest.mark.parametrize("graph", [pytest.param(False, marks=[REFERENCES, pytest.mark.exercise("12.3")]),
-                                   pytest.param(True, marks=ON_A_DEVICE)])
+@pytest.mark.parametrize("graph", [pytest.param(False, marks=REFERENCES), pytest.param(True, marks=ON_A_DEVICE)])
 def test_speculative_tokens_equal_the_targets_greedy(family, k, graph):
     """A draft's T = 1 step proposes, the target's T = k + 1 step verifies, the lengths roll back: the target's
     own greedy tokens, whatever the draft guesses (a draft that is the target itself accepts every guess)."""

@@ -123,7 +123,7 @@ def test_activations_equal_the_array_code(H):
     assert_same(*run_both("silu_mul", (2,), (gu, a, i32(H))))
 
 
-@pytest.mark.exercise("12.2")
+@pytest.mark.uses_exercise("12.2")
 @pytest.mark.parametrize("name", ["qkv_to_cache", pytest.param("qkv_rope_to_cache", marks=ROPE)])
 @pytest.mark.parametrize("B, T, nh, nkv, hs", [(1, 1, 4, 4, 8), (2, 3, 4, 2, 16), (2, 1, 9, 3, 64)])
 def test_qkv_split_and_cache_write_equal_the_array_code(name, B, T, nh, nkv, hs):
@@ -131,7 +131,7 @@ def test_qkv_split_and_cache_write_equal_the_array_code(name, B, T, nh, nkv, hs)
     assert_same(*run_both(name, *qkv_case(name, B, T, nh, nkv, hs, np.random.default_rng(hs))))
 
 
-@pytest.mark.exercise("12.2")
+@pytest.mark.uses_exercise("12.2")
 @ROPE
 def test_rope_at_position_5000_keeps_the_double_angle():
     """The angle pos * theta^(-2j/hs) in double, as llama.rope_cos_sin computes it: in float it would be off by
@@ -219,16 +219,21 @@ def mutant(name) -> Path:
 
 
 def test_every_mutant_has_a_case_and_edits_the_current_kernel_once():
-    assert set(MUTANT_CASES) == set(FUSED_MUTANTS)
+    assert set(MUTANT_CASES) == set(FUSED_MUTANTS) == set(MUTANT_USES)
     for name in FUSED_MUTANTS:
         mutate_kernel(name, build.FUSED_SOURCE.read_text(), FUSED_MUTANTS)
 
 
-MUTANT_USES = {"attention": pytest.mark.uses_exercise("12.1", "8.3"), "gqa": pytest.mark.uses_exercise("12.1", "8.3"),
-               "rope": pytest.mark.uses_exercise("12.2", "8.1"), "norm": pytest.mark.uses_exercise("8.2")}
+ATTENTION_REFERENCE = pytest.mark.uses_exercise("12.1", "8.3")
+ROPE_REFERENCE = pytest.mark.uses_exercise("12.2", "8.1")
+MUTANT_USES = {  # the exercises each mutant's case runs through its kernel's reference
+    "attention_off_by_one": ATTENTION_REFERENCE, "attention_no_rescale": ATTENTION_REFERENCE,
+    "gqa_round_robin": ATTENTION_REFERENCE, "norm_uncentered_variance": [], "norm_eps_outside_sqrt": RMS,
+    "rope_interleaved_pairs": ROPE_REFERENCE, "rope_float_angle": ROPE_REFERENCE,
+}
 
 
-@pytest.mark.parametrize("name", [pytest.param(n, marks=MUTANT_USES[n.split("_")[0]]) for n in sorted(FUSED_MUTANTS)])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=MUTANT_USES[n]) for n in sorted(FUSED_MUTANTS)])
 def test_the_checks_catch_each_mutant(name):
     """The mutant passes its own case on the real kernel, and fails it on the mutant."""
     kernel_name, (grid, args, smem) = MUTANT_CASES[name](np.random.default_rng(7))
