@@ -589,6 +589,17 @@ def serve(args) -> int:
     if args.exit_with_parent:
         exit_with_parent()
     print(f"serving {args.model} on http://{args.host}:{args.port}/v1 (OpenAI API); Ctrl-C stops", flush=True)
-    uvicorn.run(build_app(server), host=args.host, port=args.port, log_level="warning",
-                timeout_graceful_shutdown=args.shutdown_timeout)
+    class EndStreamsOnExit(uvicorn.Server):
+        """On SIGINT or SIGTERM, first cancel every open request in the engine (each stream ends at once with its
+        "cancelled" event), then shut down: uvicorn waits for open streams only up to its graceful timeout, and
+        a slow machine would reach it with streams still running and have them cancelled mid-write."""
+
+        def handle_exit(self, sig, frame):
+            server.loop.inbox.put((STOP, None, None))
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level="warning",
+                            timeout_graceful_shutdown=args.shutdown_timeout)
+    EndStreamsOnExit(config).run()
     return 0
+
