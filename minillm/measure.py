@@ -8,6 +8,7 @@ benchmark, times with these functions (the GPU synchronized before each clock re
     time_paired(lambda: generate(model, p, 64), lambda: speculative_generate(model, draft, p, 64))
         -> (plain s, speculative s, the speculative result)
     step_ratio(draft, 1, target)    # c: a draft step in target decode steps (chapter 5)
+    verify_cost(target, 5)          # v(5): a forward over 5 new tokens in the same path's decode steps
     decode_step_parts(model, 144)   # where a cached decode step's time goes (chapter 3)
 """
 
@@ -88,12 +89,49 @@ def step_time(model, n_tokens, context=STEP_CONTEXT, repeat=30):
     return time_fn(cached_step(model, n_tokens, context), warmup=3, repeat=repeat)
 
 
-def step_ratio(model, n_tokens, ref_model, ref_tokens=1, repeat=30) -> float:
+def paired_ratio(times, ref_times) -> float:
+    """The median of t / t_ref over pairs timed together (``time_pairs``, or one round of a benchmark).
+    Background load slows both of a pair alike, so this ratio holds on a busy machine where two
+    medians timed apart do not.  Example: times [2, 3, 9], ref_times [1, 3, 3] -> median(2, 1, 3) = 2
+    (the ratio of the medians would say 3 / 3 = 1)."""
+    return statistics.median(t / r for t, r in zip(times, ref_times, strict=True))
+
+
+def step_ratio(model, n_tokens, ref_model, ref_tokens=1, repeat=30, context=STEP_CONTEXT) -> float:
     """Cost of ``model``'s cached step over n_tokens in units of ``ref_model``'s over ref_tokens: the
-    median of the ratios of ``repeat`` alternating pairs. Background load slows both steps of a pair
-    alike, so the ratio holds on a busy machine where two medians timed apart do not (c, v(K))."""
-    ref_times, times, _ = time_pairs(cached_step(ref_model, ref_tokens), cached_step(model, n_tokens), repeat)
-    return statistics.median(t / r for t, r in zip(times, ref_times))
+    ``paired_ratio`` of ``repeat`` alternating pairs, ``context`` tokens cached (c, v(K))."""
+    ref_times, times, _ = time_pairs(cached_step(ref_model, ref_tokens, context),
+                                     cached_step(model, n_tokens, context), repeat)
+    return paired_ratio(times, ref_times)
+
+
+def verify_cost(model, n_tokens, context=STEP_CONTEXT, repeat=30) -> float:
+    """v(n) = t(n) / t(1): one cached forward over n new tokens in units of the SAME model's
+    single-token decode step on the SAME weight-product path (whatever ``set_fast_products`` says
+    now), timed in alternating pairs. A speculative round that verifies n tokens costs v(n) of that
+    path's own decode steps, so each path is measured against its own step, never another's."""
+    return step_ratio(model, n_tokens, model, 1, repeat, context)
+
+
+# ---- a draft's share of a speculative round ----------------------------------------------------
+
+
+class TimedProposer:
+    """A proposer (chapter 9's ``propose`` / ``observe``) that adds up the seconds its ``propose``
+    takes: the draft's cost in a round, apart from the target's verify.
+    ``TimedProposer(p).seconds / result.stats.rounds / k / t_step`` is c, a draft step in decode steps."""
+
+    def __init__(self, inner):
+        self.inner, self.max_depth, self.seconds = inner, inner.max_depth, 0.0
+
+    def propose(self, state):
+        t0 = time.perf_counter()
+        proposal = self.inner.propose(state)
+        self.seconds += time.perf_counter() - t0
+        return proposal
+
+    def observe(self, state, emitted, extra_logits):
+        self.inner.observe(state, emitted, extra_logits)
 
 
 # ---- where a decode step's time goes: each part swapped for a free stand-in ----------------------

@@ -169,16 +169,17 @@ def expected_tokens_per_call(alpha: float, k: int) -> float:
     # EXERCISE 5.4 END
 
 
-def expected_speedup(alpha: float, k: int, c: float) -> float:
-    """Walltime improvement (1 - alpha^(k+1)) / ((1 - alpha)(k c + 1))   (Leviathan et al. Thm 3.8).
+def expected_speedup(alpha: float, k: int, c: float, v: float = 1.0) -> float:
+    """Walltime improvement (1 - alpha^(k+1)) / ((1 - alpha)(k c + v))   (Leviathan et al. Thm 3.8).
 
-    A round costs k draft steps (c target steps each) plus one target verification, assumed to
-    cost one target decode step; it yields ``expected_tokens_per_call(alpha, k)`` tokens.
-    Example: alpha = 0.8, k = 4, c = 0.1 -> 3.3616 / 1.4 = 2.401.
+    A round costs k draft steps (c target steps each) plus one target verification of k + 1
+    tokens, v = v(k + 1) target decode steps (the paper assumes v = 1; ``measure.verify_cost``
+    measures it); it yields ``expected_tokens_per_call(alpha, k)`` tokens.
+    Example: alpha = 0.8, k = 4, c = 0.1 -> 3.3616 / 1.4 = 2.401; with v = 2: 3.3616 / 2.4 = 1.401.
     """
-    if c < 0:
-        raise ValueError(f"c must be >= 0, got {c}")
-    return expected_tokens_per_call(alpha, k) / (k * c + 1.0)
+    if c < 0 or not v > 0:
+        raise ValueError(f"c must be >= 0 and v > 0, got c={c}, v={v}")
+    return expected_tokens_per_call(alpha, k) / (k * c + v)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ import pytest
 
 from minillm import format_table, to_numpy
 from minillm import model as model_module
-from minillm.measure import STAND_INS, decode_step_parts, time_fn, time_paired, time_pairs
+from minillm.measure import STAND_INS, TimedProposer, decode_step_parts, paired_ratio, time_fn, time_paired, time_pairs
 from minillm.tools import project
 from minillm.tools.benchmarks import common
 from minillm.tools.project import project_root
@@ -41,6 +41,32 @@ def test_time_fn_warms_up_then_takes_the_median():
     calls = []
     assert time_fn(lambda: calls.append(1), warmup=2, repeat=5) >= 0.0
     assert len(calls) == 7
+
+
+@pytest.mark.host_only
+def test_paired_ratio_is_the_median_of_the_ratios_of_pairs():
+    """Not the ratio of the medians (3 / 3 = 1 here), and pairs must pair: lists of unequal length are refused."""
+    assert paired_ratio([2.0, 3.0, 9.0], [1.0, 3.0, 3.0]) == 2.0
+    with pytest.raises(ValueError):
+        paired_ratio([1.0, 2.0], [1.0])
+
+
+@pytest.mark.host_only
+def test_timed_proposer_counts_only_propose():
+    class Slow:
+        max_depth = 3
+
+        def propose(self, state):
+            time.sleep(0.002)
+            return state
+
+        def observe(self, state, emitted, extra_logits):
+            time.sleep(0.01)
+
+    timed_proposer = TimedProposer(Slow())
+    assert timed_proposer.propose("s") == "s" and timed_proposer.max_depth == 3
+    timed_proposer.observe("s", [1], None)
+    assert 0.002 <= timed_proposer.seconds < 0.01
 
 
 def test_format_table_aligns_and_rounds():

@@ -328,6 +328,7 @@ def test_theory_worked_examples():
     assert expected_tokens_per_call(0.0, 7) == 1.0
     assert expected_speedup(0.8, 4, 0.1) == pytest.approx(3.3616 / 1.4)
     assert expected_speedup(0.0, 3, 0.5) == pytest.approx(1 / 2.5)  # a useless draft costs time
+    assert expected_speedup(0.8, 4, 0.1, v=2.0) == pytest.approx(3.3616 / 2.4)  # a verify of 5 costing 2 steps
 
 
 @pytest.mark.exercise("5.4")
@@ -358,6 +359,8 @@ def test_theory_rejects_bad_arguments():
         expected_tokens_per_call(1.5, 3)
     with pytest.raises(ValueError):
         expected_speedup(0.5, 3, -0.1)
+    with pytest.raises(ValueError):
+        expected_speedup(0.5, 3, 0.1, v=0.0)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -45,9 +45,10 @@ def test_matmul_weights_are_the_matrices_read_in_full_with_the_tied_head_once():
     assert sum(a is model.params["wte.weight"] for a in weights) == 1
 
 
-def test_cost_rows_pair_each_round_with_the_faster_single_token_step_of_that_round():
-    """v(n) is the median of per-round ratios t(n) / t_best(1), not a ratio of medians, and t_best(1) is
-    the faster path's step of the same round; the floor adds only the roofline's growth to that step."""
+def test_cost_rows_pair_each_round_with_the_same_paths_single_token_step():
+    """A path's v(n) is the median of per-round ratios t(n) / t(1) of that same path, not a ratio of
+    medians, nor over the other path's step; the floor adds only the roofline's growth to t_best(1),
+    the faster path's step of the same round."""
     times = {"blas": {1: [1.0, 2.0, 4.0], 4: [1.5, 2.0, 8.0]},
              "stream": {1: [2.0, 1.0, 4.0], 4: [1.0, 3.0, 4.0]}}  # t_best(1) per round: 1, 1, 4
     roofline = {1: 0.5, 4: 1.0}
@@ -56,8 +57,8 @@ def test_cost_rows_pair_each_round_with_the_faster_single_token_step_of_that_rou
     one, four = rows
     assert one["blas v"] == 1.0 and one["stream v"] == 1.0  # per round 1, 2, 1 and 2, 1, 1: medians 1
     assert one["floor (steps)"] == 1.0
-    assert four["blas v"] == 2.0  # ratios 1.5, 2.0, 2.0; a ratio of medians would say 2.0 / 2.0 = 1
-    assert four["stream v"] == 1.0  # ratios 1.0, 3.0, 1.0
+    assert four["blas v"] == 1.5  # ratios 1.5, 1.0, 2.0; over t_best(1) (1, 1, 4) they would be 1.5, 2.0, 2.0
+    assert four["stream v"] == 1.0  # ratios 0.5, 3.0, 1.0; a ratio of medians would say 3.0 / 2.0 = 1.5
     assert four["stream/blas"] == pytest.approx(2 / 3) and four["pairs"] == "0.50-1.50"  # 1/1.5, 3/2, 4/8
     assert four["floor (steps)"] == pytest.approx(1 + 0.5 / 1.0)  # median t_best(1) 1 s, roofline +0.5 s
     assert four["roof (steps)"] == pytest.approx(1.0)

@@ -29,14 +29,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import time
 from dataclasses import dataclass, field
 
 from ...backend import set_fast_products
 from ...draft_free import LayerSkip, PromptLookup
 from ...eagle import EagleDraft, EagleProposer, shipped_draft_path
 from ...generate import generate
-from ...measure import step_time, timed
+from ...measure import TimedProposer, step_time, timed, verify_cost
 from ...medusa import MedusaHeads, MedusaProposer, shipped_heads_path
 from ...notebook import format_table
 from ...registry import SMOLLM2, load_model
@@ -47,22 +46,6 @@ from .common import BenchmarkError, parse_args
 
 METHODS = ("eagle-chain", "eagle-tree", "lookup", "layer-skip", "medusa")
 TEMPERATURES = (0.0, 0.7, 1.0)
-
-
-class TimedProposer:
-    """A proposer wrapper that adds up the seconds its ``propose`` takes (the draft's cost)."""
-
-    def __init__(self, inner):
-        self.inner, self.max_depth, self.seconds = inner, inner.max_depth, 0.0
-
-    def propose(self, state):
-        t0 = time.perf_counter()
-        proposal = self.inner.propose(state)
-        self.seconds += time.perf_counter() - t0
-        return proposal
-
-    def observe(self, state, emitted, extra_logits):
-        self.inner.observe(state, emitted, extra_logits)
 
 
 def make_proposer(method: str, model, args):
@@ -102,9 +85,8 @@ class Cell:
 
 
 def verify_costs(model, context: int, ns) -> tuple[float, dict]:
-    """(seconds of a decode step, {n: v(n) = one cached forward over n tokens / a decode step}) at ``context``."""
-    t1 = step_time(model, 1, context, repeat=10)
-    return t1, {n: step_time(model, n, context, repeat=5) / t1 for n in ns}
+    """(seconds of a decode step, {n: v(n) = ``measure.verify_cost``}) at ``context``, on the process's product path."""
+    return step_time(model, 1, context, repeat=10), {n: verify_cost(model, n, context, repeat=5) for n in ns}
 
 
 def interpolate(costs: dict, n: float) -> float:

@@ -16,9 +16,11 @@ sequence. Then, in the order printed:
    weight-product paths (``backend.weight_product``): "blas" (the streaming path off) and "stream"
    (on: the streaming kernel wherever the library measured it faster). Every round times each
    (path, n) once (the order reversed every other round), so all times of a round ran under the same
-   machine load; v(n) = median over rounds of t(n) / t_best(1), t_best(1) the faster single-token
-   step of that round (either path). Beside it the roofline in steps, and the "floor": the v(n) left
-   if only the roofline's work grew with n. ``--load N`` repeats it beside N busy processes;
+   machine load; each path's v(n) = median over rounds of its t(n) / its own t(1) (``measure.
+   paired_ratio``, the definition of ``measure.verify_cost``), and "stream/blas" compares the paths'
+   times directly. Beside it the roofline in steps of t_best(1), the faster single-token step of
+   the two, and the "floor": the v(n) left if only the roofline's work grew with n. ``--load N``
+   repeats it beside N busy processes;
 3. where the time goes (the character GPT): each part of the forward swapped for a free stand-in at
    several n (``bench kv-cache``'s ablation), so the growth from n = 1 is attributed to the parts;
 4. the weight matrices of one block alone, as the forward multiplies them (``weight_product``), on
@@ -37,7 +39,7 @@ import numpy as np
 from ...backend import fast_products, product_choices, runtime_summary, set_fast_products, weight_product, xp
 from ...data import load_corpus
 from ...kv_cache import KVCache, kv_cache_bytes
-from ...measure import STAND_INS, decode_step_parts, timed
+from ...measure import STAND_INS, decode_step_parts, paired_ratio, timed
 from ...model import GPT
 from ...notebook import format_table
 from ...registry import load_model
@@ -93,10 +95,11 @@ def bound(nbytes: float, flops: float, bandwidth: float, peak: float) -> str:
 def cost_rows(times: dict, roofline: dict, bounds: dict) -> list[dict]:
     """{path: {n: [seconds per round]}} (n = 1 included), {n: roofline seconds}, {n: bound} -> one row per n.
 
-    Per round, t_best(1) is the faster single-token step of the paths; "<path> v" = median over rounds
-    of t(n) / t_best(1) (every ratio from one round), "stream/blas" the median of the per-round ratios
-    of the two paths; "roof (steps)" = roofline(n) / t_best(1), and "floor (steps)" = 1 + (roof(n) -
-    roof(1)) / t_best(1), the v(n) a forward would have if only its unavoidable work grew with n.
+    "<path> v" = the median over rounds of that path's t(n) / its own t(1) (every ratio from one
+    round: ``paired_ratio``), "stream/blas" the median of the per-round ratios of the two paths'
+    t(n). Per round, t_best(1) is the faster single-token step of the paths; "roof (steps)" =
+    roofline(n) / t_best(1), and "floor (steps)" = 1 + (roof(n) - roof(1)) / t_best(1), the v(n) a
+    forward would have if only its unavoidable work grew with n.
     """
     paths = list(times)
     best_one = np.min([times[path][1] for path in paths], axis=0)  # (rounds,): t_best(1) of each round
@@ -106,7 +109,7 @@ def cost_rows(times: dict, roofline: dict, bounds: dict) -> list[dict]:
         row = {"n": n}
         for path in paths:
             row[f"{path} ms"] = 1e3 * float(np.median(times[path][n]))
-            row[f"{path} v"] = float(np.median(np.divide(times[path][n], best_one)))
+            row[f"{path} v"] = paired_ratio(times[path][n], times[path][1])
         if {"blas", "stream"} <= set(paths):
             ratios = np.divide(times["stream"][n], times["blas"][n])  # paired by round
             row["stream/blas"] = float(np.median(ratios))
@@ -304,7 +307,7 @@ def plot(rows, out_dir):
     ax.axhline(1.0, color="gray", lw=0.8, label="the theory's assumption v = 1")
     ax.set_xscale("log", base=2)
     ax.set_xlabel("new tokens n in one forward (a verification of K = n - 1 drafts)")
-    ax.set_ylabel("cost in single-token decode steps (the faster path's)")
+    ax.set_ylabel("cost in single-token decode steps (each path's own)")
     ax.set_title("The cost of verifying n tokens")
     ax.legend(fontsize=8)
     return save_figure(fig, "verify_cost", out_dir)
@@ -375,7 +378,7 @@ def run(args, model, tok, ns) -> int:
     for load in loads:
         where = "no added load" if load == 0 else f"beside {load} busy processes"
         print(f"2. one cached forward over n new tokens, {where} ({args.rounds} rounds x {args.steps} forwards; "
-              "v = median of the per-round ratios t(n) / t_best(1), t_best(1) the faster path's step)")
+              "v = median of the per-round ratios t(n) / t(1), each path over its own step)")
         with background_load(load):
             times = forward_seconds(model, prefix, ns, args.rounds, args.steps)
         rows = cost_rows(times, roofline, bounds)
