@@ -29,7 +29,7 @@ from ...checkpoint import load_model
 from ...data import validation_prompts
 from ...drafts import BigramDraft, quantize_weights
 from ...generate import generate
-from ...measure import step_ratio, step_time, time_paired
+from ...measure import step_ratio, step_time, time_paired, verify_cost
 from ...notebook import format_table
 from ...speculative import expected_speedup, expected_tokens_per_call, speculative_generate
 from ..options import count, nonnegative_float_list, positive_int_list
@@ -150,7 +150,7 @@ def main(argv: list[str]) -> int:
     # 2. costs in target decode steps
     t_step = step_time(target, 1)
     c = {name: step_ratio(d, 1, target) for name, d in drafts.items()}
-    v = {k: step_ratio(target, k + 1, target) for k in args.ks}
+    v = {k: verify_cost(target, k + 1) for k in args.ks}
     print(f"target decode step {t_step * 1e3:.2f} ms; c = "
           + ", ".join(f"{n} {x:.3f}" for n, x in c.items())
           + "; verify K+1 tokens / step: " + ", ".join(f"K={k}: {x:.2f}" for k, x in v.items()))
