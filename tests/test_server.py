@@ -28,7 +28,7 @@ import pytest
 
 from minillm import GPT, GPTConfig, generate, load_model
 from minillm.serving import Engine
-from minillm.tools.server import Server, TextOut, build_app
+from minillm.tools.server import Server, TextOut, uvicorn_config
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -49,7 +49,7 @@ def running(server: Server):
     """Serve ``server`` on 127.0.0.1 at a free port -> its base URL; stop it afterwards."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.bind(("127.0.0.1", 0))
-    uv = uvicorn.Server(uvicorn.Config(build_app(server), log_level="warning", timeout_graceful_shutdown=2))
+    uv = uvicorn.Server(uvicorn_config(server, timeout_graceful_shutdown=2))
     thread = threading.Thread(target=uv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30

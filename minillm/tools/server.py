@@ -10,6 +10,13 @@ turns text into token ids and back, and waits on its queue. A client that goes a
 aborted before the next step, and its KV blocks go back to the pool. More requests in flight than
 the engine's sequence budget plus ``max_queue`` get 429 with Retry-After at once.
 
+What a request may be (checked before any work is done for it): a body of at most ``MAX_BODY_BYTES``
+(413), sent whole within ``request_timeout`` seconds (408), JSON nested at most as deep as Python's
+parser goes and with integers of at most ``MAX_INTEGER_DIGITS`` digits, only the fields in ``FIELDS``
+(400 naming the others), a prompt that could fit the context by its length in bytes before it is
+tokenized (off the event loop). Every error is an OpenAI error object, 404 and 405 included, and
+quotes at most ``QUOTE_CHARS`` characters of what the client sent.
+
 Why Starlette + uvicorn: Starlette is the small ASGI toolkit FastAPI is built on; it streams a
 response from an async generator and cancels it when the client disconnects, which is what aborting
 a request needs, without FastAPI's request models (whose 422 errors are not OpenAI's error objects).
@@ -22,7 +29,7 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
+import logging
 import os
 import queue
 import secrets
@@ -32,6 +39,7 @@ import time
 from dataclasses import dataclass, field
 
 from ..registry import KNOWN_MODELS, load_model
+from ..sampling import SamplingSettings
 from ..serving import Engine, Request
 from ..tokenizer import TextStream
 from .options import int_in, nonnegative_int, positive_int
@@ -41,6 +49,27 @@ FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # the engine's rea
 TTFT_BUCKETS = (0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 ITL_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 MAX_STOPS = 4  # as the OpenAI API
+MAX_TEMPERATURE = 2.0  # as the OpenAI API; SamplingSettings checks the rest
+MAX_BODY_BYTES = 1 << 20  # 1 MiB: SmolLM2's whole context is about 8 KB of text
+MAX_INTEGER_DIGITS = 20  # an int64 has 19; a longer integer in a body is refused before int() reads it
+REQUEST_TIMEOUT_S = 10.0  # a request's headers, then its body, must arrive within this (else 408)
+QUOTE_CHARS = 80  # what an error quotes of a client's value
+MESSAGE_CHARS = 240  # an error message, whatever it quotes
+COMMON_FIELDS = ("model", "max_tokens", "temperature", "top_p", "stop", "seed", "n", "stream", "stream_options",
+                 "user")  # user: the client's id for its own records; it changes nothing
+FIELDS = {"completions": (*COMMON_FIELDS, "prompt"),  # the request fields this server implements
+          "chat": (*COMMON_FIELDS, "messages", "max_completion_tokens")}
+log = logging.getLogger("uvicorn.error")  # the server's own log, in uvicorn's format
+
+
+def clip(text: str, limit: int) -> str:
+    """At most ``limit`` characters of ``text``, with "…" where it was cut: clip("abcdef", 3) -> 'abc…'."""
+    return text if len(text) <= limit else text[:limit] + "…"
+
+
+def quote(value) -> str:
+    """A client's value as an error message quotes it: its repr, clipped to QUOTE_CHARS."""
+    return clip(repr(value), QUOTE_CHARS)
 
 
 class ApiError(Exception):
@@ -48,6 +77,7 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  retry_after: int | None = None):
+        message = clip(message, MESSAGE_CHARS)  # a library's message may quote a whole value
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.retry_after = status, message, param, code, retry_after
 
@@ -55,6 +85,10 @@ class ApiError(Exception):
         kind = "rate_limit_error" if self.status == 429 else "invalid_request_error" if self.status < 500 \
             else "server_error"
         return {"error": {"message": self.message, "type": kind, "param": self.param, "code": self.code}}
+
+
+class ClientGone(Exception):
+    """The client closed its connection: nobody will read an answer."""
 
 
 # ---- the engine loop (one thread) ----------------------------------------------------------------
@@ -198,13 +232,53 @@ class TextOut:
 # ---- requests in: checks ---------------------------------------------------------------------------
 
 
-def number(body: dict, name: str, default: float, low: float, high: float) -> float:
-    value = body.get(name, default)
-    value = default if value is None else value
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
-            or not low <= value <= high:
-        raise ApiError(400, f"{name} must be a finite number in [{low}, {high}], got {value!r}", name)
-    return float(value)
+def parse_json(raw: bytes) -> dict:
+    """A request body -> its JSON object. Refused with 400: not UTF-8, not JSON, nested deeper than
+    Python's parser goes (RecursionError), an integer longer than MAX_INTEGER_DIGITS (before ``int``
+    reads it: a 5,000-digit one would take it long and then fail), not an object."""
+    def integer(digits: str) -> int:
+        if len(digits.lstrip("-")) > MAX_INTEGER_DIGITS:
+            raise ApiError(400, f"an integer in the request body has more than {MAX_INTEGER_DIGITS} digits")
+        return int(digits)
+
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_int=integer)
+    except UnicodeDecodeError:
+        raise ApiError(400, "the request body is not UTF-8") from None
+    except json.JSONDecodeError as exc:
+        raise ApiError(400, f"the request body is not JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is nested too deeply") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    return body
+
+
+def check_fields(body: dict, implemented: tuple) -> None:
+    """Refuse every field not ``implemented`` (an endpoint's FIELDS), naming them; null counts as not given."""
+    unknown = [name for name, value in body.items() if name not in implemented and value is not None]
+    if unknown:
+        raise ApiError(400, f"unsupported fields: {clip(', '.join(unknown), QUOTE_CHARS)} (this server implements "
+                            f"{', '.join(implemented)})", clip(unknown[0], QUOTE_CHARS))
+
+
+def sampling(body: dict) -> tuple[float, float]:
+    """temperature and top_p -> the values, checked by the library's one check (SamplingSettings),
+    each error naming its field; the OpenAI API also caps temperature at MAX_TEMPERATURE."""
+    values = {"temperature": 1.0, "top_p": 1.0}  # the defaults, for a field absent or null
+    for name in values:
+        value = body.get(name)
+        if value is None:
+            continue
+        try:
+            SamplingSettings(**{name: value})
+        except ValueError as exc:
+            raise ApiError(400, str(exc), name) from None
+        values[name] = float(value)
+    if values["temperature"] > MAX_TEMPERATURE:
+        raise ApiError(400, f"temperature must be at most {MAX_TEMPERATURE}, got {values['temperature']}",
+                       "temperature")
+    return values["temperature"], values["top_p"]
 
 
 def integer(body: dict, name: str, default, low: int) -> int | None:
@@ -212,7 +286,7 @@ def integer(body: dict, name: str, default, low: int) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ApiError(400, f"{name} must be an integer >= {low}, got {value!r}", name)
+        raise ApiError(400, f"{name} must be an integer >= {low}, got {quote(value)}", name)
     return value
 
 
@@ -253,39 +327,50 @@ class Server:
     """The front end: the checks, the OpenAI formats, the metrics; ``EngineLoop`` runs the engine."""
 
     def __init__(self, model_name: str, model, tokenizer, engine: Engine, max_queue: int = 64,
-                 default_max_tokens: int = 256):
+                 default_max_tokens: int = 256, request_timeout: float = REQUEST_TIMEOUT_S):
         self.model_name, self.model, self.tokenizer = model_name, model, tokenizer
         self.eos = getattr(tokenizer, "eos_token_id", None)  # ends an answer; not part of its text
+        self.longest_token = max(len(b) for b in tokenizer.token_bytes)  # bytes; n bytes of text >= n / this tokens
         self.loop = EngineLoop(engine)
         self.max_in_flight = engine.max_num_seqs + max_queue
         self.default_max_tokens = default_max_tokens
+        self.request_timeout = request_timeout
         self.created = int(time.time())
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.counts = {"requests_total": 0, "requests_rejected_total": 0, "requests_aborted_total": 0}
 
+    @property
+    def context(self) -> int:
+        """Tokens one request can hold: the model's context, or the whole pool if that is smaller."""
+        pool = self.loop.engine.pool
+        return min(pool.max_len, pool.num_blocks * pool.page_size)
+
     # -- checks
     def check_model(self, body: dict) -> None:
         if body.get("model") != self.model_name:
-            raise ApiError(400, f"unknown model {body.get('model')!r}: this server serves {self.model_name!r}",
+            raise ApiError(400, f"unknown model {quote(body.get('model'))}: this server serves {self.model_name!r}",
                            "model", "model_not_found")
+
+    def max_tokens(self, body: dict, prompt: list) -> int:
+        """max_tokens (or max_completion_tokens) if given; else default_max_tokens or as many as fit
+        beside the prompt, whichever is fewer (the last token is never cached: context - prompt + 1)."""
+        name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
+        given = integer(body, name, None, 1)
+        return given if given is not None else max(1, min(self.default_max_tokens, self.context - len(prompt) + 1))
 
     def job(self, body: dict, prompt: list) -> Job:
         if integer(body, "n", 1, 1) != 1:
             raise ApiError(400, "n must be 1: this server returns one choice per request", "n")
         stream, options = body.get("stream", False), body.get("stream_options") or {}
         if not isinstance(stream, bool):
-            raise ApiError(400, f"stream must be true or false, got {stream!r}", "stream")
+            raise ApiError(400, f"stream must be true or false, got {quote(stream)}", "stream")
         if not isinstance(options, dict) or not isinstance(options.get("include_usage", False), bool):
             raise ApiError(400, "stream_options must be an object like {\"include_usage\": true}", "stream_options")
-        name = "max_completion_tokens" if "max_completion_tokens" in body else "max_tokens"
         seed = integer(body, "seed", None, 0)
-        job = Job(prompt, integer(body, name, None, 1) or self.default_max_tokens,
-                  number(body, "temperature", 1.0, 0.0, 2.0), number(body, "top_p", 1.0, 0.0, 1.0),
+        job = Job(prompt, self.max_tokens(body, prompt), *sampling(body),
                   secrets.randbits(63) if seed is None else seed, stop_strings(body), stream,
                   options.get("include_usage", False))
-        if job.top_p == 0.0:
-            raise ApiError(400, "top_p must be > 0 (top_p 1 keeps every token)", "top_p")
         try:
             self.loop.engine.check_fits(self.request(job))
         except ValueError as exc:
@@ -297,7 +382,23 @@ class Server:
         return Request(tuple(job.prompt), job.max_tokens, job.temperature, None,
                        None if job.top_p >= 1.0 else job.top_p, job.seed, self.eos)
 
-    def chat_prompt(self, body: dict) -> list:
+    def check_prompt_bytes(self, n_bytes: int, param: str) -> None:
+        """Refuse a prompt too long for the context by its size alone, before it is tokenized: n bytes
+        of text are at least n / (the longest token's bytes) tokens."""
+        fewest = -(-n_bytes // self.longest_token)
+        if fewest > self.context:
+            raise ApiError(400, f"request too long: a prompt of {n_bytes} bytes is at least {fewest} tokens > the "
+                                f"context of {self.context}", param, "context_length_exceeded")
+
+    async def encode(self, encode, text, param: str) -> list:
+        """``encode(text)`` in a worker thread, so that a long prompt does not hold the event loop."""
+        try:
+            return await asyncio.to_thread(encode, text)
+        except (KeyError, ValueError) as exc:  # the character model knows only its alphabet
+            raise ApiError(400, f"the prompt cannot be encoded by {self.model_name}'s tokenizer: {exc}",
+                           param) from None
+
+    async def chat_prompt(self, body: dict) -> list:
         if not hasattr(self.tokenizer, "chat_pieces"):
             raise ApiError(400, f"{self.model_name} has no chat template: use /v1/completions", "model")
         messages = body.get("messages")
@@ -309,19 +410,18 @@ class Server:
             if role not in ("system", "developer", "user", "assistant"):
                 raise ApiError(400, "each message needs a role: system, developer, user or assistant", "messages")
             turns.append({"role": "system" if role == "developer" else role, "content": message_text(m.get("content"))})
-        return self.tokenizer.encode_pieces(self.tokenizer.chat_pieces(turns))
+        self.check_prompt_bytes(sum(len(t["content"].encode()) for t in turns), "messages")
+        pieces = self.tokenizer.chat_pieces(turns)
+        return await self.encode(self.tokenizer.encode_pieces, pieces, "messages")
 
-    def text_prompt(self, body: dict) -> list:
+    async def text_prompt(self, body: dict) -> list:
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if not isinstance(prompt, str) or not prompt:
             raise ApiError(400, "prompt must be a non-empty string", "prompt")
-        try:
-            return self.tokenizer.encode(prompt)
-        except (KeyError, ValueError) as exc:  # the character model knows only its alphabet
-            raise ApiError(400, f"the prompt cannot be encoded by {self.model_name}'s tokenizer: {exc}",
-                           "prompt") from None
+        self.check_prompt_bytes(len(prompt.encode()), "prompt")
+        return await self.encode(self.tokenizer.encode, prompt, "prompt")
 
     def admit(self) -> None:
         if self.loop.failed is not None:
@@ -333,25 +433,24 @@ class Server:
                            f"{self.max_in_flight}); retry later", code="overloaded", retry_after=1)
 
     # -- running a job: an async generator of (text delta, finish reason or None, tokens so far)
-    async def run(self, job: Job, disconnected=None):
+    async def run(self, job: Job, receive=None):
         """Yield text deltas; the last item carries the finish reason. The request is aborted in the
-        engine when the generator is left early: a client that went away (``disconnected()`` true,
-        or the task cancelled), or a stop string the engine does not know about."""
+        engine when the generator is left early: a client that went away (the task cancelled, as
+        Starlette does to a stream, or the ASGI ``receive`` of a plain request, watched here, says
+        http.disconnect), or a stop string the engine does not know about."""
         self.loop.in_flight += 1
         self.counts["requests_total"] += 1
         box = Outbox(asyncio.get_running_loop())
         self.loop.inbox.put((ADD, self.request(job), box))
+        watch = None if receive is None else asyncio.create_task(until_disconnect(receive, box))
         out, eos = TextOut(self.tokenizer, job.stop), self.eos
         engine_done, n_tokens = False, 0
         start = last = time.perf_counter()
         try:
             while True:
-                try:
-                    kind, payload = await asyncio.wait_for(box.queue.get(), timeout=0.25)
-                except TimeoutError:
-                    if disconnected is not None and await disconnected():
-                        return
-                    continue
+                kind, payload = await box.queue.get()
+                if kind == "gone":  # the client of a plain request went away
+                    return
                 if kind != "tokens":
                     engine_done = True
                     if kind == "error":
@@ -374,6 +473,8 @@ class Server:
                     if delta:
                         yield delta, None, n_tokens
         finally:
+            if watch is not None:
+                watch.cancel()
             self.loop.in_flight -= 1
             if not engine_done:  # left early: the engine still runs it; free its blocks before the next step
                 self.counts["requests_aborted_total"] += not out.stopped  # a stop string is not an abort
@@ -404,6 +505,13 @@ class Server:
         return "\n".join(lines) + "\n"
 
 
+async def until_disconnect(receive, box: Outbox) -> None:
+    """Wait for the ASGI http.disconnect of a request whose body has been read, then tell its ``run``."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    box.queue.put_nowait(("gone", None))
+
+
 class Histogram:
     """A Prometheus histogram: cumulative bucket counts, sum and count."""
 
@@ -429,27 +537,43 @@ class Histogram:
 def build_app(server: Server):
     """The Starlette application over ``server``; its lifespan starts and stops the engine thread."""
     from starlette.applications import Starlette
-    from starlette.responses import JSONResponse, PlainTextResponse, StreamingResponse
+    from starlette.exceptions import HTTPException
+    from starlette.requests import ClientDisconnect
+    from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
     from starlette.routing import Route
 
     def error_response(exc: ApiError) -> JSONResponse:
         headers = {} if exc.retry_after is None else {"Retry-After": str(exc.retry_after)}
         return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
 
+    async def http_error(request, exc: HTTPException) -> JSONResponse:  # Starlette's own 404 and 405
+        about = {404: "no such endpoint", 405: "method not allowed"}.get(exc.status_code, exc.detail)
+        error = ApiError(exc.status_code, f"{about}: {request.method} {clip(request.url.path, QUOTE_CHARS)}")
+        return JSONResponse(error.body(), status_code=exc.status_code, headers=exc.headers)
+
     async def read_body(request) -> dict:
-        raw = await request.body()
+        """The body, at most MAX_BODY_BYTES (by Content-Length, then as it arrives: 413), whole within
+        ``server.request_timeout`` (408) -> its JSON object. A client that leaves meanwhile: one log line."""
+        declared = request.headers.get("content-length", "0")  # h11 has checked that it is digits
+        if len(declared) > len(str(MAX_BODY_BYTES)) or int(declared) > MAX_BODY_BYTES:
+            raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+        raw = bytearray()
         try:
-            body = json.loads(raw.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise ApiError(400, "the request body is not UTF-8") from None
-        except json.JSONDecodeError as exc:
-            raise ApiError(400, f"the request body is not JSON: {exc}") from None
-        if not isinstance(body, dict):
-            raise ApiError(400, "the request body must be a JSON object")
-        return body
+            async with asyncio.timeout(server.request_timeout):
+                async for chunk in request.stream():
+                    raw += chunk
+                    if len(raw) > MAX_BODY_BYTES:
+                        raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+        except TimeoutError:
+            raise ApiError(408, f"the request body did not arrive within {server.request_timeout:g} s") from None
+        except ClientDisconnect:
+            log.warning("a client closed its connection while sending its request (%d bytes of it read)", len(raw))
+            raise ClientGone() from None
+        return parse_json(bytes(raw))
 
     def completion_endpoint(chat: bool):
         kind = "chat.completion" if chat else "text_completion"
+        fields = FIELDS["chat" if chat else "completions"]
 
         def choice(text: str, reason, streaming: bool) -> dict:
             if chat:
@@ -461,15 +585,18 @@ def build_app(server: Server):
         async def endpoint(request):
             try:
                 body = await read_body(request)
+                check_fields(body, fields)
                 server.check_model(body)
-                job = server.job(body, server.chat_prompt(body) if chat else server.text_prompt(body))
+                job = server.job(body, await (server.chat_prompt(body) if chat else server.text_prompt(body)))
                 server.admit()
             except ApiError as exc:
                 return error_response(exc)
+            except ClientGone:
+                return Response(status_code=499)  # nobody reads it
             rid = ("chatcmpl-" if chat else "cmpl-") + secrets.token_hex(12)
             head = {"id": rid, "created": int(time.time()), "model": server.model_name}
-            # a stream is cancelled by Starlette when its client goes; a plain request polls
-            gen = server.run(job, None if job.stream else request.is_disconnected)
+            # a stream is cancelled by Starlette when its client goes; a plain request watches receive
+            gen = server.run(job, None if job.stream else request.receive)
 
             def usage(n: int) -> dict:
                 return {"prompt_tokens": len(job.prompt), "completion_tokens": n,
@@ -484,7 +611,7 @@ def build_app(server: Server):
                 except ApiError as exc:
                     return error_response(exc)
                 if reason is None:  # the client went away: nobody reads an answer
-                    return PlainTextResponse("", status_code=499)
+                    return Response(status_code=499)
                 return JSONResponse({**head, "object": kind, "choices": [choice("".join(text), reason, False)],
                                      "usage": usage(n)})
 
@@ -533,7 +660,55 @@ def build_app(server: Server):
         Route("/v1/models", models, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
-    ], lifespan=lifespan)
+    ], lifespan=lifespan, exception_handlers={HTTPException: http_error})
+
+
+def uvicorn_config(server: Server, **options):
+    """uvicorn's settings for ``server`` (``options``: host, port, sockets, ...): its app, quiet logs, and
+    ``server.request_timeout`` as the deadline for an idle kept-alive connection (uvicorn's
+    timeout_keep_alive) and for each request's headers (``HeadersDeadline``; the app times the body)."""
+    import h11
+    import uvicorn
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeadersDeadline(H11Protocol):
+        """uvicorn's HTTP/1.1 protocol with a deadline on a request's line and headers: a connection still
+        sending them ``timeout_keep_alive`` seconds after it opened or began its next request gets a 408
+        and is closed. (uvicorn alone waits for them forever, so trickling clients could hold it.)"""
+
+        deadline = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self.deadline = self.loop.call_later(self.timeout_keep_alive, self.headers_too_slow)
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:  # the headers are in
+                self.cancel_deadline()
+            elif self.deadline is None:  # the next request on a kept-alive connection has begun
+                self.deadline = self.loop.call_later(self.timeout_keep_alive, self.headers_too_slow)
+
+        def connection_lost(self, exc) -> None:
+            self.cancel_deadline()
+            super().connection_lost(exc)
+
+        def cancel_deadline(self) -> None:
+            if self.deadline is not None:
+                self.deadline.cancel()
+                self.deadline = None
+
+        def headers_too_slow(self) -> None:
+            self.deadline = None
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                error = ApiError(408, f"the request headers did not arrive within {self.timeout_keep_alive:g} s")
+                body = json.dumps(error.body()).encode()
+                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+                                     b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
+                self.transport.close()
+
+    return uvicorn.Config(build_app(server), http=HeadersDeadline, timeout_keep_alive=server.request_timeout,
+                          log_level="warning", **options)
 
 
 def make_server(args, loader=load_model) -> Server:
@@ -598,8 +773,7 @@ def serve(args) -> int:
             server.loop.inbox.put((STOP, None, None))
             super().handle_exit(sig, frame)
 
-    config = uvicorn.Config(build_app(server), host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=args.shutdown_timeout)
-    EndStreamsOnExit(config).run()
+    EndStreamsOnExit(uvicorn_config(server, host=args.host, port=args.port,
+                                    timeout_graceful_shutdown=args.shutdown_timeout)).run()
     return 0
 
