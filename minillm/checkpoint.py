@@ -10,7 +10,9 @@ headers, before any array is read) against the shapes the config implies, and ev
 
 from __future__ import annotations
 
+import hashlib
 import json
+import math
 import os
 import re
 import tempfile
@@ -19,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from .backend import to_numpy
 from .config import GPTConfig
 from .model import DEFAULT_ATTENTION, GPT
 from .tokenizer import CharTokenizer
@@ -83,72 +86,107 @@ def encode_header(header: dict) -> np.ndarray:
     return np.frombuffer(json.dumps(header).encode(), dtype=np.uint8)
 
 
-def member_shapes(archive: zipfile.ZipFile) -> dict:
+FLOAT_WEIGHTS = (np.dtype(np.float16), np.dtype(np.float32))  # the dtypes a saved weight may have
+TOKEN_IDS = (np.dtype(np.int32), np.dtype(np.int64))  # the dtypes a saved token id may have
+
+
+def member_layout(archive: zipfile.ZipFile) -> dict:
     """{array name: (shape, dtype)} as each .npy member of an open .npz declares it, read from the
-    members' headers only (a few bytes each): nothing is decompressed beyond them."""
-    shapes = {}
-    for name in archive.namelist():
-        with archive.open(name) as member:
+    members' headers only (a few bytes each): nothing is decompressed beyond them. ValueError for a
+    member that is not an .npy array, or whose data is not the size its header declares."""
+    layout = {}
+    for info in archive.infolist():
+        if not info.filename.endswith(".npy"):
+            raise ValueError(f"member {info.filename!r} is not an array (.npy)")
+        with archive.open(info) as member:
             version = np.lib.format.read_magic(member)
             read_header = np.lib.format.read_array_header_1_0 if version == (1, 0) else (
                 np.lib.format.read_array_header_2_0)
             shape, _, dtype = read_header(member)
-        shapes[name.removesuffix(".npy")] = (tuple(shape), dtype)
-    return shapes
+            data_bytes = info.file_size - member.tell()
+        if dtype.hasobject or data_bytes != math.prod(shape) * dtype.itemsize:
+            raise ValueError(f"member {info.filename!r} declares {shape} {dtype} but holds {data_bytes} bytes")
+        layout[info.filename.removesuffix(".npy")] = (tuple(shape), dtype)
+    return layout
 
 
-def read_npz(path, expected_shapes=None) -> tuple[dict, dict]:
-    """Read any minillm .npz -> (header dict, arrays dict); each error is one line naming the file.
+def read_header(archive: zipfile.ZipFile, layout: dict) -> dict:
+    """The JSON header of an open .npz whose ``layout`` declares a uint8 header of at most HEADER_LIMIT bytes."""
+    shape, dtype = layout.get(HEADER_KEY, ((0,), None))
+    if dtype != np.uint8 or len(shape) != 1 or shape[0] > HEADER_LIMIT:
+        raise ValueError(f"its header ({HEADER_KEY}) declares {shape} {dtype}, not at most {HEADER_LIMIT} bytes")
+    with archive.open(HEADER_KEY + ".npy") as member:
+        header = json.loads(np.lib.format.read_array(member, allow_pickle=False).tobytes().decode())
+    if not isinstance(header, dict):
+        raise ValueError("its header is not a JSON object")
+    return header
 
-    ``expected_shapes(header) -> {name: shape}`` (optional): the arrays the header implies; a file
-    that declares other names or shapes is refused before any array is read (a small file must not
-    make the loader decompress gigabytes).
+
+def read_npz(path, expected=None, kind: str = "checkpoint") -> tuple[dict, dict]:
+    """Read any minillm .npz -> (header dict, arrays dict); each error is one line naming ``kind`` and the file.
+
+    ``expected(header) -> {name: (shape, allowed dtypes)}`` (optional): the arrays the header implies.
+    It runs on the header alone (it may check the header first: its format, the model a file was
+    trained for); a file that declares other names, shapes or dtypes is refused before any array is
+    read (a small file must not make the loader allocate gigabytes), and every array it reads must
+    hold finite numbers only.
     """
     path = Path(path)
     if path.is_dir():
-        raise CheckpointError(f"{path} is a directory, not a checkpoint file (.npz)")
+        raise CheckpointError(f"{path} is a directory, not a {kind} file (.npz)")
     if not path.is_file():
-        raise CheckpointError(f"checkpoint not found: {path}")
+        raise CheckpointError(f"{kind} not found: {path}")
     if not zipfile.is_zipfile(path):  # before np.load, which takes any other file for a pickle
-        raise CheckpointError(f"corrupt checkpoint {path}: not an .npz archive (or cut short)")
+        raise CheckpointError(f"corrupt {kind} {path}: not an .npz archive (or cut short)")
     try:
         with zipfile.ZipFile(path) as archive:
-            shapes = member_shapes(archive)
-            header_shape, _ = shapes.pop(HEADER_KEY, ((0,), None))
-            if int(np.prod(header_shape)) > HEADER_LIMIT:
-                raise ValueError(f"its header declares {int(np.prod(header_shape))} bytes")
-            header = json.loads(np.load(archive.open(HEADER_KEY + ".npy"), allow_pickle=False).tobytes().decode())
-            if not isinstance(header, dict):
-                raise CheckpointError(f"corrupt checkpoint {path}: its header is not a JSON object")
-            if expected_shapes is not None:
-                check_shapes({k: shape for k, (shape, _) in shapes.items()}, expected_shapes(header), path)
-        with np.load(path, allow_pickle=False) as f:
-            arrays = {k: f[k] for k in f.files if k != HEADER_KEY}
+            layout = member_layout(archive)
+            header = read_header(archive, layout)
+            del layout[HEADER_KEY]
+            if expected is not None:
+                check_layout(layout, expected(header), path, kind)
+            arrays = {}
+            for name in layout:
+                with archive.open(name + ".npy") as member:
+                    arrays[name] = np.lib.format.read_array(member, allow_pickle=False)
     except CheckpointError:
         raise
-    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, UnicodeDecodeError) as exc:
-        raise CheckpointError(f"corrupt checkpoint {path}: {type(exc).__name__}: {exc}") from exc
+    except (OSError, ValueError, KeyError, TypeError, EOFError, zipfile.BadZipFile, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"corrupt {kind} {path}: {exc}") from exc
+    if expected is not None:
+        check_finite(arrays, path, kind)
     return header, arrays
 
 
-def check_shapes(declared: dict, expected: dict, path) -> None:
-    """The arrays a file declares {name: shape} must be exactly those expected; CheckpointError otherwise."""
+def check_layout(declared: dict, expected: dict, path, kind: str = "checkpoint") -> None:
+    """The arrays a file declares {name: (shape, dtype)} must be exactly those expected {name: (shape,
+    allowed dtypes)}; CheckpointError otherwise."""
     missing, extra = sorted(expected.keys() - declared.keys()), sorted(declared.keys() - expected.keys())
     if missing or extra:
-        raise CheckpointError(f"inconsistent checkpoint {path}: arrays do not match its config "
-                              f"(missing {missing[:3]}, extra {extra[:3]})")
-    for name, shape in expected.items():
-        if tuple(declared[name]) != tuple(shape):
-            raise CheckpointError(f"inconsistent checkpoint {path}: {name} declares shape {declared[name]}, "
-                                  f"its config implies {tuple(shape)}")
+        raise CheckpointError(f"inconsistent {kind} {path}: its arrays do not match its header "
+                              f"(missing {missing[:3]}, unexpected {extra[:3]})")
+    for name, (shape, dtypes) in expected.items():
+        got_shape, got_dtype = declared[name]
+        if got_shape != tuple(shape):
+            raise CheckpointError(f"inconsistent {kind} {path}: {name} declares shape {got_shape}, "
+                                  f"its header implies {tuple(shape)}")
+        if got_dtype not in dtypes:
+            raise CheckpointError(f"inconsistent {kind} {path}: {name} is {got_dtype}, "
+                                  f"expected {' or '.join(str(d) for d in dtypes)}")
 
 
-def check_finite(arrays: dict, path) -> None:
-    """Every weight a finite number; CheckpointError naming the first that is not (a diverged run)."""
+def check_finite(arrays: dict, path, kind: str = "checkpoint") -> None:
+    """Every number finite; CheckpointError naming the first array that is not (nan or inf)."""
     for name, array in arrays.items():
-        if np.issubdtype(array.dtype, np.floating) and not np.isfinite(array).all():
-            raise CheckpointError(f"corrupt checkpoint {path}: {name} holds non-finite values (nan or inf); "
-                                  "the training run that wrote it diverged")
+        if not np.isfinite(array).all():
+            raise CheckpointError(f"corrupt {kind} {path}: {name} holds non-finite values (nan or inf)")
+
+
+def check_format(header: dict, fmt: str, path, kind: str) -> None:
+    """``header["format"]`` must be ``fmt``; CheckpointError naming the file, the kind and the format found."""
+    if header.get("format") != fmt:
+        article = "an" if kind[:1] in "AEIOU" else "a"
+        raise CheckpointError(f"{path} is not {article} {kind} file ({fmt}, found format {header.get('format')!r})")
 
 
 def header_section(header: dict, key: str, path) -> dict:
@@ -157,6 +195,56 @@ def header_section(header: dict, key: str, path) -> dict:
     if not isinstance(section, dict):
         raise CheckpointError(f"inconsistent checkpoint {path}: header {key!r} is not a JSON object")
     return section
+
+
+# ----------------------------------------------------------------------------------------------
+# trained add-ons (Medusa heads, an EAGLE draft): files that belong to one model
+
+
+def model_identity(model) -> dict:
+    """What ties a trained add-on to one model: its architecture, config and a sha256 of its LM head's float32 bytes."""
+    lm = np.ascontiguousarray(to_numpy(model.lm_head), dtype=np.float32)
+    return {"architecture": type(model).__name__, "config": model.config.to_dict(),
+            "lm_head_sha256": hashlib.sha256(lm.tobytes()).hexdigest()}
+
+
+def describe_identity(identity: dict) -> str:
+    """A model_identity in a few words: "Llama (n_layer 2, n_embd 16, vocab_size 8, LM head sha256 1a2b3c4d5e6f)"."""
+    config = identity.get("config") if isinstance(identity.get("config"), dict) else {}
+    sizes = ", ".join(f"{k} {config.get(k)}" for k in ("n_layer", "n_embd", "vocab_size"))
+    return f"{identity.get('architecture')} ({sizes}, LM head sha256 {str(identity.get('lm_head_sha256'))[:12]})"
+
+
+def check_trained_for(header: dict, model, path, kind: str, retrain: str, made: str = "trained for") -> None:
+    """A trained add-on's file (``kind``: "EAGLE draft", "Medusa heads", ...) must name ``model`` as the
+    model it was trained for (``made``: or written by); CheckpointError (one line) naming the file, both
+    models and ``retrain``, the command that makes one for this model."""
+    saved, actual = header.get("model"), model_identity(model)
+    if not isinstance(saved, dict):
+        raise CheckpointError(f"inconsistent {kind} {path}: its header names no model it was trained for")
+    for key in ("architecture", "config", "lm_head_sha256"):
+        if saved.get(key) != actual[key]:
+            if key == "config" and isinstance(saved.get(key), dict):
+                diff = [k for k in actual[key] if saved[key].get(k) != actual[key][k]]
+                what = ", ".join(f"{k} {saved[key].get(k)!r} vs {actual[key][k]!r}" for k in diff[:3])
+            else:
+                what = f"{str(saved.get(key))[:12]} vs {actual[key][:12]}"
+            raise CheckpointError(f"{path}: {kind} {made} another model ({key} differs: {what}): {made} "
+                                  f"{describe_identity(saved)}, this model is {describe_identity(actual)}; "
+                                  f"make one for this model with {retrain}")
+
+
+def trained_file(path, shipped: Path, model_name: str, kind: str, retrain: str) -> Path:
+    """The file of a trained add-on: ``path`` when one is given, else ``shipped``, the one shipped for
+    ``model_name``; ValueError (one line) for an empty path, and when none is given and none ships."""
+    if path is None:
+        if not shipped.is_file():
+            raise ValueError(f"no {kind} file is shipped for model {model_name!r}; train one with {retrain}, "
+                             "then pass its file")
+        return shipped
+    if not str(path).strip():
+        raise ValueError(f"the {kind} file name is empty: name a file (.npz), or leave it out for the shipped one")
+    return Path(path)
 
 
 def save_model(path, model, tokenizer: CharTokenizer, dtype=np.float32, notes: dict | None = None):
@@ -218,8 +306,8 @@ def load_model(name_or_path, attention: str = DEFAULT_ATTENTION):
             f"shipped model {name!r} not found at {path}; "
             f"train it with: python -m minillm train --preset {name} --out {path}"
         )
-    header, arrays = read_npz(path, expected_shapes=lambda header: model_config(header, path).param_shapes())
-    check_finite(arrays, path)
+    header, arrays = read_npz(path, expected=lambda header: {
+        name: (shape, FLOAT_WEIGHTS) for name, shape in model_config(header, path).param_shapes().items()})
     config = model_config(header, path)
     try:
         tokenizer = CharTokenizer.from_dict(header_section(header, "tokenizer", path))

@@ -36,18 +36,21 @@ import numpy as np
 
 from .backend import to_numpy, weight_product, xp
 from .checkpoint import (
+    FLOAT_WEIGHTS,
     HEADER_KEY,
     SHIPPED_DIR,
-    CheckpointError,
+    TOKEN_IDS,
     atomic_save_npz,
-    check_finite,
+    check_format,
     check_not_shipped,
+    check_trained_for,
     encode_header,
+    model_identity,
     read_npz,
+    trained_file,
 )
 from .kv_cache import KVCache, MaskedView
 from .llama import Llama
-from .medusa import check_same_model, model_identity
 from .model import new_positions
 from .sampling import sample
 from .token_tree import Proposal, Round, TokenTree
@@ -56,6 +59,8 @@ EAGLE_FORMAT = "minillm-eagle-1"
 MIN_SUBSET, DEFAULT_SUBSET = 16, 8192
 MAX_DEPTH = 12  # draft tokens per round (chain length or tree depth)
 MAX_TREE_NODES = 64
+DRAFT_KIND = "EAGLE draft"
+DRAFT_RETRAIN = "python -m minillm eagle-data --out DIR, then eagle-train --data DIR --out DRAFT.npz"
 
 
 def check_int(name: str, value, low: int, high: int) -> int:
@@ -187,19 +192,32 @@ class EagleDraft:
 
     @classmethod
     def load(cls, target, path) -> EagleDraft:
-        """A draft saved by ``save``; one-line error when it was trained for another target."""
-        header, arrays = read_npz(path)
-        if header.get("format") != EAGLE_FORMAT:
-            raise CheckpointError(f"{path} is not an EAGLE draft file (format {header.get('format')!r})")
-        check_same_model(header.get("model", {}), model_identity(target), path)
-        check_finite(arrays, path)
+        """A draft saved by ``save``; CheckpointError (one line) for another format, a draft trained for
+        another target, or an array of another name, shape or dtype (all before any array is read), or not finite."""
+        header, arrays = read_npz(path, lambda header: draft_layout(header, target, path), DRAFT_KIND)
         subset = arrays.pop("subset")
         return cls(target, arrays, subset)
+
+
+def draft_layout(header: dict, target, path) -> dict:
+    """The arrays a draft file's header implies for ``target``: {name: (shape, dtypes)}, once the header is
+    checked (its format, the target it was trained for, the size of its vocabulary)."""
+    check_format(header, EAGLE_FORMAT, path, DRAFT_KIND)
+    check_trained_for(header, target, path, DRAFT_KIND, DRAFT_RETRAIN)
+    size = check_int("its draft vocabulary size (subset_size)", header.get("subset_size"), 1, target.config.vocab_size)
+    return {name: (shape, FLOAT_WEIGHTS) for name, shape in draft_param_shapes(target.config, size).items()} | {
+        "subset": ((size,), TOKEN_IDS)}
 
 
 def shipped_draft_path(model_name: str) -> Path:
     """The EAGLE draft shipped for a model name: "smollm2-135m" -> minillm/models/eagle_smollm2-135m.npz."""
     return SHIPPED_DIR / f"eagle_{model_name}.npz"
+
+
+def load_draft(target, model_name: str, path=None) -> EagleDraft:
+    """The draft at ``path`` (``--eagle-draft``), or when none is given the one shipped for ``model_name``."""
+    return EagleDraft.load(target, trained_file(path, shipped_draft_path(model_name), model_name, DRAFT_KIND,
+                                                DRAFT_RETRAIN))
 
 
 # ----------------------------------------------------------------------------------------------

@@ -22,7 +22,10 @@ written here in the style of ``minillm.train``'s for GPT, and checked by finite 
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -30,10 +33,20 @@ import numpy as np
 
 from .attention import softmax
 from .backend import to_numpy, xp
-from .checkpoint import HEADER_KEY, atomic_save_npz, encode_header
+from .checkpoint import (
+    FLOAT_WEIGHTS,
+    HEADER_KEY,
+    TOKEN_IDS,
+    CheckpointError,
+    atomic_save_npz,
+    check_format,
+    check_trained_for,
+    encode_header,
+    model_identity,
+    read_npz,
+)
 from .kv_cache import KVCache
 from .llama import apply_rope, repeat_kv, rms_norm, rope_cos_sin, silu
-from .medusa import check_same_model, model_identity
 from .model import merge_heads, split_heads
 from .sampling import SamplingSettings, sample
 from .train import (
@@ -45,14 +58,17 @@ from .train import (
     cross_entropy_backward,
     cross_entropy_forward,
     lr_at,
-    read_state,
 )
 
-DATA_FORMAT = "minillm-eagle-data-1"
+DATA_FORMAT = "minillm-eagle-data-2"
+DATA_KIND = "EAGLE data part"
+DATA_COMMAND = "python -m minillm eagle-data --model MODEL --out DIR"
 TEMPERATURES = (0.0, 0.7, 1.0)  # prompt i is answered at TEMPERATURES[i % 3]
 ANSWER_TOKENS = 96  # the most tokens of one answer
 DATA_BATCH = 32  # answers decoded together (prompts of one temperature and about one length)
 MAX_PAD = 6  # the most newlines a prompt gets to match its batch's length
+MAX_DATA_BATCH = 256  # the most answers one part may hold
+PART_NAME = re.compile(r"part-(\d{5})\.npz")  # part g is part-{g:05d}.npz
 
 
 # ----------------------------------------------------------------------------------------------
@@ -108,53 +124,136 @@ def answer_batch(model, prompt_ids: list, max_new_tokens: int, temperature: floa
     return [(np.asarray(t, dtype=np.int32), feats[b, : len(t) - 1]) for b, t in enumerate(tokens)]
 
 
+def data_arguments(prompts: list, max_new_tokens: int, batch: int, seed: int) -> dict:
+    """What a data folder is written from: every part records it, and ``resume`` must find the same."""
+    digest = hashlib.sha256(json.dumps(prompts, sort_keys=True).encode()).hexdigest()
+    return {"prompts": len(prompts), "prompts_sha256": digest, "max_new_tokens": int(max_new_tokens),
+            "batch": int(batch), "seed": int(seed)}
+
+
+def data_parts(data_dir) -> dict:
+    """{g: path} of the part files in ``data_dir`` (names part-00000.npz, ...; other files are not ours)."""
+    found = (PART_NAME.fullmatch(p.name) for p in Path(data_dir).iterdir()) if Path(data_dir).is_dir() else ()
+    return {int(m.group(1)): Path(data_dir) / m.group(0) for m in found if m}
+
+
 def write_answers(model, tokenizer, prompts: list, out_dir, max_new_tokens: int = ANSWER_TOKENS,
                   batch: int = DATA_BATCH, seed: int = 0, resume: bool = False, progress: bool = True) -> dict:
     """The target's answers to ``prompts`` ({"prompt", "kind"}) -> part files in out_dir; a summary.
 
-    Each part (one batch) holds ids, lengths, prompt lengths, features (sum(n - 1), C) float16, kinds
-    and temperatures. With ``resume`` the parts already there are kept and the rest written.
+    Each part (one batch) holds ids and features (sum(n - 1), C) float16; its header the answers'
+    lengths, prompt lengths, kinds and temperature, the target's identity and the arguments of the
+    run (``data_arguments``). With ``resume`` the parts already there are kept and the rest written:
+    pass 1 checks every part there, whole (``read_part``), and refuses one written with other
+    arguments or for another model; pass 2 writes the missing ones.
     """
     from tqdm import tqdm
 
+    if not 1 <= batch <= MAX_DATA_BATCH or max_new_tokens < 1:
+        raise ValueError(f"batch must be in 1..{MAX_DATA_BATCH} and max_new_tokens >= 1, got {batch}, {max_new_tokens}")
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
     ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}]))
            for p in prompts]
     temps = [TEMPERATURES[i % len(TEMPERATURES)] for i in range(len(prompts))]
     groups = answer_batches(ids, temps, batch)
     header_len = len(os.path.commonprefix(ids))  # the chat template's system turn and "user\n"
     newline = tokenizer.encode("\n")[-1]
-    existing = sorted(out_dir.glob("part-*.npz"))
+    arguments = data_arguments(prompts, max_new_tokens, batch, seed)
+    existing = data_parts(out_dir)
     if existing and not resume:
         raise ValueError(f"{out_dir} already holds {len(existing)} data parts: pass --resume to continue "
                          f"them, or choose another --out")
+    for g, path in sorted(existing.items()):  # pass 1: what is there belongs to this run, whole
+        read_part(path, model, arguments, g)
+    out_dir.mkdir(parents=True, exist_ok=True)
     t0, written = time.perf_counter(), 0
-    for g, group in enumerate(tqdm(groups, desc="eagle data", disable=not progress)):
-        path = out_dir / f"part-{g:05d}.npz"
-        if path.exists():
+    for g, group in enumerate(tqdm(groups, desc="eagle data", disable=not progress)):  # pass 2: the rest
+        if g in existing:
             continue
         padded = pad_prompts([ids[i] for i in group], header_len, newline)
         rows = answer_batch(model, padded, max_new_tokens, temps[group[0]], tokenizer.eos_token_id, seed + g)
-        header = {"format": DATA_FORMAT, "prompts": group, "kinds": [prompts[i]["kind"] for i in group],
-                  "temperature": temps[group[0]], "prompt_lengths": [len(padded[0])] * len(group)}
-        arrays = {"ids": np.concatenate([r[0] for r in rows]), "lengths": np.array([len(r[0]) for r in rows]),
-                  "features": np.concatenate([r[1] for r in rows])}
-        atomic_save_npz(path, arrays | {HEADER_KEY: encode_header(header)})
-        written += int(arrays["lengths"].sum())
+        header = {"format": DATA_FORMAT, "model": model_identity(model), "arguments": arguments, "part": g,
+                  "parts": len(groups), "prompts": group, "kinds": [prompts[i]["kind"] for i in group],
+                  "temperature": temps[group[0]], "prompt_lengths": [len(padded[0])] * len(group),
+                  "lengths": [len(r[0]) for r in rows]}
+        arrays = {"ids": np.concatenate([r[0] for r in rows]), "features": np.concatenate([r[1] for r in rows])}
+        atomic_save_npz(out_dir / f"part-{g:05d}.npz", arrays | {HEADER_KEY: encode_header(header)})
+        written += sum(header["lengths"])
     return {"parts": len(groups), "tokens_written": written, "seconds": round(time.perf_counter() - t0, 1)}
 
 
-def read_answers(data_dir, max_parts: int | None = None) -> dict:
-    """``write_answers``' parts (the first ``max_parts``, all by default) -> {"sequences": [ids], "features":
-    [(n - 1, C) float16], "kinds", "temperatures", "prompt_lengths", "parts"}, in part order."""
-    parts = sorted(Path(data_dir).glob("part-*.npz"))[:max_parts]
-    if not parts:
-        raise ValueError(f"{data_dir} holds no EAGLE data parts (part-*.npz): run python -m minillm eagle-data")
-    out = {"sequences": [], "features": [], "kinds": [], "temperatures": [], "prompt_lengths": [], "parts": len(parts)}
-    for path in parts:
-        header, arrays = read_state(path, DATA_FORMAT)
-        lengths = arrays["lengths"]
+def header_ints(header: dict, key: str, n: int, low: int, high, path) -> list:
+    """``header[key]``: a list of ``n`` ints in low..high (high: one bound per entry, or one for all);
+    CheckpointError otherwise."""
+    values, highs = header.get(key), high if isinstance(high, list) else [high] * n
+    if not isinstance(values, list) or len(values) != n or not all(
+            isinstance(v, int) and not isinstance(v, bool) and low <= v <= h for v, h in zip(values, highs)):
+        raise CheckpointError(f"inconsistent {DATA_KIND} {path}: {key} must be {n} ints in {low}..{max(highs)}, "
+                              f"got {str(values)[:80]}")
+    return values
+
+
+def part_layout(header: dict, model, path, arguments=None, index=None) -> dict:
+    """The arrays a data part's header implies for ``model``: {name: (shape, dtypes)}, once the header is
+    checked: its format, the model that wrote it, the run's arguments and its part number (when
+    given), and answers that fit the model (lengths 2..block_size, each with a prompt and an answer)."""
+    check_format(header, DATA_FORMAT, path, DATA_KIND)
+    check_trained_for(header, model, path, DATA_KIND, DATA_COMMAND, made="written by")
+    if arguments is not None and header.get("arguments") != arguments:
+        saved = header.get("arguments") if isinstance(header.get("arguments"), dict) else {}
+        what = ", ".join(f"{k} {saved.get(k)!r} vs {v!r}" for k, v in arguments.items() if saved.get(k) != v)
+        raise CheckpointError(f"{path} was written with other arguments ({what[:200]}): resume with the "
+                              "arguments it was written with, or write to another --out")
+    if index is not None and header.get("part") != index:
+        raise CheckpointError(f"inconsistent {DATA_KIND} {path}: its header says part {header.get('part')!r}")
+    if header.get("temperature") not in TEMPERATURES:
+        raise CheckpointError(f"inconsistent {DATA_KIND} {path}: temperature {header.get('temperature')!r}")
+    n = len(header["lengths"]) if isinstance(header.get("lengths"), list) else 0
+    if not 1 <= n <= MAX_DATA_BATCH:
+        raise CheckpointError(f"inconsistent {DATA_KIND} {path}: lengths must list 1..{MAX_DATA_BATCH} answers")
+    lengths = header_ints(header, "lengths", n, 2, model.config.block_size, path)
+    header_ints(header, "prompt_lengths", n, 1, [length - 1 for length in lengths], path)
+    if not isinstance(header.get("kinds"), list) or len(header["kinds"]) != n:
+        raise CheckpointError(f"inconsistent {DATA_KIND} {path}: kinds must list {n} answers")
+    return {"ids": ((sum(lengths),), TOKEN_IDS), "features": ((sum(lengths) - n, model.config.n_embd), FLOAT_WEIGHTS)}
+
+
+def read_part(path, model, arguments=None, index=None) -> tuple[dict, dict]:
+    """One data part, checked whole before it is used (``part_layout``, then every array read, its token
+    ids in the model's vocabulary, its features finite) -> (header, arrays); CheckpointError otherwise."""
+    header, arrays = read_npz(path, lambda header: part_layout(header, model, path, arguments, index), DATA_KIND)
+    if arrays["ids"].min() < 0 or arrays["ids"].max() >= model.config.vocab_size:
+        raise CheckpointError(f"inconsistent {DATA_KIND} {path}: token ids outside 0..{model.config.vocab_size - 1}")
+    return header, arrays
+
+
+def read_answers(data_dir, model, max_parts: int | None = None) -> dict:
+    """``write_answers``' parts for ``model`` (the first ``max_parts``, all by default) -> {"sequences": [ids],
+    "features": [(n - 1, C) float16], "kinds", "temperatures", "prompt_lengths", "parts"}, in part order.
+
+    Every part read is checked whole (``read_part``), all must come from one run (part 0's arguments),
+    and none may be missing: a folder that eagle-data has not finished is refused.
+    """
+    if max_parts is not None and max_parts < 1:
+        raise ValueError(f"the number of data parts to read must be >= 1, got {max_parts}")
+    found = data_parts(data_dir)
+    if 0 not in found:
+        raise ValueError(f"{data_dir} holds no EAGLE data (part-00000.npz): run {DATA_COMMAND}")
+    header, _ = read_part(found[0], model, index=0)
+    arguments, n_parts = header["arguments"], header.get("parts")
+    if not isinstance(n_parts, int) or max(found) >= n_parts:
+        raise CheckpointError(f"inconsistent EAGLE data in {data_dir}: part-00000.npz says {n_parts!r} parts, "
+                              f"the folder holds part {max(found)}")
+    wanted = range(n_parts if max_parts is None else min(max_parts, n_parts))
+    missing = [g for g in wanted if g not in found]
+    if missing:
+        raise ValueError(f"{data_dir} lacks part-{missing[0]:05d}.npz ({len(missing)} of {n_parts} parts missing): "
+                         "finish it with eagle-data --resume and the arguments it was written with")
+    out = {"sequences": [], "features": [], "kinds": [], "temperatures": [], "prompt_lengths": [],
+           "parts": len(wanted)}
+    for g in wanted:
+        header, arrays = read_part(found[g], model, arguments, g)
+        lengths = np.asarray(header["lengths"])
         out["sequences"] += np.split(arrays["ids"], np.cumsum(lengths)[:-1])
         out["features"] += np.split(arrays["features"], np.cumsum(lengths - 1)[:-1])
         out["kinds"] += header["kinds"]
@@ -298,11 +397,10 @@ def pair_stream(sequences, features):
     """
     rows, x1, x2, base = [], [], [], 0
     for seq, feats in zip(sequences, features):
-        n = len(seq)
-        if n >= 3:
-            rows.append(base + np.arange(n - 2))
-            x1.append(np.asarray(seq[1 : n - 1]))
-            x2.append(np.asarray(seq[2:n]))
+        n = len(seq)  # a sequence of 1 or 2 tokens has no pair
+        rows.append(base + np.arange(max(n - 2, 0)))
+        x1.append(np.asarray(seq[1 : n - 1]))
+        x2.append(np.asarray(seq[2:n]))
         base += len(feats)
     return np.concatenate(rows), np.concatenate(x1).astype(np.int64), np.concatenate(x2).astype(np.int64)
 
@@ -317,16 +415,24 @@ class DraftData:
 
     def __init__(self, data: dict, draft, n_train_tokens: int | None = None):
         n = len(data["sequences"])
+        if n < 2:
+            raise ValueError(f"EAGLE training needs at least 2 answers (some are held out), got {n}")
         every = max(2, round(1 / HELD_OUT_SHARE))  # every 20th answer: all temperatures and lengths
         held = list(range(every - 1, n, every)) or [n - 1]
         train = [i for i in range(n) if i not in set(held)]
         self.window = min(WINDOW, draft.config.block_size)  # positions per training window
         self.features = np.concatenate(data["features"])  # (sum(n - 1), C) float16
+        if not np.isfinite(self.features).all():
+            raise ValueError("the EAGLE data's features hold nan or inf: the data is broken (write it again "
+                             "with eagle-data); no learning rate can train on it")
         self.starts = np.concatenate([[0], np.cumsum([len(f) for f in data["features"]])])
         header = len(os.path.commonprefix([list(s) for s in data["sequences"]])) if n > 1 else 0
         self.train = self.split(data, train, draft, [header] * len(train), n_train_tokens)
         greedy = [i for i in held if data["temperatures"][i] == 0.0] or held
         self.held = self.split(data, greedy, draft, [data["prompt_lengths"][i] for i in greedy])
+        if len(self.held[0]) == 0:
+            raise ValueError(f"the {len(greedy)} held-out answers hold no position to score the draft on: "
+                             "write more data (eagle-data --prompts N)")
 
     def split(self, data, indices, draft, first_targets, limit=None):
         """Pairs j of the sequences ``indices`` whose x_{j+2} sits at or after first_targets[i]."""
@@ -342,9 +448,11 @@ class DraftData:
             rows, x1, x2 = rows[:limit], x1[:limit], x2[:limit]
         return rows, x1, draft.to_subset[x2]
 
-    def windows(self, split, starts):
+    def windows(self, split, starts, length: int | None = None):
+        """Windows of ``length`` (default: self.window) consecutive pairs of ``split`` from each start ->
+        (f (B, T, C), x_{t+1} (B, T), f_{t+1} (B, T, C), subset index of x_{t+2} (B, T))."""
         rows, x1, y = split
-        T = self.window
+        T = self.window if length is None else length
         idx = np.asarray(starts)[:, None] + np.arange(T)  # (B, T)
         f = xp.asarray(self.features[rows[idx]].astype(np.float32))
         f_next = xp.asarray(self.features[rows[idx] + 1].astype(np.float32))
@@ -353,17 +461,16 @@ class DraftData:
 
 def held_out_accuracy(draft, data: DraftData, max_windows: int = 64) -> float:
     """Share of held-out answer positions where the draft's first guess is the target's next token
-    (teacher forced: the draft reads the target's features, as in its first step of a round)."""
+    (teacher forced: the draft reads the target's features, as in its first step of a round). Every
+    position of the first ``max_windows`` (>= 1) windows counts, those of a short last window too."""
     T = data.window
-    n_windows = min(max_windows, len(data.held[0]) // T)
-    hits = total = 0
-    for w in range(n_windows):
-        f, x1, _, yy = data.windows(data.held, [w * T])
+    n = min(len(data.held[0]), max_windows * T)  # DraftData holds at least one
+    hits = 0
+    for start in range(0, n, T):
+        f, x1, _, y = data.windows(data.held, [start], min(T, n - start))
         _, logits = draft.step(f[0], to_numpy(x1[0]))
-        guess = to_numpy(logits).argmax(axis=-1)
-        hits += int((guess == to_numpy(yy[0])).sum())
-        total += T
-    return hits / max(total, 1)
+        hits += int((to_numpy(logits).argmax(axis=-1) == to_numpy(y[0])).sum())
+    return hits / n
 
 
 def train_draft(draft, data: DraftData, tc: TrainConfig = EAGLE_TRAIN, state_path=None, resume: bool = False,
@@ -419,20 +526,36 @@ def load_params(draft, params: dict) -> None:
         draft.params[name][...] = p
 
 
+TRAIN_STATE_FORMAT = "minillm-eagle-train-1"
+TRAIN_STATE_KIND = "EAGLE training state"
+
+
 def save_train_state(path, draft, params, opt, step, rng, history) -> None:
-    header = {"format": "minillm-eagle-train-1", "model": model_identity(draft.target), "step": step,
-              "adam_t": opt.t, "rng_state": rng.bit_generator.state, "history": history,
-              "elapsed_s": history[-1]["elapsed_s"]}
+    header = {"format": TRAIN_STATE_FORMAT, "model": model_identity(draft.target), "step": step,
+              "subset_size": draft.subset_size, "adam_t": opt.t, "rng_state": rng.bit_generator.state,
+              "history": history, "elapsed_s": history[-1]["elapsed_s"]}
     arrays = {f"param/{k}": to_numpy(v) for k, v in params.items()} | {"subset": draft.subset}
     arrays |= {f"m/{k}": to_numpy(v) for k, v in opt.m.items()} | {f"v/{k}": to_numpy(v) for k, v in opt.v.items()}
     atomic_save_npz(path, arrays | {HEADER_KEY: encode_header(header)})
 
 
+def train_state_layout(header: dict, draft, params: dict, path) -> dict:
+    """The arrays a training state's header implies for ``draft`` (its parameters and both AdamW moments,
+    shaped like ``params``, and the subset), once its format, target and vocabulary size are checked."""
+    check_format(header, TRAIN_STATE_FORMAT, path, TRAIN_STATE_KIND)
+    check_trained_for(header, draft.target, path, TRAIN_STATE_KIND, "eagle-train without --resume (a new run)")
+    if header.get("subset_size") != draft.subset_size:
+        raise CheckpointError(f"{path} was trained with another draft vocabulary (V' {header.get('subset_size')!r}, "
+                              f"not {draft.subset_size}): resume with the same --vocab")
+    return {f"{group}/{name}": (tuple(p.shape), FLOAT_WEIGHTS) for group in ("param", "m", "v")
+            for name, p in params.items()} | {"subset": ((draft.subset_size,), TOKEN_IDS)}
+
+
 def load_train_state(path, draft, params, opt, rng):
-    header, arrays = read_state(path, "minillm-eagle-train-1")
-    check_same_model(header["model"], model_identity(draft.target), path)
+    """Restore ``params``, AdamW and the generator from ``save_train_state``'s file -> (step, history, elapsed_s)."""
+    header, arrays = read_npz(path, lambda header: train_state_layout(header, draft, params, path), TRAIN_STATE_KIND)
     if not np.array_equal(arrays["subset"], draft.subset):
-        raise ValueError(f"{path} was trained with another draft vocabulary: resume with the same --vocab")
+        raise CheckpointError(f"{path} was trained with another draft vocabulary: resume with the same --vocab")
     for name in params:
         params[name][...] = xp.asarray(arrays[f"param/{name}"])
         opt.m[name][...] = xp.asarray(arrays[f"m/{name}"])

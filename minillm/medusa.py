@@ -26,7 +26,6 @@ forward, with the exact rule (the target's own output) or Medusa's typical accep
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import math
 from pathlib import Path
@@ -35,14 +34,18 @@ import numpy as np
 
 from .backend import to_numpy, xp
 from .checkpoint import (
+    FLOAT_WEIGHTS,
     HEADER_KEY,
     SHIPPED_DIR,
     CheckpointError,
     atomic_save_npz,
-    check_finite,
+    check_format,
     check_not_shipped,
+    check_trained_for,
     encode_header,
+    model_identity,
     read_npz,
+    trained_file,
 )
 from .llama import silu
 from .model import linear
@@ -52,6 +55,10 @@ MAX_HEADS = 5  # the Medusa paper's largest K
 HEADS_FORMAT = "minillm-medusa-1"
 TOP_K = (4, 3, 2, 2)  # candidates per head for the sparse tree
 MAX_NODES = 20  # tree nodes, the root included
+HEADS_KIND = "Medusa heads"
+HEADS_RETRAIN = "python -m minillm medusa-train --model MODEL --out HEADS.npz"
+
+
 def check_n_heads(n_heads) -> int:
     if not isinstance(n_heads, (int, np.integer)) or isinstance(n_heads, bool) or not 1 <= n_heads <= MAX_HEADS:
         raise ValueError(f"the number of Medusa heads must be an int in 1..{MAX_HEADS}, got {n_heads!r}")
@@ -76,11 +83,9 @@ def head_residual(params: dict, k: int, h):
 # the heads, bound to their model
 
 
-def model_identity(model) -> dict:
-    """What ties heads to one model: its architecture, config and a sha256 of its LM head's float32 bytes."""
-    lm = np.ascontiguousarray(to_numpy(model.lm_head), dtype=np.float32)
-    return {"architecture": type(model).__name__, "config": model.config.to_dict(),
-            "lm_head_sha256": hashlib.sha256(lm.tobytes()).hexdigest()}
+def head_shapes(k: int, C: int, V: int, own_lm_head: bool) -> dict:
+    """Head k's parameters: W_k (C, C) [in, out], b_k (C,), and its own projection L_k (V, C) unless shared."""
+    return {f"{k}.w": (C, C), f"{k}.b": (C,)} | ({f"{k}.lm": (V, C)} if own_lm_head else {})
 
 
 class MedusaHeads:
@@ -91,8 +96,7 @@ class MedusaHeads:
         self.n_heads = check_n_heads(head_count(params))
         C, V = model.config.n_embd, model.config.vocab_size
         for k in range(self.n_heads):
-            shapes = {f"{k}.w": (C, C), f"{k}.b": (C,)} | ({f"{k}.lm": (V, C)} if f"{k}.lm" in params else {})
-            for name, shape in shapes.items():
+            for name, shape in head_shapes(k, C, V, f"{k}.lm" in params).items():
                 if name not in params or tuple(params[name].shape) != shape:
                     got = tuple(params[name].shape) if name in params else "missing"
                     raise ValueError(f"Medusa head parameter {name}: expected shape {shape}, got {got}")
@@ -140,13 +144,23 @@ class MedusaHeads:
 
     @classmethod
     def load(cls, model, path) -> MedusaHeads:
-        """Heads saved by ``save``; ValueError (one line) when they were trained for another model."""
-        header, arrays = read_npz(path)
-        if header.get("format") != HEADS_FORMAT:
-            raise CheckpointError(f"{path} is not a Medusa heads file (format {header.get('format')!r})")
-        check_same_model(header.get("model", {}), model_identity(model), path)
-        check_finite(arrays, path)
+        """Heads saved by ``save``; CheckpointError (one line) for another format, heads trained for another
+        model, or an array of another name, shape or dtype (all before any array is read), or not finite."""
+        header, arrays = read_npz(path, lambda header: heads_layout(header, model, path), HEADS_KIND)
         return cls(model, arrays)
+
+
+def heads_layout(header: dict, model, path) -> dict:
+    """The arrays a heads file's header implies for ``model``: {name: (shape, dtypes)}, once the header is
+    checked (its format, the model the heads were trained for, their number)."""
+    check_format(header, HEADS_FORMAT, path, HEADS_KIND)
+    check_trained_for(header, model, path, HEADS_KIND, HEADS_RETRAIN)
+    shared = header.get("shared_lm_head")
+    if not isinstance(shared, bool):
+        raise CheckpointError(f"inconsistent {HEADS_KIND} {path}: shared_lm_head is {shared!r}, not true or false")
+    C, V = model.config.n_embd, model.config.vocab_size
+    return {name: (shape, FLOAT_WEIGHTS) for k in range(check_n_heads(header.get("n_heads")))
+            for name, shape in head_shapes(k, C, V, not shared).items()}
 
 
 def shipped_heads_path(model_name: str) -> Path:
@@ -154,12 +168,10 @@ def shipped_heads_path(model_name: str) -> Path:
     return SHIPPED_DIR / f"medusa_{model_name}.npz"
 
 
-def check_same_model(saved: dict, actual: dict, path) -> None:
-    for key in ("architecture", "config", "lm_head_sha256"):
-        if saved.get(key) != actual[key]:
-            raise ValueError(f"{path}: these Medusa heads were trained for another model ({key} differs: "
-                             f"{saved.get(key)!r} vs {actual[key]!r}); train heads for this model with "
-                             f"python -m minillm medusa-train")
+def load_heads(model, model_name: str, path=None) -> MedusaHeads:
+    """The heads at ``path`` (``--medusa-heads``), or when none is given those shipped for ``model_name``."""
+    path = trained_file(path, shipped_heads_path(model_name), model_name, HEADS_KIND, HEADS_RETRAIN)
+    return MedusaHeads.load(model, path)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -21,12 +21,19 @@ import numpy as np
 from .backend import to_numpy, xp
 from .batch_speculative import generate_batch
 from .checkpoint import (
+    FLOAT_WEIGHTS,
     HEADER_KEY,
+    TOKEN_IDS,
+    CheckpointError,
     atomic_save_npz,
+    check_format,
+    check_trained_for,
     encode_header,
+    model_identity,
+    read_npz,
 )
 from .data import corpus_tokenizer, train_val_split
-from .medusa import MedusaHeads, check_n_heads, check_same_model, head_count, head_residual, model_identity
+from .medusa import MedusaHeads, check_n_heads, head_count, head_residual
 from .train import (
     AdamW,
     TrainConfig,
@@ -36,9 +43,10 @@ from .train import (
     cross_entropy_forward,
     linear_backward,
     lr_at,
-    read_state,
 )
 
+STATE_FORMAT, STATE_KIND = "minillm-medusa-train-1", "Medusa training state"
+TEXT_FORMAT, TEXT_KIND = "minillm-medusa-text-1", "Medusa training text"
 LOSS_DECAY = 0.8  # head k's loss weight is LOSS_DECAY ** k
 HEADS_TRAIN = TrainConfig(batch_size=64, max_steps=600, lr=1e-3, min_lr=1e-4, warmup_steps=20, weight_decay=0.0,
                           eval_every=100, ckpt_every=100, seed=0)
@@ -246,7 +254,7 @@ def train_heads(model, sequences, n_heads: int = 4, starts=None, tc: TrainConfig
 
 def save_state(path, heads, opt, step, rng, history) -> None:
     """Heads, AdamW moments, step, generator state and history, in one atomic file."""
-    header = {"format": "minillm-medusa-train-1", "model": model_identity(heads.model), "step": step,
+    header = {"format": STATE_FORMAT, "model": model_identity(heads.model), "step": step,
               "adam_t": opt.t, "rng_state": rng.bit_generator.state, "history": history,
               "elapsed_s": history[-1]["elapsed_s"]}
     arrays = {f"param/{k}": to_numpy(v) for k, v in heads.params.items()}
@@ -256,25 +264,43 @@ def save_state(path, heads, opt, step, rng, history) -> None:
 
 def save_text(path, parts: dict) -> None:
     """{name: (sequences, starts or None)} -> one atomic .npz (a resumed run trains on the same text)."""
-    arrays, header = {}, {"format": "minillm-medusa-text-1", "starts": {}}
+    arrays, header = {}, {"format": TEXT_FORMAT, "starts": {}, "lengths": {}}
     for name, (sequences, starts) in parts.items():
         arrays[f"{name}/ids"] = np.concatenate([np.asarray(s, dtype=np.int64) for s in sequences])
-        arrays[f"{name}/lengths"] = np.array([len(s) for s in sequences], dtype=np.int64)
+        header["lengths"][name] = [len(s) for s in sequences]
         header["starts"][name] = None if starts is None else [int(s) for s in starts]
     atomic_save_npz(path, arrays | {HEADER_KEY: encode_header(header)})
 
 
+def text_layout(header: dict, path) -> dict:
+    """The arrays a training-text file's header implies: {"<part>/ids": ((sum of its lengths,), dtypes)}."""
+    check_format(header, TEXT_FORMAT, path, TEXT_KIND)
+    lengths = header.get("lengths")
+    if not isinstance(lengths, dict) or not isinstance(header.get("starts"), dict) or lengths.keys() != header[
+            "starts"].keys() or not all(isinstance(n, int) and n >= 0 for ns in lengths.values() for n in ns):
+        raise CheckpointError(f"inconsistent {TEXT_KIND} {path}: its lengths and starts do not match")
+    return {f"{name}/ids": ((sum(ns),), TOKEN_IDS) for name, ns in lengths.items()}
+
+
 def load_text(path) -> dict:
     """``save_text``'s file -> {name: (sequences, starts)}."""
-    header, arrays = read_state(path, "minillm-medusa-text-1")
-    return {name: (np.split(arrays[f"{name}/ids"], np.cumsum(arrays[f"{name}/lengths"])[:-1]), starts)
+    header, arrays = read_npz(path, lambda header: text_layout(header, path), TEXT_KIND)
+    return {name: (np.split(arrays[f"{name}/ids"], np.cumsum(header["lengths"][name])[:-1]), starts)
             for name, starts in header["starts"].items()}
+
+
+def state_layout(header: dict, model, heads, path) -> dict:
+    """The arrays a training state's header implies: the heads' parameters and both AdamW moments, shaped
+    like ``heads.params``, once its format and the model it was trained for are checked."""
+    check_format(header, STATE_FORMAT, path, STATE_KIND)
+    check_trained_for(header, model, path, STATE_KIND, "medusa-train without --resume (a new run)")
+    return {f"{group}/{name}": (tuple(p.shape), FLOAT_WEIGHTS) for group in ("param", "m", "v")
+            for name, p in heads.params.items()}
 
 
 def load_state(path, model, heads, opt, rng):
     """Restore heads, AdamW and the generator from ``save_state``'s file -> (step, history, elapsed_s)."""
-    header, arrays = read_state(path, "minillm-medusa-train-1")
-    check_same_model(header["model"], model_identity(model), path)
+    header, arrays = read_npz(path, lambda header: state_layout(header, model, heads, path), STATE_KIND)
     for name in heads.params:
         heads.params[name][...] = xp.asarray(arrays[f"param/{name}"])
         opt.m[name][...] = xp.asarray(arrays[f"m/{name}"])

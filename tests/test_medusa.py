@@ -167,7 +167,8 @@ def test_diverged_heads_training_stops_with_one_line(tmp_path):
 @pytest.mark.parametrize("existing", ["h.npz", "h.medusa-train.npz", "h.medusa-text.npz", "h.log.json"])
 def test_command_refuses_existing_files_unless_overwrite(existing, tmp_path):
     """medusa-train replaced any file at --out and beside it: each existing one is refused before any
-    work (the model is not even loaded) unless --overwrite; the state files may be reused by --resume."""
+    work (the model is not even loaded) unless --overwrite; the run's own files (state, text, log) may
+    be continued by --resume, but --resume alone never replaces the heads file at --out."""
     import argparse
 
     from minillm.tools.medusa_cli import add_arguments, run
@@ -178,9 +179,13 @@ def test_command_refuses_existing_files_unless_overwrite(existing, tmp_path):
     args = p.parse_args(["--out", str(tmp_path / "h.npz"), "--model", "no-such-model"])
     with pytest.raises(ValueError, match=f"{existing} already exists: pass --overwrite"):
         run(args)
-    for flag in ("--overwrite", "--resume"):
-        with pytest.raises(CheckpointError, match="unknown model 'no-such-model'"):  # past the check
+    past_the_check = ["--overwrite"] if existing == "h.npz" else ["--overwrite", "--resume"]
+    for flag in past_the_check:
+        with pytest.raises(CheckpointError, match="unknown model 'no-such-model'"):
             run(p.parse_args(["--out", str(tmp_path / "h.npz"), "--model", "no-such-model", flag]))
+    if existing == "h.npz":
+        with pytest.raises(ValueError, match="h.npz already exists: pass --overwrite"):
+            run(p.parse_args(["--out", str(tmp_path / "h.npz"), "--model", "no-such-model", "--resume"]))
     assert (tmp_path / existing).read_text() == "mine"
 
 

@@ -18,7 +18,7 @@ from dataclasses import asdict, replace
 import numpy as np
 
 from ..backend import to_numpy
-from ..checkpoint import check_not_shipped
+from ..checkpoint import check_destination, check_not_shipped
 from ..eagle import DEFAULT_SUBSET, EagleDraft, frequency_subset, subset_coverage, token_counts
 from ..eagle_train import (
     ANSWER_TOKENS,
@@ -75,7 +75,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-tokens", type=nonnegative_count, default=None,
                    help="train on the first N positions only (a data-scaling curve)")
     p.add_argument("--resume", action="store_true", help="continue from <out>.eagle-train.npz")
-    p.add_argument("--overwrite", action="store_true", help="replace <out> and its .eagle-train.npz, .log.json")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace <out> and its .eagle-train.npz, .log.json (--resume alone never replaces <out>)")
     p.add_argument("--overwrite-shipped", action="store_true", help="allow --out to replace the shipped draft")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
@@ -87,10 +88,12 @@ def run_train(args) -> int:
         raise ValueError(f"--lr must be in (0, 1), got {args.lr}")
     check_not_shipped(args.out, args.overwrite_shipped)
     state_path, log_path = run_file(args.out, ".eagle-train.npz"), run_file(args.out, ".log.json")
-    check_run_files([args.out, state_path, log_path], args.overwrite or args.overwrite_shipped, args.resume)
+    overwrite = args.overwrite or args.overwrite_shipped
+    check_destination(args.out, overwrite)  # the draft: replaced only when asked, --resume or not
+    check_run_files([state_path, log_path], overwrite, args.resume)  # the run's own files: --resume continues them
     t_start = time.perf_counter()
     model, tokenizer = load_model(args.model)
-    data = read_answers(args.data, args.parts)
+    data = read_answers(args.data, model, args.parts)
     n = len(data["sequences"])
     counts = token_counts(data["sequences"][: n - max(1, n // 20)], model.config.vocab_size)
     subset = frequency_subset(counts, args.vocab, always=(tokenizer.eos_token_id,))

@@ -12,9 +12,7 @@ from dataclasses import asdict, replace
 import numpy as np
 
 from ..backend import to_numpy, xp
-from ..checkpoint import (
-    check_not_shipped,
-)
+from ..checkpoint import check_destination, check_not_shipped
 from ..medusa import MAX_HEADS, MedusaHeads, check_n_heads
 from ..medusa_train import HEADS_TRAIN, head_data, load_text, save_text, train_heads, training_text
 from ..registry import SMOLLM2, SMOLLM2_SHA256, load_model
@@ -36,7 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="reuse the training text of <out>.medusa-text.npz, continue from <out>.medusa-train.npz "
                    "(or write the heads of a run that finished training)")
     p.add_argument("--overwrite", action="store_true",
-                   help="replace <out> and its .medusa-train.npz, .medusa-text.npz, .log.json if they exist")
+                   help="replace <out> and its .medusa-train.npz, .medusa-text.npz, .log.json if they exist "
+                   "(--resume alone never replaces <out>)")
     p.add_argument("--overwrite-shipped", action="store_true", help="allow --out to replace a shipped heads file")
     p.add_argument("--quiet", action="store_true", help="no progress bars")
 
@@ -51,8 +50,9 @@ def run(args) -> int:
     check_not_shipped(args.out, args.overwrite_shipped)
     state_path, text_path, log_path = (run_file(args.out, s) for s in (".medusa-train.npz", ".medusa-text.npz",
                                                                         ".log.json"))
-    check_run_files([args.out, state_path, text_path, log_path], args.overwrite or args.overwrite_shipped,
-                    args.resume)
+    overwrite = args.overwrite or args.overwrite_shipped
+    check_destination(args.out, overwrite)  # the heads: replaced only when asked, --resume or not
+    check_run_files([state_path, text_path, log_path], overwrite, args.resume)  # the run's own: --resume continues
     t_start = time.perf_counter()
     model, tokenizer = load_model(args.model)
     progress = not args.quiet
@@ -67,9 +67,6 @@ def run(args) -> int:
     held_h, held_y = head_data(model, held, n_heads, held_starts)
     heads, history = train_heads(model, sequences, n_heads, starts, tc, held_out=(held_h, held_y[:, 1:]),
                                  state_path=state_path, resume=args.resume, progress=progress)
-    if args.resume and len(history) == tc.max_steps and logged_history(log_path) == history:
-        raise ValueError(f"{state_path} is already at step {tc.max_steps} of {tc.max_steps} and its heads are "
-                         f"written to {args.out}: nothing to train")
     rounded = MedusaHeads(model, {k: to_numpy(v).astype(np.float16) for k, v in heads.params.items()})
     notes = {
         "model": str(args.model), "gguf_sha256": SMOLLM2_SHA256 if str(args.model) == SMOLLM2 else None,
@@ -83,11 +80,3 @@ def run(args) -> int:
     log_path.write_text(json.dumps(notes | {"history": history}, indent=1))
     print(json.dumps(notes, indent=1))
     return 0
-
-
-def logged_history(log_path):
-    """The history a finished run wrote to its log (None when there is no readable log)."""
-    try:
-        return json.loads(log_path.read_text()).get("history")
-    except (OSError, ValueError, AttributeError):
-        return None
