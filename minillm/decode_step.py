@@ -39,7 +39,8 @@ from .cache_contract import CacheFullError
 from .generate import check_prompt, generate
 from .kv_cache import cache_capacity
 from .llama import Llama
-from .model import GPT, LN_EPS
+from .model import GPT
+from .nn import LN_EPS
 
 LAYER_BUDGET, OUTSIDE_BUDGET = 12, 8  # the fused step's launches per layer, and around the layers, per token
 COUNTED = ("kernels", "syncs", "copies_to_device", "graph_launches")  # what the strict stand-in counts

@@ -25,10 +25,8 @@ from .backend import on_device, to_numpy, weight_product, xp
 from .config import GPTConfig
 from .flash_attention import auto_attention, tiled_attention
 from .kernels.launch import kernel_attention, kernel_attention_v2
+from .nn import gelu, layer_norm, linear, merge_heads, split_heads
 
-LN_EPS = 1e-5  # GPT-2's LayerNorm epsilon
-GELU_C = math.sqrt(2.0 / math.pi)  # a Python float: a NumPy float64 scalar would upcast float32
-GELU_A = 0.044715  # the cubic coefficient of the tanh approximation
 INIT_STD = 0.02  # GPT-2 initialization
 
 # name -> f(q, k, v, causal=True) -> (B, nh, Tq, hs); every choice gives the same logits, paged or not.
@@ -50,54 +48,88 @@ def get_attention(name: str):
     return ATTENTION[name]
 
 
-def layer_norm(x, w, b):
-    """(x - mean) / sqrt(var + eps) * w + b over the last axis.  [..., C] -> [..., C]"""
-    n = x.shape[-1]  # sum / n, not .mean(): NumPy's mean wrapper costs more than a decode step's math
-    xc = x - x.sum(axis=-1, keepdims=True) / n
-    var = (xc * xc).sum(axis=-1, keepdims=True) / n  # what x.var computes, without centering x twice
-    return xc / xp.sqrt(var + LN_EPS) * w + b
+def gpt_block(ops, layer: int, x, h, cache):
+    """One GPT-2 block over the table ``ops``, the previous block's MLP output h added first (none before
+    the first block): the add that ends a sublayer and the norm that starts the next are one op.
+
+        x = x + h;   x = x + attn(ln_1(x));   h = mlp(ln_2(x))       -> (x, h), each (B, T, C)
+    """
+    b = f"h.{layer}."
+    x, n = ops.add_norm(x, h, b + "ln_1")  # x = x + h;  n = ln_1(x)
+    y = ops.attend(layer, ops.product(n, b + "attn.c_attn"), cache)  # q|k|v (B, T, 3C) -> heads merged (B, T, C)
+    x, n = ops.add_norm(x, ops.product(y, b + "attn.c_proj"), b + "ln_2")  # x = x + attn;  n = ln_2(x)
+    return x, ops.product(ops.act(ops.product(n, b + "mlp.c_fc")), b + "mlp.c_proj")  # (B, T, 4C) -> (B, T, C)
 
 
-def gelu(x):
-    """0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))), GPT-2's tanh approximation."""
-    return 0.5 * x * (1.0 + xp.tanh(GELU_C * (x + GELU_A * x * x * x)))  # x*x*x: pow is slow
+def gpt_blocks(ops, x, cache, layers: int):
+    """``layers`` blocks on the residual stream x (B, T, C), then the last add and ln_f -> (B, T, C)."""
+    h = None
+    for layer in range(layers):
+        x, h = gpt_block(ops, layer, x, h, cache)
+    return ops.add_norm(x, h, "ln_f")[1]
 
 
-def linear(x, w, b):
-    """x @ w + b with w stored [in, out].  [..., in] -> [..., out]
+class GPTOps:
+    """The operations of a GPT-2 block in array code: the default table of ``gpt_block``.
 
-    ``weight_product(x, w.T)`` is x @ w through BLAS or, for a few token rows on a CPU, a kernel that
-    streams w once (``minillm.backend``): the same numbers up to float32 rounding."""
-    return weight_product(x, w.T) + b
+        product(x, name)          x @ W + b of the weight called name ([in, out])     one weight product
+        add_norm(x, h, name)      (x + h, layer_norm(x + h)), no add when h is None   the residual add + norm
+        act(h)                    gelu(h)
+        attend(layer, qkv, cache) split q | k | v into heads, attend (over the cache), merge the heads
 
-
-def split_heads(x, n_head):
-    """(B, T, C) -> (B, nh, T, hs)"""
-    B, T, C = x.shape
-    return x.reshape(B, T, n_head, C // n_head).transpose(0, 2, 1, 3)
-
-
-def merge_heads(y):
-    """(B, nh, T, hs) -> (B, T, C)"""
-    B, nh, T, hs = y.shape
-    return y.transpose(0, 2, 1, 3).reshape(B, T, nh * hs)
-
-
-class GPT:
-    """GPT-2 with a selectable attention implementation: a name in ``ATTENTION`` (default "auto").
-
-    The forward pass calls its three elementwise building blocks through the model (``self.linear``,
-    ``self.layer_norm``, ``self.gelu``), so an experiment can swap one on an instance (chapter 3
-    times a decode step with each part replaced by a stand-in) without touching this module.
+    The static decode step swaps in a table of fused kernels (``minillm.decode_step.FusedOps``) and training
+    one that keeps the activations (``minillm.train.Recording``); the block is the same. The ops call their
+    building blocks through the table (``self.linear``, ``self.layer_norm``, ``self.gelu``,
+    ``self.attention``), so an experiment can swap one on a model instance (chapter 3 times a decode step
+    with each part replaced by a stand-in) without touching this module.
     """
 
     layer_norm = staticmethod(layer_norm)
     gelu = staticmethod(gelu)
     linear = staticmethod(linear)
 
+    def __init__(self, config: GPTConfig, params: dict, attention):
+        self.config, self.params, self.attention = config, params, attention
+
+    def weight(self, name: str) -> tuple:
+        """The weight called name as (w [in, out], bias)."""
+        return self.params[name + ".weight"], self.params[name + ".bias"]
+
+    def norm_weights(self, name: str) -> tuple:
+        """The LayerNorm called name as (w, b)."""
+        return self.params[name + ".weight"], self.params[name + ".bias"]
+
+    def product(self, x, name: str):
+        """x @ W + b.  (..., in) -> (..., out)"""
+        return self.linear(x, *self.weight(name))
+
+    def add_norm(self, x, h, name: str):
+        """x + h (the residual stream; x itself when h is None) and its LayerNorm ``name`` -> (x, normed)."""
+        x = x if h is None else x + h
+        return x, self.layer_norm(x, *self.norm_weights(name))
+
+    def act(self, h):
+        return self.gelu(h)
+
+    def attend(self, layer: int, qkv, cache):
+        """Causal multi-head self-attention from the q|k|v product.  (B, T, 3C) -> (B, T, C)"""
+        C, nh = self.config.n_embd, self.config.n_head
+        q, k, v = (split_heads(qkv[..., i * C : (i + 1) * C], nh) for i in range(3))  # (B, nh, T, hs) each
+        if cache is None:
+            y = self.attention(q, k, v, causal=True)  # (B, nh, T, hs)
+        else:
+            y = cache.attend(layer, q, k, v, self.attention)  # (B, nh, T, hs)
+        return merge_heads(y)
+
+
+class GPT(GPTOps):
+    """GPT-2 with a selectable attention implementation: a name in ``ATTENTION`` (default "auto").
+
+    The model is its own table of array-code ops (``GPTOps``): ``forward`` runs ``gpt_blocks(self, ...)``.
+    """
+
     def __init__(self, config: GPTConfig, params: dict, attention: str = DEFAULT_ATTENTION):
-        self.config = config
-        self.params = check_params(config, params, "GPT")
+        super().__init__(config, check_params(config, params, "GPT"), None)
         self.set_attention(attention)
 
     @classmethod
@@ -145,42 +177,22 @@ class GPT:
         ``forward`` is ``logits(hidden(idx, cache))``. ``layers`` < n_layer exits early: the first
         blocks only, then ln_f (self-speculation's draft). Medusa heads read this hidden state.
         """
-        cfg, p = self.config, self.params
-        layers = check_layers(cfg, layers)
-        idx, pos = token_positions(idx, cache, cfg)  # (B, T), (T,) or (B, T)
-        T = idx.shape[1]
+        p = self.params
+        idx, pos = token_positions(idx, cache, self.config)  # (B, T), (T,) or (B, T)
         x = p["wte.weight"][idx] + p["wpe.weight"][pos]  # (B, T, C)
-        for layer in range(layers):
-            h = f"h.{layer}."
-            ln_1 = self.layer_norm(x, p[h + "ln_1.weight"], p[h + "ln_1.bias"])
-            x = x + self._attention_block(layer, ln_1, cache)  # (B, T, C)
-            ln_2 = self.layer_norm(x, p[h + "ln_2.weight"], p[h + "ln_2.bias"])
-            x = x + self._mlp_block(layer, ln_2)  # (B, T, C)
+        return self.blocks(x, pos, cache, layers)
+
+    def blocks(self, x, pos, cache=None, layers=None, ops=None):
+        """The blocks of table ``ops`` (this model's array code by default) on the embedded stream x (B, T, C)
+        -> its final LayerNorm (B, T, C); the cache advances past the T tokens. (GPT-2's positions are in x.)"""
+        out = gpt_blocks(self if ops is None else ops, x, cache, check_layers(self.config, layers))
         if cache is not None:
-            cache.advance(T)
-        return self.layer_norm(x, p["ln_f.weight"], p["ln_f.bias"])
+            cache.advance(x.shape[1])
+        return out
 
     def logits(self, h):
         """(B, T, C) -> (B, T, V): the LM head, h @ wte^T."""
         return weight_product(h, self.lm_head)
-
-    def _attention_block(self, layer, x, cache):
-        """Causal multi-head self-attention.  (B, T, C) -> (B, T, C)"""
-        p, h = self.params, f"h.{layer}.attn."
-        qkv = self.linear(x, p[h + "c_attn.weight"], p[h + "c_attn.bias"])  # (B, T, 3C)
-        C = self.config.n_embd
-        q, k, v = (split_heads(qkv[..., i * C : (i + 1) * C], self.config.n_head) for i in range(3))
-        if cache is None:
-            y = self.attention(q, k, v, causal=True)  # (B, nh, T, hs)
-        else:
-            y = cache.attend(layer, q, k, v, self.attention)  # (B, nh, T, hs)
-        return self.linear(merge_heads(y), p[h + "c_proj.weight"], p[h + "c_proj.bias"])
-
-    def _mlp_block(self, layer, x):
-        """Position-wise MLP with a 4x hidden layer.  (B, T, C) -> (B, T, 4C) -> (B, T, C)"""
-        p, h = self.params, f"h.{layer}.mlp."
-        x = self.gelu(self.linear(x, p[h + "c_fc.weight"], p[h + "c_fc.bias"]))
-        return self.linear(x, p[h + "c_proj.weight"], p[h + "c_proj.bias"])
 
     def numpy_params(self) -> dict:
         """The parameters as NumPy arrays (for saving)."""

@@ -1,9 +1,9 @@
 """Training GPT from scratch: a hand-written backward pass, AdamW and a cosine schedule.
 
-In the spirit of llm.c's train_gpt2.c every layer is a forward/backward pair. The forward pass
-reuses the model's own functions (``layer_norm``, ``gelu``, ``linear``, ``attention_weights``) and
-keeps the activations the backward pass needs; each ``*_backward`` restates its forward as a
-docstring and returns the gradient for every input.
+In the spirit of llm.c's train_gpt2.c every layer is a forward/backward pair. The forward pass is
+the model's own block (``model.gpt_block``) run over a ``Recording`` table: the model's array code,
+keeping a tape of what each op read; the backward pass walks the tape in reverse, one ``*_backward``
+per op. Each ``*_backward`` restates its forward as a docstring and returns the gradient for every input.
 
     python -m minillm train --preset target --out target.npz [--steps N] [--resume]
 
@@ -40,7 +40,8 @@ from .checkpoint import (
 )
 from .config import GPTConfig
 from .data import corpus_tokenizer, train_val_split
-from .model import GELU_A, GELU_C, GPT, LN_EPS, gelu, layer_norm, linear, merge_heads, split_heads
+from .model import GPT, GPTOps, gpt_blocks
+from .nn import GELU_A, GELU_C, LN_EPS, gelu, layer_norm, merge_heads, split_heads  # noqa: F401  (forwards, beside)
 
 # ----------------------------------------------------------------------------------------------
 # forward/backward pairs
@@ -126,68 +127,99 @@ def cross_entropy_backward(probs, targets):
     return (probs - one_hot(targets, probs.shape[-1], probs.dtype)) / targets.size
 
 
+class Recording:
+    """A table of ops that runs a model's array-code table and keeps a tape of what each op read.
+
+    The block over this table is the model's own (``model.gpt_block``, ``llama.llama_block``); ``backward``
+    then walks the tape in reverse, each op's backward pair in turn. A block is a chain of ops whose residual
+    adds sit inside ``add_norm``, so two gradients flow back: the residual stream's, and the op chain's
+    between two norms (at each add_norm both receive the stream's gradient: x + h feeds both terms alike).
+    A family's recording says how its norm, activation and attention go back (``GPTRecording`` here,
+    ``eagle_train.LlamaRecording``).
+    """
+
+    def __init__(self, table):
+        self.table, self.tape = table, []
+        table.attention = self.attention  # the table's attention records its probabilities here
+
+    def product(self, x, name):
+        self.tape.append(("product", name, x))
+        return self.table.product(x, name)
+
+    def add_norm(self, x, h, name):
+        x, n = self.table.add_norm(x, h, name)
+        self.tape.append(("add_norm", name, x))
+        return x, n
+
+    def act(self, h):
+        self.tape.append(("act", None, h))
+        return self.table.act(h)
+
+    def attend(self, layer, qkv, cache, *rope):
+        return self.table.attend(layer, qkv, cache, *rope)
+
+    def attention(self, q, k, v, causal=True, mask=None):
+        """softmax(q k^T / sqrt(hs) + mask) v, its probabilities kept.  (B, nh, Tq, hs) x 3 -> (B, nh, Tq, hs)"""
+        att = attention_weights(q, k, causal=causal, mask=mask)  # (B, nh, Tq, Tk)
+        self.tape.append(("attention", None, (q, k, v, att)))
+        return att @ v
+
+    def backward(self, dout) -> tuple:
+        """d loss / d (the blocks' output) -> (d loss / d (their input), {parameter name: gradient})."""
+        grads, d_stream, d = {}, 0.0, dout
+        for op, name, saved in reversed(self.tape):
+            if op == "add_norm":  # forward: x = x + h;  n = norm(x)
+                d_stream = d_stream + self.norm_backward(d, saved, name, grads)
+                d = d_stream
+            elif op == "product":  # forward: y = x @ w + b
+                w, b = self.table.weight(name)
+                d, dw, db = linear_backward(d, saved, w)
+                self.weight_grads(grads, name, dw, None if b is None else db)
+            elif op == "act":
+                d = self.act_backward(d, saved)
+            else:  # the attention inside attend: back to the q|k|v product
+                d = self.attend_backward(d, *saved)
+        return d_stream, grads
+
+
+class GPTRecording(Recording):
+    """GPT-2's ops on the tape: LayerNorm, GELU, multi-head attention."""
+
+    def __init__(self, config: GPTConfig, params: dict):
+        super().__init__(GPTOps(config, params, None))
+
+    def norm_backward(self, d, x, name, grads):
+        w = self.table.params[name + ".weight"]
+        dx, grads[name + ".weight"], grads[name + ".bias"] = layernorm_backward(d, x, w)
+        return dx
+
+    def weight_grads(self, grads, name, dw, db):
+        grads[name + ".weight"], grads[name + ".bias"] = dw, db
+
+    def act_backward(self, d, h):
+        return gelu_backward(d, h)
+
+    def attend_backward(self, dy, q, k, v, att):
+        """(B, T, C) merged heads -> (B, T, 3C): d q | d k | d v."""
+        dq, dk, dv = attention_backward(split_heads(dy, self.table.config.n_head), q, k, v, att)
+        return xp.concatenate([merge_heads(dq), merge_heads(dk), merge_heads(dv)], axis=-1)
+
+
 def forward_backward(params: dict, config: GPTConfig, idx, targets):
     """Loss and the gradient of every parameter for one batch.  idx, targets (B, T) -> (loss, grads)
 
     Works in the dtype of ``params`` (float32 for training, float64 for gradient checks).
     """
-    p, nh = params, config.n_head
-    B, T = idx.shape
-    # forward, keeping what the backward pass needs ----------------------------------------
+    p = params
+    T = idx.shape[1]
+    tape = GPTRecording(config, params)
     x = p["wte.weight"][idx] + p["wpe.weight"][:T]  # (B, T, C)
-    acts = []
-    for i in range(config.n_layer):
-        h, a = f"h.{i}.", {"x": x}
-        a["ln1"] = layer_norm(x, p[h + "ln_1.weight"], p[h + "ln_1.bias"])
-        qkv = linear(a["ln1"], p[h + "attn.c_attn.weight"], p[h + "attn.c_attn.bias"])  # (B, T, 3C)
-        a["q"], a["k"], a["v"] = (split_heads(t, nh) for t in xp.split(qkv, 3, axis=-1))
-        a["att"] = attention_weights(a["q"], a["k"], causal=True)  # (B, nh, T, T)
-        a["y"] = merge_heads(a["att"] @ a["v"])  # (B, T, C)
-        x = x + linear(a["y"], p[h + "attn.c_proj.weight"], p[h + "attn.c_proj.bias"])
-        a["x_mid"] = x
-        a["ln2"] = layer_norm(x, p[h + "ln_2.weight"], p[h + "ln_2.bias"])
-        a["fc"] = linear(a["ln2"], p[h + "mlp.c_fc.weight"], p[h + "mlp.c_fc.bias"])  # (B, T, 4C)
-        a["gelu"] = gelu(a["fc"])
-        x = x + linear(a["gelu"], p[h + "mlp.c_proj.weight"], p[h + "mlp.c_proj.bias"])
-        acts.append(a)
-    x_final = x
-    xf = layer_norm(x, p["ln_f.weight"], p["ln_f.bias"])
+    xf = gpt_blocks(tape, x, None, config.n_layer)  # the model's blocks, recorded
     logits = xf @ p["wte.weight"].T  # (B, T, V)
     loss, probs = cross_entropy_forward(logits, targets)
-
-    # backward, the same steps in reverse -----------------------------------------------------
-    g = {}
     dlogits = cross_entropy_backward(probs, targets)  # (B, T, V)
-    dxf = dlogits @ p["wte.weight"]  # (B, T, C)
     dwte_head = dlogits.reshape(-1, config.vocab_size).T @ xf.reshape(-1, config.n_embd)  # (V, C)
-    dx, g["ln_f.weight"], g["ln_f.bias"] = layernorm_backward(dxf, x_final, p["ln_f.weight"])
-    for i in reversed(range(config.n_layer)):
-        h, a = f"h.{i}.", acts[i]
-        # MLP residual: x_out = x_mid + c_proj(gelu(c_fc(ln_2(x_mid))))
-        dgelu, g[h + "mlp.c_proj.weight"], g[h + "mlp.c_proj.bias"] = linear_backward(
-            dx, a["gelu"], p[h + "mlp.c_proj.weight"]
-        )
-        dfc = gelu_backward(dgelu, a["fc"])
-        dln2, g[h + "mlp.c_fc.weight"], g[h + "mlp.c_fc.bias"] = linear_backward(
-            dfc, a["ln2"], p[h + "mlp.c_fc.weight"]
-        )
-        dx_mid, g[h + "ln_2.weight"], g[h + "ln_2.bias"] = layernorm_backward(
-            dln2, a["x_mid"], p[h + "ln_2.weight"]
-        )
-        dx = dx + dx_mid
-        # attention residual: x_mid = x + c_proj(attention(c_attn(ln_1(x))))
-        dy, g[h + "attn.c_proj.weight"], g[h + "attn.c_proj.bias"] = linear_backward(
-            dx, a["y"], p[h + "attn.c_proj.weight"]
-        )
-        dq, dk, dv = attention_backward(split_heads(dy, nh), a["q"], a["k"], a["v"], a["att"])
-        dqkv = xp.concatenate([merge_heads(dq), merge_heads(dk), merge_heads(dv)], axis=-1)
-        dln1, g[h + "attn.c_attn.weight"], g[h + "attn.c_attn.bias"] = linear_backward(
-            dqkv, a["ln1"], p[h + "attn.c_attn.weight"]
-        )
-        dx_in, g[h + "ln_1.weight"], g[h + "ln_1.bias"] = layernorm_backward(
-            dln1, a["x"], p[h + "ln_1.weight"]
-        )
-        dx = dx + dx_in
+    dx, g = tape.backward(dlogits @ p["wte.weight"])  # the tape in reverse, from d xf (B, T, C)
     dwte_emb, g["wpe.weight"] = embedding_backward(dx, idx, config.vocab_size, config.block_size)
     g["wte.weight"] = dwte_head + dwte_emb  # the tied weight collects both gradients
     return loss, g
