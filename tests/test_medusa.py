@@ -335,6 +335,53 @@ def test_heads_file_for_another_model_is_refused(trained, tmp_path):
     assert shipped.stat().st_mtime_ns == before
 
 
+def test_heads_for_another_model_name_the_heads_both_models_and_medusa_train(tmp_path):
+    """The refusal names what was loaded (Medusa heads), the file, the model they were made for and the
+    command that trains heads for this one."""
+    path = tmp_path / "heads.npz"
+    MedusaHeads.init(peaked_model(13, 32), 2).save(path)
+    with pytest.raises(CheckpointError) as exc_info:
+        MedusaHeads.load(peaked_model(13, 16), path)
+    message = str(exc_info.value)
+    assert "Medusa heads trained for another model (config differs: block_size 32 vs 16)" in message
+    assert str(path) in message and "trained for GPT (n_layer 1, n_embd 16, vocab_size 13" in message
+    assert "medusa-train" in message and "\n" not in message
+
+
+@pytest.mark.parametrize("edit,match", [
+    (lambda h, a: a.update(extra=np.zeros(3, np.float16)), r"unexpected \['extra'\]"),
+    (lambda h, a: a.update({"0.w": a["0.w"].astype(np.int8)}), "0.w is int8, expected float16 or float32"),
+    (lambda h, a: a.update({"1.b": a["1.b"].astype(np.complex64)}), "1.b is complex64"),
+    (lambda h, a: h.update(n_heads=3), r"missing \['2.b', '2.lm', '2.w'\]"),
+    (lambda h, a: h.update(shared_lm_head="no"), "shared_lm_head is 'no'"),
+    (lambda h, a: a["0.lm"].__setitem__((0, 0), np.inf), "0.lm holds non-finite values"),
+], ids=["extra-array", "int8", "complex", "more-heads", "shared-not-bool", "inf"])
+def test_a_heads_file_of_other_arrays_is_refused(tmp_path, edit, match):
+    """Heads are checked like a model: every array's name, shape and dtype from the member headers
+    against what the header and the model imply (int8 and complex weights were cast and used), then finite."""
+    from minillm.checkpoint import HEADER_KEY, atomic_save_npz, encode_header, read_npz
+
+    model = peaked_model(13, 32)
+    MedusaHeads.init(model, 2, share_lm_head=False).save(tmp_path / "heads.npz")
+    header, arrays = read_npz(tmp_path / "heads.npz")
+    edit(header, arrays)
+    atomic_save_npz(tmp_path / "bad.npz", arrays | {HEADER_KEY: encode_header(header)})
+    with pytest.raises(CheckpointError, match=match):
+        MedusaHeads.load(model, tmp_path / "bad.npz")
+
+
+def test_load_heads_refuses_an_empty_name_and_says_when_a_file_is_missing(tmp_path):
+    from minillm.medusa import load_heads
+
+    model = peaked_model(13, 32)
+    with pytest.raises(ValueError, match="Medusa heads file name is empty"):
+        load_heads(model, "target", "")
+    with pytest.raises(CheckpointError, match="Medusa heads not found: .*missing.npz"):
+        load_heads(model, "target", tmp_path / "missing.npz")
+    with pytest.raises(ValueError, match="no Medusa heads file is shipped for model 'mine'.*medusa-train"):
+        load_heads(model, "mine")
+
+
 # ----------------------------------------------------------------------------------------------
 # the shipped heads of the character model
 

@@ -1,0 +1,283 @@
+"""Loading what EAGLE training writes and reads: the draft file, the data parts, the training run's files.
+
+- a draft file is checked before any array is read: its format, the model it was trained for (the
+  error names the EAGLE draft, the file, both models and the command that trains one), every
+  array's name, shape and dtype; then every number finite;
+- ``load_draft`` (``--eagle-draft``): a missing file is "not found", an empty name is refused;
+- eagle-data's parts record the run's arguments: ``--resume`` refuses a part of other arguments, a
+  truncated part, a part of another model; reading refuses a part with an impossible length, a
+  folder with a part missing, and features that are not finite (a data error, not a learning rate);
+- eagle-train ``--resume`` never replaces the file at ``--out``;
+- held-out accuracy counts every held-out position, fewer than one window of them too.
+"""
+
+import argparse
+import re
+
+import numpy as np
+import pytest
+
+from minillm.backend import to_numpy
+from minillm.checkpoint import HEADER_KEY, CheckpointError, atomic_save_npz, encode_header, read_npz
+from minillm.config import LlamaConfig
+from minillm.eagle import EagleDraft, load_draft
+from minillm.eagle_train import DraftData, held_out_accuracy, read_answers, write_answers
+from minillm.llama import Llama
+
+# the data and the accuracy run the target (a Llama: 8.1-8.3) with its KV cache (3.x)
+USES = pytest.mark.uses_exercise("3.1", "3.2", "3.3", "8.1", "8.2", "8.3")
+
+CFG = LlamaConfig(vocab_size=8, block_size=40, n_layer=2, n_head=4, n_kv_head=2, n_embd=16, n_hidden=24)
+SUBSET = [0, 2, 3, 5]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return Llama.init(CFG, seed=5)
+
+
+@pytest.fixture
+def draft_file(target, tmp_path):
+    path = tmp_path / "eagle.npz"
+    EagleDraft.init(target, SUBSET, seed=1).save(path)
+    return path
+
+
+def rewrite(path, out, edit):
+    """Write ``path``'s header and arrays, changed by ``edit(header, arrays)``, to ``out``."""
+    header, arrays = read_npz(path)
+    edit(header, arrays)
+    atomic_save_npz(out, arrays | {HEADER_KEY: encode_header(header)})
+    return out
+
+
+def one_line(exc_info) -> str:
+    message = str(exc_info.value)
+    assert "\n" not in message
+    return message
+
+
+@pytest.fixture
+def array_reads(monkeypatch):
+    """The shapes of the arrays read from .npy data (the JSON header is one of them)."""
+    reads, real = [], np.lib.format.read_array
+
+    def counted(*args, **kwargs):
+        array = real(*args, **kwargs)
+        reads.append(array.shape)
+        return array
+
+    monkeypatch.setattr(np.lib.format, "read_array", counted)
+    return reads
+
+
+# ----------------------------------------------------------------------------------------------
+# the draft file
+
+
+def test_a_draft_for_another_model_names_the_draft_both_models_and_eagle_train(target, draft_file):
+    """EAGLE loaded its draft through Medusa's check: "these Medusa heads were trained for another model ...
+    medusa-train". The one check in checkpoint.py names what was loaded and how to train one."""
+    other = Llama.init(LlamaConfig(**{**CFG.to_dict(), "n_embd": 32}), seed=5)
+    with pytest.raises(CheckpointError) as exc_info:
+        EagleDraft.load(other, draft_file)
+    message = one_line(exc_info)
+    assert "EAGLE draft trained for another model (config differs: n_embd 16 vs 32)" in message
+    assert str(draft_file) in message and "n_embd 16" in message and "eagle-train" in message
+    assert "Medusa" not in message and "medusa-train" not in message
+    with pytest.raises(CheckpointError, match="another model .lm_head_sha256 differs"):
+        EagleDraft.load(Llama.init(CFG, seed=6), draft_file)
+
+
+@pytest.mark.parametrize("edit,message", [
+    (lambda h, a: a.update(extra=np.zeros(3, np.float16)), r"unexpected \['extra'\]"),
+    (lambda h, a: a.update({"fc.weight": a["fc.weight"].astype(np.complex64)}), "fc.weight is complex64"),
+    (lambda h, a: a.update({"fc.weight": a["fc.weight"].astype(np.int8)}), "fc.weight is int8"),
+    (lambda h, a: a.update(subset=a["subset"].astype(np.float32)), "subset is float32"),
+    (lambda h, a: a.update(subset=a["subset"][:3]), r"subset declares shape \(3,\)"),
+    (lambda h, a: h.update(subset_size=10**9), "draft vocabulary size"),
+], ids=["extra-array", "complex", "int8", "float-subset", "short-subset", "huge-subset"])
+def test_a_draft_of_other_arrays_is_refused_before_any_array_is_read(target, draft_file, tmp_path, array_reads,
+                                                                     edit, message):
+    """An extra array (a 9.7 MB draft with 2 GB of zeros beside it peaked at 3.3 GB before it was refused),
+    complex or int8 weights (accepted, and cast), a subset of another dtype or size: refused from the
+    member headers, with one line naming the array, and no array but the JSON header read."""
+    bad = rewrite(draft_file, tmp_path / "bad.npz", edit)
+    array_reads.clear()
+    with pytest.raises(CheckpointError) as exc_info:
+        EagleDraft.load(target, bad)
+    assert "bad.npz" in one_line(exc_info)
+    assert len(array_reads) == 1 and len(array_reads[0]) == 1, array_reads  # the header only
+    assert re.search(message, str(exc_info.value)), str(exc_info.value)
+
+
+def test_a_nan_draft_is_refused(target, draft_file, tmp_path):
+    def nan(header, arrays):
+        arrays["layers.0.mlp.down_proj.weight"][0, 0] = np.nan
+
+    with pytest.raises(CheckpointError, match="down_proj.weight holds non-finite values"):
+        EagleDraft.load(target, rewrite(draft_file, tmp_path / "nan.npz", nan))
+
+
+def test_load_draft_says_what_is_missing(target, draft_file, tmp_path):
+    """``--eagle-draft /missing`` said that no draft ships for the model; ``--eagle-draft ""`` silently
+    loaded the shipped one."""
+    with pytest.raises(CheckpointError, match=f"EAGLE draft not found: {tmp_path / 'missing.npz'}"):
+        load_draft(target, "smollm2-135m", tmp_path / "missing.npz")
+    with pytest.raises(ValueError, match="EAGLE draft file name is empty"):
+        load_draft(target, "smollm2-135m", "")
+    with pytest.raises(ValueError, match="no EAGLE draft file is shipped for model 'target'.*eagle-train"):
+        load_draft(target, "target")
+    assert load_draft(target, "target", draft_file).subset.tolist() == SUBSET
+
+
+# ----------------------------------------------------------------------------------------------
+# eagle-data's parts
+
+
+class ByteTokenizer:
+    """A chat tokenizer for the 8-token target: a character's id is its code mod 8; eos is 7."""
+
+    eos_token_id = 7
+
+    def encode(self, text):
+        return [ord(c) % CFG.vocab_size for c in text]
+
+    def apply_chat_template(self, messages):
+        return "sys\nuser\n" + messages[0]["content"] + "\n"
+
+
+PROMPTS = [{"prompt": p, "kind": "chat"} for p in ("ab", "abc", "b", "cab", "ba", "bca")]
+
+
+def write(target, out, **kwargs):
+    options = {"max_new_tokens": 6, "batch": 2, "seed": 0, "progress": False} | kwargs
+    return write_answers(target, ByteTokenizer(), PROMPTS, out, **options)
+
+
+@pytest.fixture(scope="module")
+def data_dir(target, tmp_path_factory):
+    out = tmp_path_factory.mktemp("eagle-data")
+    write(target, out)
+    return out
+
+
+def copy_of(data_dir, tmp_path):
+    for part in data_dir.iterdir():
+        (tmp_path / part.name).write_bytes(part.read_bytes())
+    return tmp_path
+
+
+@USES
+def test_parts_read_back_whole(target, data_dir):
+    data = read_answers(data_dir, target)
+    assert data["parts"] == 3 and len(data["sequences"]) == len(PROMPTS)
+    assert all(len(f) == len(s) - 1 for s, f in zip(data["sequences"], data["features"]))
+
+
+@USES
+@pytest.mark.parametrize("option,message", [({"seed": 1}, "seed 0 vs 1"), ({"max_new_tokens": 5},
+                                            "max_new_tokens 6 vs 5")], ids=["seed", "lengths"])
+def test_resume_refuses_parts_of_other_arguments(target, data_dir, tmp_path, option, message):
+    """eagle-data --resume kept parts written with another seed or answer length, and reported success."""
+    out = copy_of(data_dir, tmp_path)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    with pytest.raises(CheckpointError, match=f"part-00000.npz was written with other arguments .*{message}"):
+        write(target, out, resume=True, **option)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+@USES
+def test_resume_refuses_a_truncated_part_and_another_models_part(target, data_dir, tmp_path):
+    """A truncated part was kept as it was and the run reported success; so was a part of another model."""
+    out = copy_of(data_dir, tmp_path)
+    part = out / "part-00001.npz"
+    part.write_bytes(part.read_bytes()[:-100])
+    with pytest.raises(CheckpointError, match="corrupt EAGLE data part .*part-00001.npz"):
+        write(target, out, resume=True)
+    (out / "part-00001.npz").unlink()
+    with pytest.raises(CheckpointError, match="EAGLE data part written by another model"):
+        write(Llama.init(CFG, seed=6), out, resume=True)
+    write(target, out, resume=True)  # the missing part written again, the others kept
+    assert read_answers(out, target)["parts"] == 3
+
+
+@USES
+@pytest.mark.parametrize("edit,message", [
+    (lambda h, a: h.update(lengths=[-1, *h["lengths"][1:]]), "lengths must be 2 ints in 2..40"),
+    (lambda h, a: a["features"].__setitem__((0, 0), np.nan), "features holds non-finite values"),
+    (lambda h, a: a["ids"].__setitem__(0, 99), r"token ids outside 0..7"),
+], ids=["negative-length", "nan-features", "id-out-of-range"])
+def test_reading_refuses_a_part_that_does_not_hold_together(target, data_dir, tmp_path, edit, message):
+    """A part with a negative length trained silently; NaN features stopped training with "try a lower
+    learning rate" (it is a data error)."""
+    out = copy_of(data_dir, tmp_path)
+    rewrite(out / "part-00002.npz", out / "part-00002.npz", edit)
+    with pytest.raises(CheckpointError) as exc_info:
+        read_answers(out, target)
+    assert re.search(message, one_line(exc_info)) and "learning rate" not in str(exc_info.value)
+
+
+@USES
+def test_reading_refuses_a_folder_with_a_part_missing(target, data_dir, tmp_path):
+    out = copy_of(data_dir, tmp_path)
+    (out / "part-00001.npz").unlink()
+    with pytest.raises(ValueError, match="lacks part-00001.npz .*eagle-data --resume"):
+        read_answers(out, target)
+    assert read_answers(out, target, max_parts=1)["parts"] == 1  # the first part alone is whole
+
+
+# ----------------------------------------------------------------------------------------------
+# training on the data
+
+
+def synthetic_data(target, lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    seqs = [rng.integers(0, CFG.vocab_size, n) for n in lengths]
+    feats = [to_numpy(target.hidden(np.array([s]))[0, :-1]).astype(np.float16) for s in seqs]
+    return {"sequences": seqs, "features": feats, "kinds": ["chat"] * len(seqs),
+            "temperatures": [0.0] * len(seqs), "prompt_lengths": [4] * len(seqs)}
+
+
+@USES
+def test_held_out_accuracy_counts_a_held_out_set_shorter_than_a_window(target):
+    """With fewer than 128 held-out positions (one window) the accuracy read 0.0: it counts them all."""
+    draft = EagleDraft.init(target, SUBSET, seed=1)
+    data = DraftData(synthetic_data(target, [36] * 6), draft)
+    rows, x1, y = data.held
+    assert 0 < len(rows) < data.window
+    _, logits = draft.step(data.features[rows].astype(np.float32), x1)
+    expected = float((to_numpy(logits).argmax(axis=-1) == y).mean())
+    assert expected > 0
+    assert held_out_accuracy(draft, data) == pytest.approx(expected)
+
+
+@USES
+def test_data_with_nothing_to_score_or_nan_features_is_refused(target):
+    draft = EagleDraft.init(target, SUBSET, seed=1)
+    data = synthetic_data(target, [36] * 5 + [2])  # the held-out answer (the last) has no pair
+    with pytest.raises(ValueError, match="hold no position to score"):
+        DraftData(data, draft)
+    data = synthetic_data(target, [36] * 6)
+    data["features"][2][3, 1] = np.nan
+    with pytest.raises(ValueError, match="features hold nan or inf: the data is broken") as exc_info:
+        DraftData(data, draft)
+    assert "lower learning rate" not in str(exc_info.value)
+
+
+@pytest.mark.host_only
+def test_eagle_train_resume_never_replaces_the_output(tmp_path):
+    """eagle-train --resume with no state file trained from scratch and replaced an existing precious.npz:
+    the file at --out is replaced only with --overwrite, checked before the model is loaded."""
+    from minillm.tools.eagle_cli import add_train_arguments, run_train
+
+    precious = tmp_path / "precious.npz"
+    precious.write_bytes(b"mine")
+    p = argparse.ArgumentParser()
+    add_train_arguments(p)
+    argv = ["--data", str(tmp_path), "--out", str(precious), "--model", "no-such-model"]
+    with pytest.raises(ValueError, match="precious.npz already exists: pass --overwrite"):
+        run_train(p.parse_args([*argv, "--resume"]))
+    with pytest.raises(CheckpointError, match="unknown model 'no-such-model'"):  # past the check
+        run_train(p.parse_args([*argv, "--overwrite"]))
+    assert precious.read_bytes() == b"mine"
