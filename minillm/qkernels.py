@@ -1,0 +1,385 @@
+"""Quantized weight products on one CPU core: y = x @ W.T, each weight read and dequantized ONCE per pass.
+
+    y[i, j] = sum_t x[i, t] w[j, t]          x (n, k) float32, W (m, k) in a format -> y (n, m) float32
+
+The reference is ``x @ W.dequantize().T`` (``minillm.quantize`` holds the formats and their NumPy
+dequantizers). A decode step (n = 1) or a short verification (n <= 16) is memory-bound: the time is
+the bytes of W over the memory bandwidth, so a 4-bit weight should cost a sixth of a float32 one --
+but only if it is never expanded to float32 in memory. These kernels expand each weight in registers,
+multiply it into all n token rows there, and move on.
+
+The layout, packed once (``pack``). W's m rows are cut into panels of P = 16 output channels, and a
+panel is stored input position by input position, so that the P weights of one position are adjacent:
+
+    F32    w    [m/P, k, P]  float32          BF16   bits [m/P, k, P]  uint16
+    Q8_0   d    [m/P, k/32, P]  fp16 bits     q    [m/P, k/32, 32, P]  int8
+    Q4_1   dm   [m/P, k/32, 2, P] fp16 bits   qs   [m/P, k/32, 16, P]  uint8 (q[j] | q[j + 16] << 4)
+
+The block formats keep their file's bytes per weight (the fp16 scales stay fp16). One position of a
+panel is one 16-lane vector: load it, dequantize it (``d * q + m`` for Q4_1, 4 instructions for two
+positions), and add it times x[i, t] into R accumulators, one per token row:
+
+    for each panel (16 outputs):                       acc (U, R, P) lives in registers
+        for t in 0..k-1:                               (U copies of the R rows when R < 8, see below)
+            w = dequantize(panel[t])                   # [P]   once per pass
+            for r in 0..R-1:  acc[t % U, r] += x[r, t] * w        # vfmadd231ps zmm, broadcast x
+        y[:, panel] = sum over U of acc
+
+R is the number of token rows (n rounded up to 1, 2, 4, 8 or 16; the missing rows are zeros), a
+compile-time constant so that the R x 16 sums stay in registers. An FMA takes 4 cycles and a core
+starts 2 per cycle, so 8 independent sums are needed to keep it busy: with R < 8 rows, positions
+t % U go to U = 8 / R separate sums. Past 16 rows the product runs in chunks of 16, dequantizing
+each weight once per chunk.
+
+What numba needed (each setting is applied only while these kernels compile, ``vector_compile``):
+
+- the accumulators in registers: a stack array (``stack_tile``, an LLVM ``alloca`` of constant size)
+  that LLVM's SROA pass turns into registers once the loops over r and p are unrolled; a NumPy array
+  would live on the heap and be loaded and stored on every step;
+- the SLP vectorizer on (``NUMBA_SLP_VECTORIZE``, off by default): it packs the 16 unrolled lanes into
+  one vector instruction; the loop vectorizer off (``NUMBA_LOOP_VECTORIZE=0``): it would vectorize
+  the wrong loop first (across rows, with gathers) before the unrolling that SLP needs;
+- ``fastmath`` without ``reassoc``: ``contract`` fuses the multiply and the add into an FMA; with
+  ``reassoc`` LLVM rewrites the sums into a shape SLP no longer recognizes and the code is scalar;
+- fp16 and bf16 conversions as single LLVM instructions (``half_to_f32``, ``bits_to_f32``): numba
+  has no float16 type on a CPU.
+
+``tests/test_qkernels.py`` reads the machine code (``vector_fma_count``) and fails if the inner loop is
+scalar. Compiled with ``cache=True``: the first use of a (format, R) compiles for about a second, later
+processes load the machine code. Everything runs on the calling thread (no ``prange``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+from llvmlite import ir
+from numba import types
+from numba.extending import intrinsic
+
+from .quantize import BF16, F32, Q4_1, Q4_1_BYTES, Q8_0, Q8_0_BYTES, QK, QuantError
+
+P = 16  # output channels per panel: one 512-bit vector of float32
+ROW_TILES = (1, 2, 4, 8, 16)  # token rows a kernel is compiled for (n is rounded up to one of these)
+MAX_ROWS = ROW_TILES[-1]  # rows per pass; more rows run in chunks
+FMA_CHAINS = 8  # independent sums that keep the FMA units busy (latency 4 x 2 per cycle)
+FASTMATH = {"nnan", "ninf", "nsz", "arcp", "contract", "afn"}  # fastmath without "reassoc"
+jit = numba.njit(cache=True, fastmath=FASTMATH, nogil=True, boundscheck=False)
+inline = numba.njit(inline="always", fastmath=FASTMATH)
+
+
+# ---- what numba needs: registers for the tile, two conversions, the vectorizer settings ------------
+
+
+@intrinsic(prefer_literal=True)
+def stack_tile(typingctx, d0, d1, d2):
+    """A (d0, d1, d2) float32 array in the function's stack frame (d0, d1, d2 compile-time constants)."""
+    if not all(isinstance(d, types.IntegerLiteral) for d in (d0, d1, d2)):
+        return None
+    shape = [d.literal_value for d in (d0, d1, d2)]
+    array = types.Array(types.float32, 3, "C")
+
+    def codegen(context, builder, sig, args):
+        with builder.goto_entry_block():  # an alloca in the entry block: SROA can promote it to registers
+            memory = builder.alloca(ir.ArrayType(ir.FloatType(), shape[0] * shape[1] * shape[2]))
+        intp = context.get_value_type(types.intp)
+        strides = [shape[1] * shape[2] * 4, shape[2] * 4, 4]
+        tile = context.make_array(array)(context, builder)
+        context.populate_array(tile, data=builder.bitcast(memory, ir.FloatType().as_pointer()),
+                               shape=[ir.Constant(intp, s) for s in shape],
+                               strides=[ir.Constant(intp, s) for s in strides],
+                               itemsize=ir.Constant(intp, 4), meminfo=None)
+        return tile._getvalue()
+
+    return array(d0, d1, d2), codegen
+
+
+@intrinsic
+def half_to_f32(typingctx, bits):
+    """fp16 bits (uint16) -> float32, exactly: one ``fpext half`` (vcvtph2ps)."""
+    def codegen(context, builder, sig, args):
+        return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+    return types.float32(types.uint16), codegen
+
+
+@intrinsic
+def bits_to_f32(typingctx, bits):
+    """uint32 bits -> the float32 they encode (a bf16 is its top 16 bits)."""
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+@contextlib.contextmanager
+def vector_compile():
+    """While numba compiles: SLP vectorizer on, loop vectorizer off (module docstring); restored after."""
+    saved = numba.config.SLP_VECTORIZE, numba.config.LOOP_VECTORIZE
+    numba.config.SLP_VECTORIZE, numba.config.LOOP_VECTORIZE = 1, 0
+    try:
+        yield
+    finally:
+        numba.config.SLP_VECTORIZE, numba.config.LOOP_VECTORIZE = saved
+
+
+# ---- the tile: zero it, add one weight vector into every row, write it out ---------------------------
+
+
+@inline
+def zero(acc):
+    for u in range(acc.shape[0]):
+        for r in range(acc.shape[1]):
+            for p in range(P):
+                acc[u, r, p] = 0.0
+
+
+@inline
+def add_rows(acc, u, xt, t, w):
+    """acc[u, r, :] += x[r, t] * w[:] for every row r.  acc (U, R, P), xt (k, R), w (P,)"""
+    for r in range(acc.shape[1]):
+        xr = xt[t, r]
+        for p in range(P):
+            acc[u, r, p] += xr * w[p]
+
+
+@inline
+def store(acc, y, panel):
+    """y[r, panel * P + p] = sum_u acc[u, r, p].  y (R, m)"""
+    for r in range(acc.shape[1]):
+        for p in range(P):
+            s = acc[0, r, p]
+            for u in range(1, acc.shape[0]):
+                s += acc[u, r, p]
+            y[r, panel * P + p] = s
+
+
+# ---- one kernel per format (rows: the literal R; chains: U = FMA_CHAINS / R, at least 1) -------------
+
+
+@jit
+def f32_kernel(xt, w, y, rows, chains):
+    """y = x @ W.T for W packed F32.  xt (k, R), w (m/P, k, P) float32, y (R, m)"""
+    numba.literally(rows)
+    numba.literally(chains)
+    acc = stack_tile(chains, rows, P)
+    k = w.shape[1]
+    for panel in range(w.shape[0]):
+        zero(acc)
+        t = 0
+        while t + chains <= k:
+            for u in range(chains):
+                add_rows(acc, u, xt, t + u, w[panel, t + u])
+            t += chains
+        while t < k:
+            add_rows(acc, 0, xt, t, w[panel, t])
+            t += 1
+        store(acc, y, panel)
+
+
+@jit
+def bf16_kernel(xt, bits, y, rows, chains):
+    """y = x @ W.T for W packed BF16.  xt (k, R), bits (m/P, k, P) uint16, y (R, m)"""
+    numba.literally(rows)
+    numba.literally(chains)
+    acc = stack_tile(chains, rows, P)
+    w = stack_tile(chains, 1, P)
+    k = bits.shape[1]
+    for panel in range(bits.shape[0]):
+        zero(acc)
+        t = 0
+        while t + chains <= k:
+            for u in range(chains):
+                for p in range(P):
+                    w[u, 0, p] = bits_to_f32(np.uint32(bits[panel, t + u, p]) << np.uint32(16))
+                add_rows(acc, u, xt, t + u, w[u, 0])
+            t += chains
+        while t < k:
+            for p in range(P):
+                w[0, 0, p] = bits_to_f32(np.uint32(bits[panel, t, p]) << np.uint32(16))
+            add_rows(acc, 0, xt, t, w[0, 0])
+            t += 1
+        store(acc, y, panel)
+
+
+@jit
+def q8_0_kernel(xt, d, q, y, rows, chains):
+    """y = x @ W.T for W packed Q8_0 (w = d * q).  xt (k, R), d (m/P, k/32, P) fp16 bits,
+    q (m/P, k/32, 32, P) int8, y (R, m)"""
+    numba.literally(rows)
+    numba.literally(chains)
+    acc = stack_tile(chains, rows, P)
+    scale = stack_tile(1, 1, P)
+    w = stack_tile(chains, 1, P)
+    for panel in range(q.shape[0]):
+        zero(acc)
+        for b in range(q.shape[1]):
+            for p in range(P):
+                scale[0, 0, p] = half_to_f32(d[panel, b, p])
+            for j in range(0, QK, chains):
+                for u in range(chains):
+                    for p in range(P):
+                        w[u, 0, p] = scale[0, 0, p] * np.float32(q[panel, b, j + u, p])
+                    add_rows(acc, u, xt, b * QK + j + u, w[u, 0])
+        store(acc, y, panel)
+
+
+@jit
+def q4_1_kernel(xt, dm, qs, y, rows, chains):
+    """y = x @ W.T for W packed Q4_1 (w = d * q + m).  xt (k, R), dm (m/P, k/32, 2, P) fp16 bits,
+    qs (m/P, k/32, 16, P) uint8 (low nibble: position j, high: j + 16), y (R, m)"""
+    numba.literally(rows)
+    numba.literally(chains)
+    acc = stack_tile(chains, rows, P)
+    scale = stack_tile(2, 1, P)  # d, m of the block
+    w = stack_tile(2, 1, P)  # positions j and j + 16
+    half = QK // 2
+    pairs = max(1, chains // 2)  # byte rows per step: 2 positions each, 2 * pairs sums in flight
+    for panel in range(qs.shape[0]):
+        zero(acc)
+        for b in range(qs.shape[1]):
+            for p in range(P):
+                scale[0, 0, p] = half_to_f32(dm[panel, b, 0, p])
+                scale[1, 0, p] = half_to_f32(dm[panel, b, 1, p])
+            for j0 in range(0, half, pairs):
+                for v in range(pairs):
+                    j = j0 + v
+                    for p in range(P):
+                        byte = qs[panel, b, j, p]
+                        w[0, 0, p] = scale[0, 0, p] * np.float32(byte & np.uint8(0x0F)) + scale[1, 0, p]
+                        w[1, 0, p] = scale[0, 0, p] * np.float32(byte >> np.uint8(4)) + scale[1, 0, p]
+                    add_rows(acc, (2 * v) % chains, xt, b * QK + j, w[0, 0])
+                    add_rows(acc, (2 * v + 1) % chains, xt, b * QK + j + half, w[1, 0])
+        store(acc, y, panel)
+
+
+KERNELS = {"F32": f32_kernel, "BF16": bf16_kernel, "Q8_0": q8_0_kernel, "Q4_1": q4_1_kernel}
+
+
+# ---- packing: a format's weight -> the kernel's panels, once ------------------------------------------
+
+
+@dataclass(frozen=True)
+class Packed:
+    """A weight in its kernel's layout (module docstring): ``arrays`` are the kernel's weight arguments."""
+
+    format: str
+    shape: tuple[int, int]  # (m, k) of the weight; m is padded to a multiple of P in the panels
+    arrays: tuple
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
+
+def panels(a, m: int):
+    """(m, ...) rows -> (m_pad / P, P, ...) with zero rows appended up to a multiple of P."""
+    pad = -m % P
+    if pad:
+        a = np.concatenate([a, np.zeros((pad, *a.shape[1:]), dtype=a.dtype)])
+    return a.reshape(-1, P, *a.shape[1:])
+
+
+def pack(weight) -> Packed:
+    """A weight (a float32 (m, k) array, or minillm.quantize's F32, BF16, Q8_0, Q4_1) -> Packed.
+
+    Example: a Q4_1 weight (1536, 576) -> dm (96, 18, 2, 16) uint16 and qs (96, 18, 16, 16) uint8."""
+    if isinstance(weight, np.ndarray):
+        weight = F32.quantize(weight)
+    m, k = weight.shape
+    if isinstance(weight, F32):
+        arrays = (np.ascontiguousarray(panels(weight.data, m).transpose(0, 2, 1)),)  # (m/P, P, k) -> (m/P, k, P)
+    elif isinstance(weight, BF16):
+        arrays = (np.ascontiguousarray(panels(weight.bits, m).transpose(0, 2, 1)),)
+    elif isinstance(weight, Q8_0):
+        blocks = panels(weight.raw.reshape(m, k // QK, Q8_0_BYTES), m)  # (m/P, P, nb, 34)
+        d = blocks[..., :2].copy().view(np.uint16)[..., 0]  # (m/P, P, nb)
+        arrays = (np.ascontiguousarray(d.transpose(0, 2, 1)),  # (m/P, nb, P)
+                  np.ascontiguousarray(blocks[..., 2:].view(np.int8).transpose(0, 2, 3, 1)))  # (m/P, nb, 32, P)
+    elif isinstance(weight, Q4_1):
+        blocks = panels(weight.raw.reshape(m, k // QK, Q4_1_BYTES), m)  # (m/P, P, nb, 20)
+        dm = blocks[..., :4].copy().view(np.uint16)  # (m/P, P, nb, 2)
+        arrays = (np.ascontiguousarray(dm.transpose(0, 2, 3, 1)),  # (m/P, nb, 2, P)
+                  np.ascontiguousarray(blocks[..., 4:].transpose(0, 2, 3, 1)))  # (m/P, nb, 16, P)
+    else:
+        raise QuantError(f"pack: no kernel for {type(weight).__name__}; kernels exist for {', '.join(KERNELS)}")
+    return Packed(type(weight).__name__, (m, k), arrays)
+
+
+# ---- compiling and calling --------------------------------------------------------------------------
+
+
+def row_tile(n: int) -> int:
+    """The compiled row count a product over n <= MAX_ROWS token rows runs with.  1 -> 1, 3 -> 4, 9 -> 16."""
+    return next(r for r in ROW_TILES if r >= n)
+
+
+_COMPILED = {}  # (format, R) -> the compiled function's entry point
+
+
+def compiled(fmt: str, rows: int):
+    """The kernel of ``fmt`` for ``rows`` token rows, compiled (or loaded from the cache) on first use.
+
+    Calls go to the compiled entry point: the dispatcher would re-resolve the literal arguments on
+    every call (milliseconds each)."""
+    key = (fmt, rows)
+    if key not in _COMPILED:
+        with vector_compile():
+            _COMPILED[key] = KERNELS[fmt].compile(kernel_signature(fmt, rows))
+    return _COMPILED[key]
+
+
+def kernel_signature(fmt: str, rows: int) -> tuple:
+    """The argument types of ``fmt``'s kernel for ``rows`` token rows (rows and chains as literals)."""
+    weights = {"F32": (types.float32[:, :, ::1],), "BF16": (types.uint16[:, :, ::1],),
+               "Q8_0": (types.uint16[:, :, ::1], types.int8[:, :, :, ::1]),
+               "Q4_1": (types.uint16[:, :, :, ::1], types.uint8[:, :, :, ::1])}[fmt]
+    return (types.float32[:, ::1], *weights, types.float32[:, ::1],
+            types.literal(rows), types.literal(max(1, FMA_CHAINS // rows)))
+
+
+def machine_code(fmt: str, rows: int, fastmath=FASTMATH) -> str:
+    """The assembly of ``fmt``'s kernel for ``rows`` rows, freshly compiled (a cached kernel keeps no
+    assembly) with these fastmath flags (``True`` adds ``reassoc``: the scalar code the docstring warns of)."""
+    kernel = numba.njit(fastmath=fastmath, nogil=True, boundscheck=False)(KERNELS[fmt].py_func)
+    sig = kernel_signature(fmt, rows)
+    with vector_compile():
+        kernel.compile(sig)
+    return kernel.inspect_asm(kernel.signatures[0])
+
+
+def vector_fma_count(asm: str) -> dict:
+    """{'zmm': n, 'ymm': n, 'scalar': n} FMA instructions in an assembly listing."""
+    fmas = re.findall(r"vfmadd\d+(p|s)s\s+[^\n]*?%([xyz]mm)", asm)
+    return {"zmm": sum(1 for kind, reg in fmas if kind == "p" and reg == "zmm"),
+            "ymm": sum(1 for kind, reg in fmas if kind == "p" and reg == "ymm"),
+            "scalar": sum(1 for kind, _ in fmas if kind == "s")}
+
+
+def product(x, packed: Packed) -> np.ndarray:
+    """y = x @ W.T for x (n, k) float32 and a packed W (m, k) -> (n, m) float32.
+
+    The reference is ``x @ weight.dequantize().T``. (3, 64) @ Q8_0 (5, 64) -> (3, 5): one pass with
+    R = 4 (a zero fourth row), m padded to 16 outputs inside the panels."""
+    m, k = packed.shape
+    x = np.asarray(x)
+    if x.ndim != 2 or x.shape[1] != k or x.shape[0] == 0:
+        raise QuantError(f"product: x {x.shape} does not match the weight {packed.shape} (x (n, {k}) @ W.T)")
+    if x.dtype != np.float32:
+        raise QuantError(f"product: x must be float32, got {x.dtype}")
+    n = x.shape[0]
+    y = np.empty((n, m), dtype=np.float32)
+    m_pad = packed.arrays[-1].shape[0] * P
+    for start in range(0, n, MAX_ROWS):  # chunks of 16 rows; each reads every weight once
+        rows = min(MAX_ROWS, n - start)
+        tile = row_tile(rows)
+        xt = np.zeros((k, tile), dtype=np.float32)  # (k, R): x[r, t] of a position side by side
+        xt[:, :rows] = x[start:start + rows].T
+        out = np.empty((tile, m_pad), dtype=np.float32)
+        compiled(packed.format, tile)(xt, *packed.arrays, out, tile, max(1, FMA_CHAINS // tile))
+        y[start:start + rows] = out[:rows, :m]
+    return y
