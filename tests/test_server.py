@@ -7,13 +7,19 @@ engine:
 - 16 concurrent clients with different prompts each get their own answer;
 - a client that disconnects mid-stream has its request aborted within a step, and after 100 such
   clients the KV pool checks clean with every block free;
-- overload gets 429 with Retry-After at once; bad input gets 400 with an OpenAI error object, and
-  the server keeps serving;
+- a plain (not streamed) request whose client closes its socket is aborted within a few steps;
+- overload gets 429 with Retry-After at once; bad input gets 400 with an OpenAI error object (deep
+  JSON, huge integers, fields the server does not implement, sampling values the library refuses),
+  a body over the limit 413, one too slow 408, an unknown path 404 and a wrong method 405, each
+  error quoting at most a few dozen characters of what was sent, and the server keeps serving;
+- a prompt too long for the context is refused by its size before it is tokenized, and tokenizing
+  runs off the event loop; without max_tokens a request gets as many tokens as fit;
 - SIGTERM on ``python -m minillm serve`` ends in-flight streams and the process within a bound.
 """
 
 import contextlib
 import json
+import logging
 import os
 import signal
 import socket
@@ -28,7 +34,7 @@ import pytest
 
 from minillm import GPT, GPTConfig, generate, load_model
 from minillm.serving import Engine
-from minillm.tools.server import Server, TextOut, uvicorn_config
+from minillm.tools.server import MAX_BODY_BYTES, MESSAGE_CHARS, Server, TextOut, uvicorn_config
 
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
@@ -64,10 +70,10 @@ def running(server: Server):
         sock.close()
 
 
-def make_server(model, tok, name="target", max_num_seqs=8, max_queue=64, num_blocks=256):
+def make_server(model, tok, name="target", max_num_seqs=8, max_queue=64, num_blocks=256, request_timeout=10.0):
     engine = Engine(model, num_blocks=num_blocks, page_size=16, max_num_seqs=max_num_seqs,
                     max_num_batched_tokens=256, chunk_size=64, prefix_caching=True)
-    return Server(name, model, tok, engine, max_queue=max_queue)
+    return Server(name, model, tok, engine, max_queue=max_queue, request_timeout=request_timeout)
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +89,34 @@ def client(url):
 
 def offline(model, tok, prompt: str, n: int, **sampling) -> str:
     return tok.decode(generate(model, tok.encode(prompt), n, **sampling).tokens)
+
+
+def raw(url: str, data: bytes) -> socket.socket:
+    """A socket to the server that has sent ``data`` (an HTTP request, whole or not)."""
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.create_connection((host, int(port)), timeout=30)
+    sock.sendall(data)
+    return sock
+
+
+def post_head(length: int, path: str = "/v1/completions") -> bytes:
+    return (f"POST {path} HTTP/1.1\r\nHost: test\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {length}\r\nConnection: close\r\n\r\n").encode()
+
+
+def response(sock: socket.socket) -> tuple[int, dict]:
+    """Read a whole response (the server closes the connection after it) -> (status, its JSON body)."""
+    data = b""
+    while chunk := sock.recv(65536):
+        data += chunk
+    head, _, body = data.partition(b"\r\n\r\n")
+    return int(head.split()[1]), json.loads(body)
+
+
+def serves(url: str) -> None:
+    """The server still answers a good request."""
+    ok = httpx.post(url + "/v1/completions", json={"model": "target", "prompt": "ROMEO:", "max_tokens": 2}, timeout=30)
+    assert ok.status_code == 200, ok.text
 
 
 def pool_is_clean(server: Server) -> None:
@@ -258,6 +292,70 @@ def test_a_client_that_disconnects_is_aborted_at_once_and_leaks_nothing(target, 
 
 
 @USES
+def test_a_plain_request_whose_client_leaves_is_aborted_within_a_few_steps(served, monkeypatch):
+    """A non-streamed request whose client closes its socket mid-answer: the engine runs at most a few
+    more steps for it, the aborted counter counts it, and its blocks go back (each step is slowed
+    by 2 ms, so that the 240-token answer cannot finish first)."""
+    server, url = served
+    step = server.loop.engine.step
+    monkeypatch.setattr(server.loop.engine, "step", lambda: (time.sleep(0.002), step())[1])
+    aborted = server.counts["requests_aborted_total"]
+    body = json.dumps({"model": "target", "prompt": "ROMEO:", "max_tokens": 240, "temperature": 0}).encode()
+    sock = raw(url, post_head(len(body)) + body)
+    deadline = time.monotonic() + 10
+    while not server.loop.engine.running and time.monotonic() < deadline:
+        time.sleep(0.002)
+    steps = server.loop.steps
+    sock.close()
+    while server.loop.engine.running and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert server.loop.steps - steps <= 5, f"{server.loop.steps - steps} steps after the client left"
+    assert server.counts["requests_aborted_total"] == aborted + 1
+    pool_is_clean(server)
+    serves(url)
+
+
+@USES
+def test_slow_headers_or_body_get_408_and_the_server_keeps_serving(target):
+    """With a 0.5 s request timeout: 20 connections that send half their headers, one that sends
+    nothing and one that sends a tenth of its body each get a 408 and are closed, while a good
+    request is answered."""
+    server = make_server(*target, request_timeout=0.5)
+    with running(server) as url:
+        slow = [raw(url, b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n") for _ in range(20)]
+        slow += [raw(url, b""), raw(url, post_head(100) + b'{"model": ')]
+        t0 = time.monotonic()
+        serves(url)
+        for sock in slow:
+            with sock:
+                status, body = response(sock)
+            assert status == 408 and "did not arrive within 0.5 s" in body["error"]["message"]
+        assert time.monotonic() - t0 < 5
+        serves(url)
+
+
+@USES
+def test_a_client_that_leaves_during_its_upload_is_logged_in_one_line(served):
+    """Five clients send a tenth of their body and close: five log lines, no traceback."""
+    url, records = served[1], []
+    handler = logging.Handler()
+    handler.emit = records.append
+    logger = logging.getLogger("uvicorn.error")
+    logger.addHandler(handler)
+    try:
+        for _ in range(5):
+            raw(url, post_head(1000) + b'{"model": "target", ').close()
+        deadline = time.monotonic() + 10
+        while len(records) < 5 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        serves(url)
+    finally:
+        logger.removeHandler(handler)
+    assert len(records) == 5 and all("closed its connection" in r.getMessage() for r in records)
+    assert not any(r.exc_info for r in records)
+
+
+@USES
 def test_overload_gets_429_with_retry_after_at_once(target):
     """The engine is held before its next step (so no request can finish): 2 running + 1 queued
     fill the budget, and the next request is refused at once."""
@@ -283,33 +381,127 @@ def test_overload_gets_429_with_retry_after_at_once(target):
         assert http.post("/v1/completions", json=body | {"stream": False, "max_tokens": 3}).status_code == 200
 
 
+REFUSED_FIELDS = {"logprobs": 2, "echo": True, "best_of": 2, "suffix": "x", "tools": [{"type": "function"}],
+                  "response_format": {"type": "json_object"}, "logit_bias": {"5": 10}, "presence_penalty": 0.5,
+                  "frequency_penalty": 0.5, "top_k": 5}
+
+
 @USES
-@pytest.mark.parametrize("content, message", [
-    (b'{"model": "target", "prompt": ', "not JSON"),
-    (b'{"model": "target", "prompt": "\xff\xfe"}', "not UTF-8"),
-    (b'[1, 2]', "JSON object"),
-    (b'{"model": "gpt-4", "prompt": "ROMEO:"}', "unknown model"),
-    (b'{"model": "target", "prompt": "ROMEO:", "temperature": NaN}', "temperature"),
-    (b'{"model": "target", "prompt": "ROMEO:", "temperature": -1}', "temperature"),
-    (b'{"model": "target", "prompt": "ROMEO:", "top_p": 2}', "top_p"),
-    (b'{"model": "target", "prompt": "ROMEO:", "max_tokens": 0}', "max_tokens"),
-    (b'{"model": "target", "prompt": "ROMEO:", "n": 2}', "n must be 1"),
-    (b'{"model": "target", "prompt": ""}', "prompt"),
-    (b'{"model": "target", "prompt": "ROMEO:", "stop": [1]}', "stop"),
-    (b'{"model": "target", "prompt": "ROMEO:", "max_tokens": 100000}', "too long"),
-    (b'{"model": "target", "prompt": "ROMEO:", "seed": -3}', "seed"),
-    (b'{"model": "target", "messages": [{"role": "user", "content": "hi"}]}', "no chat template"),
-    (b'{"model": "target", "prompt": "ROMEO:", "stream": true, "stream_options": 3}', "stream_options"),
-])
-def test_bad_input_gets_400_with_an_error_object_and_the_server_keeps_serving(served, content, message):
+@pytest.mark.parametrize("content, message, param", [
+    (b'{"model": "target", "prompt": ', "not JSON", None),
+    (b'{"model": "target", "prompt": "\xff\xfe"}', "not UTF-8", None),
+    (b'[1, 2]', "JSON object", None),
+    (b'{"model": "target", "prompt": ' + b"[" * 3000 + b"]" * 3000 + b"}", "nested too deeply", None),
+    (b'{"model": "target", "prompt": "ROMEO:", "seed": ' + b"7" * 5000 + b"}", "more than 20 digits", None),
+    (b'{"model": "target", "prompt": "ROMEO:", "temperature": 1' + b"0" * 400 + b"}", "more than 20 digits", None),
+    (b'{"model": "target", "prompt": "ROMEO:", "top_p": 1' + b"0" * 400 + b"}", "more than 20 digits", None),
+    (b'{"model": "gpt-4", "prompt": "ROMEO:"}', "unknown model", "model"),
+    (b'{"model": "target", "prompt": "ROMEO:", "temperature": NaN}', "temperature", "temperature"),
+    (b'{"model": "target", "prompt": "ROMEO:", "temperature": -1}', "temperature", "temperature"),
+    (b'{"model": "target", "prompt": "ROMEO:", "temperature": 1e-300}', "temperature must be 0", "temperature"),
+    (b'{"model": "target", "prompt": "ROMEO:", "temperature": 2.5}', "at most 2", "temperature"),
+    (b'{"model": "target", "prompt": "ROMEO:", "temperature": "hot"}', "temperature", "temperature"),
+    (b'{"model": "target", "prompt": "ROMEO:", "top_p": 2}', "top_p", "top_p"),
+    (b'{"model": "target", "prompt": "ROMEO:", "top_p": 0}', "top_p", "top_p"),
+    (b'{"model": "target", "prompt": "ROMEO:", "max_tokens": 0}', "max_tokens", "max_tokens"),
+    (b'{"model": "target", "prompt": "ROMEO:", "n": 2}', "n must be 1", "n"),
+    (b'{"model": "target", "prompt": ""}', "prompt", "prompt"),
+    (b'{"model": "target", "prompt": "ROMEO:", "stop": [1]}', "stop", "stop"),
+    (b'{"model": "target", "prompt": "ROMEO:", "max_tokens": 100000}', "too long", "prompt"),
+    (b'{"model": "target", "prompt": "ROMEO:", "seed": -3}', "seed", "seed"),
+    (b'{"model": "target", "messages": [{"role": "user", "content": "hi"}]}', "no chat template", "model"),
+    (b'{"model": "target", "prompt": "ROMEO:", "stream": true, "stream_options": 3}', "stream_options",
+     "stream_options"),
+    (b'{"model": "target", "messages": [], "tools": []}', "unsupported fields: tools", "tools"),
+    (b'{"model": "target", "prompt": "ROMEO:", "max_completion_tokens": 3}', "unsupported fields: max_comp",
+     "max_completion_tokens"),  # a chat field
+    *[(json.dumps({"model": "target", "prompt": "ROMEO:", name: value}).encode(), f"unsupported fields: {name}", name)
+      for name, value in REFUSED_FIELDS.items()],
+], ids=lambda v: repr(v[:60]) if isinstance(v, bytes) else None)
+def test_bad_input_gets_400_with_an_error_object_and_the_server_keeps_serving(served, content, message, param):
     url = served[1]
     path = "/v1/chat/completions" if b"messages" in content else "/v1/completions"
     r = httpx.post(url + path, content=content, headers={"Content-Type": "application/json"}, timeout=30)
     assert r.status_code == 400, r.text
     error = r.json()["error"]
     assert message in error["message"] and error["type"] == "invalid_request_error" and "\n" not in error["message"]
-    ok = httpx.post(url + "/v1/completions", json={"model": "target", "prompt": "ROMEO:", "max_tokens": 2}, timeout=30)
-    assert ok.status_code == 200
+    assert error["param"] == param, error
+    serves(url)
+
+
+def test_errors_quote_only_the_beginning_of_what_was_sent(served):
+    """A 500,000-character model name, temperature or field name, a prompt of 80 characters the model
+    does not know: the error quotes the start of it."""
+    url, huge, unknown = served[1], "ROMEO" * 100_000, "".join(map(chr, range(0x4E00, 0x4E50)))
+    for body in [{"model": huge, "prompt": "ROMEO:"}, {"model": "target", "prompt": "ROMEO:", "temperature": huge},
+                 {"model": "target", "prompt": "ROMEO:", huge: 1}, {"model": "target", "prompt": unknown}]:
+        r = httpx.post(url + "/v1/completions", json=body, timeout=30)
+        error = r.json()["error"]
+        assert r.status_code == 400 and len(error["message"]) <= MESSAGE_CHARS + 1, error["message"][:200]
+        assert len(str(error["param"])) <= MESSAGE_CHARS + 1
+    serves(url)
+
+
+@USES
+def test_unknown_paths_methods_and_broken_http_get_openai_error_objects(served):
+    url = served[1]
+    r = httpx.post(url + "/v1/embeddings", json={"model": "target", "input": "x"}, timeout=30)
+    assert r.status_code == 404 and r.json()["error"]["type"] == "invalid_request_error"
+    assert "/v1/embeddings" in r.json()["error"]["message"]
+    r = httpx.get(url + "/v1/completions", timeout=30)
+    assert r.status_code == 405 and r.headers["Allow"] == "POST" and "GET" in r.json()["error"]["message"]
+    with raw(url, b"POST /v1/completions HTTP/1.1\r\nHost: test\r\nContent-Length: many\r\n\r\n") as sock:
+        status, body = response(sock)  # not HTTP: uvicorn's 400, as an error object too
+    assert status == 400 and body["error"]["type"] == "invalid_request_error"
+    serves(url)
+
+
+@USES
+def test_a_body_over_the_limit_gets_413_by_its_length_or_as_it_arrives(served):
+    url = served[1]
+    sock = raw(url, post_head(MAX_BODY_BYTES + 1))  # the declared length alone: nothing of it is sent
+    with sock:
+        status, body = response(sock)
+    assert status == 413 and str(MAX_BODY_BYTES) in body["error"]["message"]
+    chunks = (b"x" * 65536 for _ in range(MAX_BODY_BYTES // 65536 + 2))  # chunked: no length to go by
+    r = httpx.post(url + "/v1/completions", content=chunks, headers={"Content-Type": "application/json"}, timeout=30)
+    assert r.status_code == 413 and r.json()["error"]["type"] == "invalid_request_error"
+    r = httpx.post(url + "/v1/completions", json={"model": "target", "prompt": "ROMEO " * 700_000}, timeout=30)
+    assert r.status_code == 413
+    serves(url)
+
+
+@USES
+def test_a_long_prompt_is_refused_by_its_size_and_tokenizing_leaves_the_event_loop_free(served, monkeypatch):
+    """300,000 characters cannot fit a context of 256 tokens: refused without tokenizing. A slow
+    tokenizer (1 s per prompt) runs in a worker thread: /health answers meanwhile."""
+    server, url = served
+    tok, calls = server.tokenizer, []
+    encode = tok.encode
+    monkeypatch.setattr(tok, "encode", lambda text: calls.append(len(text)) or (time.sleep(1.0), encode(text))[1])
+    r = httpx.post(url + "/v1/completions", json={"model": "target", "prompt": "ROMEO " * 50_000}, timeout=30)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded" and calls == []
+    with ThreadPoolExecutor(1) as pool:
+        answer = pool.submit(httpx.post, url + "/v1/completions", json={"model": "target", "prompt": "ROMEO:",
+                                                                         "max_tokens": 2}, timeout=30)
+        while not calls:
+            time.sleep(0.01)
+        t0 = time.monotonic()
+        assert httpx.get(url + "/health", timeout=30).status_code == 200
+        assert time.monotonic() - t0 < 0.5, "the event loop waited for the tokenizer"
+        assert answer.result().status_code == 200
+
+
+@USES
+def test_without_max_tokens_a_request_gets_as_many_tokens_as_fit(served):
+    """The character model's context is 256 tokens: a 245-character prompt with no max_tokens gets
+    the 12 tokens that fit (the last one is never cached), through the openai client."""
+    server, url = served
+    prompt = "ROMEO:\n" * 35
+    r = client(url).completions.create(model="target", prompt=prompt, temperature=0)
+    assert server.context == 256 and r.usage.completion_tokens == 256 - len(prompt) + 1 == 12
+    assert r.choices[0].finish_reason == "length"
+    serves(url)
 
 
 def test_the_long_prompt_error_reaches_the_openai_client(served):

@@ -674,7 +674,8 @@ def uvicorn_config(server: Server, **options):
     class HeadersDeadline(H11Protocol):
         """uvicorn's HTTP/1.1 protocol with a deadline on a request's line and headers: a connection still
         sending them ``timeout_keep_alive`` seconds after it opened or began its next request gets a 408
-        and is closed. (uvicorn alone waits for them forever, so trickling clients could hold it.)"""
+        and is closed. (uvicorn alone waits for them forever, so trickling clients could hold it.) Its
+        400 for bytes that are not HTTP is an error object too."""
 
         deadline = None
 
@@ -701,11 +702,18 @@ def uvicorn_config(server: Server, **options):
         def headers_too_slow(self) -> None:
             self.deadline = None
             if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
-                error = ApiError(408, f"the request headers did not arrive within {self.timeout_keep_alive:g} s")
-                body = json.dumps(error.body()).encode()
-                self.transport.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
-                                     b"connection: close\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body))
-                self.transport.close()
+                self.close_with(408, b"Request Timeout",
+                                f"the request headers did not arrive within {self.timeout_keep_alive:g} s")
+
+        def send_400_response(self, msg: str) -> None:  # uvicorn's answer to bytes that are not HTTP
+            self.close_with(400, b"Bad Request", msg)
+
+        def close_with(self, status: int, reason: bytes, message: str) -> None:
+            """Answer with an error object and close; written as bytes, as no request may have been parsed."""
+            body = json.dumps(ApiError(status, message).body()).encode()
+            self.transport.write(b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\nconnection: close\r\n"
+                                 b"content-length: %d\r\n\r\n%s" % (status, reason, len(body), body))
+            self.transport.close()
 
     return uvicorn.Config(build_app(server), http=HeadersDeadline, timeout_keep_alive=server.request_timeout,
                           log_level="warning", **options)
