@@ -234,13 +234,15 @@ def check_trained_for(header: dict, model, path, kind: str, retrain: str, made: 
                                   f"make one for this model with {retrain}")
 
 
-def trained_file(path, shipped: Path, model_name: str, kind: str, retrain: str) -> Path:
+def trained_file(path, shipped: Path, model_name: str, kind: str, retrain: str, option: str) -> Path:
     """The file of a trained add-on: ``path`` when one is given, else ``shipped``, the one shipped for
-    ``model_name``; ValueError (one line) for an empty path, and when none is given and none ships."""
+    ``model_name``; ValueError (one line) for an empty path, and when none is given and none ships (its
+    hint: train one with ``retrain``, then pass ``option``)."""
     if path is None:
         if not shipped.is_file():
-            raise ValueError(f"no {kind} file is shipped for model {model_name!r}; train one with {retrain}, "
-                             "then pass its file")
+            plural = kind.endswith("s")  # "Medusa heads"
+            raise ValueError(f"no {kind} {'ship' if plural else 'ships'} for model {model_name!r}; train "
+                             f"{'them' if plural else 'one'} with {retrain}, then pass {option}")
         return shipped
     if not str(path).strip():
         raise ValueError(f"the {kind} file name is empty: name a file (.npz), or leave it out for the shipped one")

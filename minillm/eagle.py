@@ -61,6 +61,7 @@ MAX_DEPTH = 12  # draft tokens per round (chain length or tree depth)
 MAX_TREE_NODES = 64
 DRAFT_KIND = "EAGLE draft"
 DRAFT_RETRAIN = "python -m minillm eagle-data --out DIR, then eagle-train --data DIR --out DRAFT.npz"
+DRAFT_OPTION = "--eagle-draft DRAFT.npz"
 
 
 def check_int(name: str, value, low: int, high: int) -> int:
@@ -216,8 +217,8 @@ def shipped_draft_path(model_name: str) -> Path:
 
 def load_draft(target, model_name: str, path=None) -> EagleDraft:
     """The draft at ``path`` (``--eagle-draft``), or when none is given the one shipped for ``model_name``."""
-    return EagleDraft.load(target, trained_file(path, shipped_draft_path(model_name), model_name, DRAFT_KIND,
-                                                DRAFT_RETRAIN))
+    path = trained_file(path, shipped_draft_path(model_name), model_name, DRAFT_KIND, DRAFT_RETRAIN, DRAFT_OPTION)
+    return EagleDraft.load(target, path)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -238,7 +238,7 @@ def read_answers(data_dir, model, max_parts: int | None = None) -> dict:
         raise ValueError(f"the number of data parts to read must be >= 1, got {max_parts}")
     found = data_parts(data_dir)
     if 0 not in found:
-        raise ValueError(f"{data_dir} holds no EAGLE data (part-00000.npz): run {DATA_COMMAND}")
+        raise ValueError(f"{data_dir} holds no EAGLE data parts (part-00000.npz): run {DATA_COMMAND}")
     header, _ = read_part(found[0], model, index=0)
     arguments, n_parts = header["arguments"], header.get("parts")
     if not isinstance(n_parts, int) or max(found) >= n_parts:

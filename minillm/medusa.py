@@ -57,6 +57,7 @@ TOP_K = (4, 3, 2, 2)  # candidates per head for the sparse tree
 MAX_NODES = 20  # tree nodes, the root included
 HEADS_KIND = "Medusa heads"
 HEADS_RETRAIN = "python -m minillm medusa-train --model MODEL --out HEADS.npz"
+HEADS_OPTION = "--medusa-heads HEADS.npz"
 
 
 def check_n_heads(n_heads) -> int:
@@ -170,7 +171,7 @@ def shipped_heads_path(model_name: str) -> Path:
 
 def load_heads(model, model_name: str, path=None) -> MedusaHeads:
     """The heads at ``path`` (``--medusa-heads``), or when none is given those shipped for ``model_name``."""
-    path = trained_file(path, shipped_heads_path(model_name), model_name, HEADS_KIND, HEADS_RETRAIN)
+    path = trained_file(path, shipped_heads_path(model_name), model_name, HEADS_KIND, HEADS_RETRAIN, HEADS_OPTION)
     return MedusaHeads.load(model, path)
 
 

@@ -126,7 +126,8 @@ def test_load_draft_says_what_is_missing(target, draft_file, tmp_path):
         load_draft(target, "smollm2-135m", tmp_path / "missing.npz")
     with pytest.raises(ValueError, match="EAGLE draft file name is empty"):
         load_draft(target, "smollm2-135m", "")
-    with pytest.raises(ValueError, match="no EAGLE draft file is shipped for model 'target'.*eagle-train"):
+    with pytest.raises(ValueError, match="no EAGLE draft ships for model 'target'; train one .*eagle-train.*"
+                       "then pass --eagle-draft DRAFT.npz"):
         load_draft(target, "target")
     assert load_draft(target, "target", draft_file).subset.tolist() == SUBSET
 

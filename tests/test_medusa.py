@@ -378,7 +378,8 @@ def test_load_heads_refuses_an_empty_name_and_says_when_a_file_is_missing(tmp_pa
         load_heads(model, "target", "")
     with pytest.raises(CheckpointError, match="Medusa heads not found: .*missing.npz"):
         load_heads(model, "target", tmp_path / "missing.npz")
-    with pytest.raises(ValueError, match="no Medusa heads file is shipped for model 'mine'.*medusa-train"):
+    with pytest.raises(ValueError, match="no Medusa heads ship for model 'mine'; train them .*medusa-train.*"
+                       "then pass --medusa-heads HEADS.npz"):
         load_heads(model, "mine")
 
 
