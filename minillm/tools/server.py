@@ -554,16 +554,19 @@ def build_app(server: Server):
     async def read_body(request) -> dict:
         """The body, at most MAX_BODY_BYTES (by Content-Length, then as it arrives: 413), whole within
         ``server.request_timeout`` (408) -> its JSON object. A client that leaves meanwhile: one log line."""
+        def too_large() -> ApiError:
+            return ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+
         declared = request.headers.get("content-length", "0")  # h11 has checked that it is digits
         if len(declared) > len(str(MAX_BODY_BYTES)) or int(declared) > MAX_BODY_BYTES:
-            raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+            raise too_large()
         raw = bytearray()
         try:
             async with asyncio.timeout(server.request_timeout):
                 async for chunk in request.stream():
                     raw += chunk
                     if len(raw) > MAX_BODY_BYTES:
-                        raise ApiError(413, f"the request body is larger than {MAX_BODY_BYTES} bytes")
+                        raise too_large()
         except TimeoutError:
             raise ApiError(408, f"the request body did not arrive within {server.request_timeout:g} s") from None
         except ClientDisconnect:
