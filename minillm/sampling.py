@@ -36,6 +36,16 @@ from .backend import to_numpy
 MIN_TEMPERATURE = 1e-6
 
 
+def finite_real(x) -> bool:
+    """A real number (not a bool) that a float holds finitely: 10**400 is refused, not an OverflowError."""
+    if isinstance(x, bool) or not isinstance(x, numbers.Real):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
 @dataclass(frozen=True)
 class SamplingSettings:
     """How logits become a token: temperature (0 = greedy), top-k, top-p. Checked once, here.
@@ -51,13 +61,13 @@ class SamplingSettings:
 
     def __post_init__(self):
         t, k, p = self.temperature, self.top_k, self.top_p
-        if isinstance(t, bool) or not isinstance(t, numbers.Real) or not math.isfinite(t) or t < 0:
+        if not finite_real(t) or t < 0:
             raise ValueError(f"temperature must be a finite number >= 0 (0 is greedy), got {t!r}")
         if 0 < t < MIN_TEMPERATURE:
             raise ValueError(f"temperature must be 0 (greedy) or >= {MIN_TEMPERATURE}, got {t!r}")
         if k is not None and (isinstance(k, bool) or not isinstance(k, numbers.Integral) or k < 1):
             raise ValueError(f"top_k must be an integer >= 1, got {k!r}")
-        if p is not None and (isinstance(p, bool) or not isinstance(p, numbers.Real) or not 0 < p <= 1):
+        if p is not None and (not finite_real(p) or not 0 < p <= 1):
             raise ValueError(f"top_p must be in (0, 1], got {p!r}")
 
     @property
