@@ -3,8 +3,10 @@
 Files are written atomically: to a temporary file in the same folder (``<name>.<8 chars>.tmp``),
 flushed, then renamed over the destination, so a crash mid-write never leaves a half-written
 checkpoint behind; the temp files a killed writer left are removed by ``remove_stale_temps``.
-Loading checks before it trusts: the shapes every array declares (read from the archive's member
-headers, before any array is read) against the shapes the config implies, and every weight finite.
+Loading checks before it trusts: the name, shape and dtype every array declares (read from the
+archive's member headers, before any array is read) against what the file's header implies, then
+every number finite. A trained add-on (Medusa heads, an EAGLE draft, their training files) names the
+model it belongs to (``model_identity``); ``check_trained_for`` is the one check of it.
 ``load_model("target")`` and ``load_model("draft")`` load the models shipped in the package.
 """
 
