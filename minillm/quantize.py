@@ -128,7 +128,7 @@ class F32:
 class BF16:
     """bfloat16: the float32's sign, 8-bit exponent and top 7 mantissa bits.  bits (m, k) uint16.
 
-    Same range as float32, relative error up to 2**-9 (rounded to nearest, ties to even).
+    Same range as float32, relative error up to 2**-8 (half of 7 mantissa bits) (rounded to nearest, ties to even).
     Example: 1.0 = 0x3F800000 -> 0x3F80; 1 + 2**-8 lies halfway between 0x3F80 and 0x3F81 -> 0x3F80 (even).
     """
 

@@ -1,0 +1,99 @@
+"""Quantized products (chapter 13): the packed numba kernels against the NumPy reference, and their
+machine code.
+
+``check_product`` is the specification: for every format, ``qkernels.product(x, pack(W))`` equals
+``x @ W.dequantize().T`` up to float32 rounding of a reordered sum, for n = 1..17 token rows (every
+row tile, the zero-padded ones, and 17 = a second pass), m not a multiple of the panel of 16 and k
+not a multiple of the 8 interleaved sums. The assembly test fails when the inner loop is scalar,
+and a planted build (fastmath with ``reassoc``) shows that it can fail.
+"""
+
+import contextlib
+
+import numpy as np
+import pytest
+
+from minillm.quantize import BF16, F32, Q4_1, Q8_0, QK, Int8PerChannel, QuantError
+
+qkernels = pytest.importorskip("minillm.qkernels")  # needs numba
+
+pytestmark = pytest.mark.host_only  # numba on the host CPU only
+
+FORMATS = {"F32": F32, "BF16": BF16, "Q8_0": Q8_0, "Q4_1": Q4_1}
+TOL = 2e-6  # relative to sum_t |x[i, t] w[j, t]|: float32 rounding of a sum reordered into 8 chains
+
+
+def check_product(fmt, w, x):
+    """product(x, pack(quantize(w))) == x @ dequantize(w).T (float64), row by row."""
+    weight = FORMATS[fmt].quantize(w)
+    ref_w = weight.dequantize().astype(np.float64)
+    y = qkernels.product(x, qkernels.pack(weight))
+    assert y.dtype == np.float32 and y.shape == (x.shape[0], w.shape[0])
+    ref = x.astype(np.float64) @ ref_w.T
+    scale = np.abs(x).astype(np.float64) @ np.abs(ref_w).T
+    assert np.all(np.abs(y - ref) <= TOL * scale + 1e-30), f"{fmt} n={x.shape[0]}: {np.abs(y - ref).max()}"
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_every_format_matches_the_reference_for_1_to_17_rows(fmt):
+    """n = 1..17 (tiles 1, 2, 4, 8, 16, padded tiles, 17 = 16 + 1), m = 37 (three panels, the last
+    padded), k = 96 (three blocks; the F32 and BF16 tails need k % 8 != 0, below)."""
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((37, 3 * QK)).astype(np.float32)
+    for n in range(1, 18):
+        check_product(fmt, w, rng.standard_normal((n, 3 * QK)).astype(np.float32))
+
+
+@pytest.mark.parametrize("fmt", ["F32", "BF16"])
+@pytest.mark.parametrize("n", [1, 3])
+def test_float_formats_take_any_inner_size(fmt, n):
+    """k = 77 leaves a tail after the interleaved sums: 8 chains at n = 1, 2 at n = 3 (tile 4)."""
+    rng = np.random.default_rng(1)
+    w, x = rng.standard_normal((18, 77)).astype(np.float32), rng.standard_normal((n, 77)).astype(np.float32)
+    check_product(fmt, w, x)
+
+
+def test_pack_layout_example():
+    """A Q4_1 (1536, 576) weight -> dm (96, 18, 2, 16) and qs (96, 18, 16, 16): the file's 20 bytes per block."""
+    w = np.random.default_rng(2).standard_normal((1536, 576)).astype(np.float32)
+    weight = Q4_1.quantize(w)
+    packed = qkernels.pack(weight)
+    assert [a.shape for a in packed.arrays] == [(96, 18, 2, 16), (96, 18, 16, 16)]
+    assert packed.nbytes == weight.raw.nbytes
+
+
+def test_bad_inputs_are_refused():
+    rng = np.random.default_rng(3)
+    w = rng.standard_normal((20, 64)).astype(np.float32)
+    packed = qkernels.pack(Q8_0.quantize(w))
+    with pytest.raises(QuantError, match="does not match the weight"):
+        qkernels.product(np.ones((2, 63), np.float32), packed)
+    with pytest.raises(QuantError, match="does not match the weight"):
+        qkernels.product(np.ones((0, 64), np.float32), packed)
+    with pytest.raises(QuantError, match="must be float32"):
+        qkernels.product(np.ones((2, 64)), packed)
+    with pytest.raises(QuantError, match="no kernel for Int8PerChannel"):
+        qkernels.pack(Int8PerChannel.quantize(w))
+    with pytest.raises(QuantError, match="block of 32"):
+        qkernels.pack(Q4_1.quantize(w[:, :48]))
+    with pytest.raises(QuantError, match="NaN or inf"):
+        qkernels.pack(np.full((4, 8), np.inf, np.float32))
+
+
+@pytest.mark.parametrize("fmt, rows", [("Q4_1", 1), ("Q8_0", 8)])
+def test_inner_loop_is_vector_code(fmt, rows):
+    """The kernel's FMAs are vector FMAs (ymm or zmm), none scalar: the settings in vector_compile work."""
+    counts = qkernels.vector_fma_count(qkernels.machine_code(fmt, rows))
+    assert counts["zmm"] + counts["ymm"] >= rows and counts["scalar"] == 0, counts
+
+
+def test_the_vector_check_catches_scalar_code(monkeypatch):
+    """Planted: the same kernel built with numba's default settings (no vector_compile) is scalar code,
+    which the count above rejects."""
+    monkeypatch.setattr(qkernels, "vector_compile", contextlib.nullcontext)
+    counts = qkernels.vector_fma_count(qkernels.machine_code("F32", 1))
+    assert counts["scalar"] > 0 and counts["zmm"] + counts["ymm"] == 0, counts
+
+
+def test_row_tiles():
+    assert [qkernels.row_tile(n) for n in (1, 2, 3, 5, 8, 9, 16)] == [1, 2, 4, 8, 8, 16, 16]
