@@ -31,7 +31,6 @@ from pathlib import Path
 
 import numpy as np
 
-from .attention import softmax
 from .backend import to_numpy, xp
 from .checkpoint import (
     FLOAT_WEIGHTS,
@@ -46,11 +45,12 @@ from .checkpoint import (
     read_npz,
 )
 from .kv_cache import KVCache
-from .llama import apply_rope, repeat_kv, rms_norm, rope_cos_sin, silu
-from .model import merge_heads, split_heads
+from .llama import LlamaOps, grouped_attention, llama_blocks, stacked_weights
+from .nn import merge_heads, silu, split_heads
 from .sampling import SamplingSettings, sample
 from .train import (
     AdamW,
+    Recording,
     TrainConfig,
     attention_backward,
     check_step,
@@ -267,6 +267,7 @@ def read_answers(data_dir, model, max_parts: int | None = None) -> dict:
 
 FEATURE_WEIGHT = 1.0  # EAGLE's weight of the feature regression beside the token loss (its w_reg)
 HUBER_DELTA = 1.0  # SmoothL1's switch from quadratic to linear
+DRAFT_LAYERS = 1  # the draft is one decoder layer of the target's shape (``eagle.EagleDraft``)
 
 
 def rms_norm_backward(dy, x, w, eps: float):
@@ -308,6 +309,60 @@ def smooth_l1(x, y, delta: float = HUBER_DELTA):
     return float(loss.mean()), xp.clip(d / delta, -1.0, 1.0) / d.size
 
 
+class LlamaRecording(Recording):
+    """The draft's Llama block on the tape (``train.Recording``): RMSNorm, SwiGLU, RoPE and grouped-query
+    attention going back. The products that read stacked weights (q|k|v, gate|up) split their gradient
+    into each weight's rows."""
+
+    def __init__(self, config, params: dict):
+        stacked = stacked_weights(params, DRAFT_LAYERS, lambda p, names: xp.concatenate([p[n] for n in names], axis=0))
+        super().__init__(LlamaOps(config, params, None, stacked))
+        self.rows = {name: [(n, params[n].shape[0]) for n in names]  # stacked product -> (weight, its rows)
+                     for name, names in stacked_names(DRAFT_LAYERS).items()}
+        self.table.attention = grouped_attention(self.attention, config.n_head // config.n_kv_head)
+
+    def rope(self, pos):
+        """RoPE's tables in the parameters' dtype (float64 for a gradient check), kept for the backward."""
+        dtype = self.table.params["norm.weight"].dtype
+        self.cos_sin = tuple(t.astype(dtype) for t in self.table.rope(pos))
+        return self.cos_sin
+
+    def norm_backward(self, d, x, name, grads):
+        cfg = self.table.config
+        dx, grads[name + ".weight"] = rms_norm_backward(d, x, self.table.params[name + ".weight"], cfg.norm_eps)
+        return dx
+
+    def weight_grads(self, grads, name, dw, db):
+        """dw [in, out] -> each [out, in] weight's gradient (its rows of a stacked product)."""
+        start = 0
+        for param, rows in self.rows.get(name, [(name + ".weight", dw.shape[1])]):
+            grads[param] = dw[:, start : start + rows].T
+            start += rows
+
+    def act_backward(self, d, gate_up):
+        """forward: a = silu(g) * u, (g | u) the two halves of gate_up.  -> d (g | u)"""
+        g, up = xp.split(gate_up, 2, axis=-1)
+        return xp.concatenate([d * up * silu_grad(g), d * silu(g)], axis=-1)
+
+    def attend_backward(self, dy, q, kr, vr, att):
+        """(B, T, C) merged heads -> (B, T, q_dim + 2 kv_dim): d q | d k | d v, back through RoPE and the
+        head repeat (each KV head served n_head / n_kv_head query heads)."""
+        cfg = self.table.config
+        B, nh, T, hs = q.shape
+        nkv = cfg.n_kv_head
+        dq, dkr, dvr = attention_backward(split_heads(dy, nh), q, kr, vr, att)
+        dk = dkr.reshape(B, nkv, nh // nkv, T, hs).sum(axis=2)
+        dv = dvr.reshape(B, nkv, nh // nkv, T, hs).sum(axis=2)
+        cos, sin = self.cos_sin
+        dq, dk = rope_backward(dq, cos, sin), rope_backward(dk, cos, sin)
+        return xp.concatenate([merge_heads(dq), merge_heads(dk), merge_heads(dv)], axis=-1)
+
+
+def stacked_names(n_layer: int) -> dict:
+    """{stacked product: the weights it reads, in row order}, as ``llama.stacked_weights`` stacks them."""
+    return stacked_weights({}, n_layer, lambda params, names: names)
+
+
 def draft_forward_backward(params: dict, config, embed, lm_subset, feats, next_tokens, next_feats, targets,
                            feature_weight: float = FEATURE_WEIGHT):
     """EAGLE's loss on windows and its gradient for every draft parameter (``eagle.draft_param_shapes``).
@@ -317,31 +372,12 @@ def draft_forward_backward(params: dict, config, embed, lm_subset, feats, next_t
     embed (V, C) and lm_subset (V', C) are frozen. Causal attention within each window.
     -> (loss, {"token": CE, "feature": SmoothL1}, grads). Works in the params' dtype.
     """
-    p, eps = params, config.norm_eps
     B, T, C = feats.shape
-    nh, nkv, hs = config.n_head, config.n_kv_head, config.head_size
-    rep = nh // nkv
-    L = "layers.0."
-    # forward, keeping what the backward pass needs
+    # forward: the input projection, then the Llama block itself, recorded
     a = xp.concatenate([embed[next_tokens], feats], axis=-1)  # (B, T, 2C)
-    u = a @ p["fc.weight"].T  # (B, T, C)
-    n1 = rms_norm(u, p[L + "input_layernorm.weight"], eps)
-    q0 = split_heads(n1 @ p[L + "self_attn.q_proj.weight"].T, nh)  # (B, nh, T, hs)
-    k0 = split_heads(n1 @ p[L + "self_attn.k_proj.weight"].T, nkv)  # (B, nkv, T, hs)
-    v = split_heads(n1 @ p[L + "self_attn.v_proj.weight"].T, nkv)
-    cos, sin = (c.astype(feats.dtype) for c in rope_cos_sin(xp.arange(T), hs, config.rope_theta))
-    q, k = apply_rope(q0, cos, sin), apply_rope(k0, cos, sin)
-    kr, vr = repeat_kv(k, rep), repeat_kv(v, rep)  # (B, nh, T, hs)
-    scores = q @ kr.swapaxes(-1, -2) / np.sqrt(hs) + xp.triu(xp.full((T, T), -xp.inf, dtype=feats.dtype), 1)
-    att = softmax(scores)  # (B, nh, T, T)
-    m = merge_heads(att @ vr)  # (B, T, C)
-    r1 = u + m @ p[L + "self_attn.o_proj.weight"].T
-    n2 = rms_norm(r1, p[L + "post_attention_layernorm.weight"], eps)
-    g = n2 @ p[L + "mlp.gate_proj.weight"].T  # (B, T, H)
-    up = n2 @ p[L + "mlp.up_proj.weight"].T
-    s = silu(g) * up
-    r2 = r1 + s @ p[L + "mlp.down_proj.weight"].T
-    f_hat = rms_norm(r2, p["norm.weight"], eps)  # (B, T, C)
+    u = a @ params["fc.weight"].T  # (B, T, C)
+    tape = LlamaRecording(config, params)
+    f_hat = llama_blocks(tape, u, xp.arange(T), None, DRAFT_LAYERS)  # (B, T, C)
     # the two losses
     rows = xp.nonzero(targets.reshape(-1) >= 0)[0]
     logits = f_hat.reshape(-1, C)[rows] @ lm_subset.T  # (N, V')
@@ -350,32 +386,9 @@ def draft_forward_backward(params: dict, config, embed, lm_subset, feats, next_t
     dlogits = cross_entropy_backward(probs, targets.reshape(-1)[rows])  # (N, V')
     df = (feature_weight * dfeat).reshape(-1, C)
     df[rows] += dlogits @ lm_subset
-    df = df.reshape(B, T, C)
-    # backward, top down
-    grads = {}
-
-    def linear_grad(dout, x, name):  # forward y = x @ W.T with W [out, in]: dW = dout^T x, dx = dout W
-        grads[name] = dout.reshape(-1, dout.shape[-1]).T @ x.reshape(-1, x.shape[-1])
-        return dout @ p[name]
-
-    dr2, grads["norm.weight"] = rms_norm_backward(df, r2, p["norm.weight"], eps)
-    ds = linear_grad(dr2, s, L + "mlp.down_proj.weight")
-    dg = ds * up * silu_grad(g)
-    dn2 = linear_grad(dg, n2, L + "mlp.gate_proj.weight") + linear_grad(ds * silu(g), n2, L + "mlp.up_proj.weight")
-    post = L + "post_attention_layernorm.weight"
-    dn, grads[post] = rms_norm_backward(dn2, r1, p[post], eps)
-    dr1 = dr2 + dn
-    dm = linear_grad(dr1, m, L + "self_attn.o_proj.weight")
-    dy = split_heads(dm, nh)  # (B, nh, T, hs)
-    dq, dkr, dvr = attention_backward(dy, q, kr, vr, att)
-    dk = dkr.reshape(B, nkv, rep, T, hs).sum(axis=2)  # each KV head served rep query heads
-    dv = dvr.reshape(B, nkv, rep, T, hs).sum(axis=2)
-    dq0, dk0 = rope_backward(dq, cos, sin), rope_backward(dk, cos, sin)
-    dn1 = (linear_grad(merge_heads(dq0), n1, L + "self_attn.q_proj.weight")
-           + linear_grad(merge_heads(dk0), n1, L + "self_attn.k_proj.weight")
-           + linear_grad(merge_heads(dv), n1, L + "self_attn.v_proj.weight"))
-    du, grads[L + "input_layernorm.weight"] = rms_norm_backward(dn1, u, p[L + "input_layernorm.weight"], eps)
-    linear_grad(dr1 + du, a, "fc.weight")
+    # backward: the tape in reverse, then the input projection
+    du, grads = tape.backward(df.reshape(B, T, C))
+    grads["fc.weight"] = du.reshape(-1, C).T @ a.reshape(-1, 2 * C)
     loss = ce + feature_weight * feat_loss
     return loss, {"token": ce, "feature": feat_loss}, grads
 

@@ -27,16 +27,8 @@ import numpy as np
 
 from .backend import to_numpy, weight_product, xp
 from .config import LlamaConfig
-from .model import (
-    DEFAULT_ATTENTION,
-    INIT_STD,
-    check_layers,
-    check_params,
-    get_attention,
-    merge_heads,
-    split_heads,
-    token_positions,
-)
+from .model import DEFAULT_ATTENTION, INIT_STD, check_layers, check_params, get_attention, token_positions
+from .nn import linear, merge_heads, rope_cos_sin, silu, split_heads
 
 
 def rms_norm(x, w, eps: float):
@@ -45,21 +37,6 @@ def rms_norm(x, w, eps: float):
     mean_square = (x * x).sum(axis=-1, keepdims=True) / x.shape[-1]  # (..., 1)
     return x / xp.sqrt(mean_square + eps) * w
     # EXERCISE 8.2 END
-
-
-def rope_cos_sin(pos, head_size: int, theta: float):
-    """cos and sin of each position's angles pos * theta^(-2j/hs), j = 0..hs/2-1, for the rotate-half layout.
-
-    Dimension j and j + hs/2 share angle j, so each table is [angles | angles] along the last axis.
-    pos (T,) -> two (T, hs) float32 tables; pos (B, T) (a ragged batch) -> (B, 1, T, hs), one per row.
-    Computed in float64: at position 8000 a float32 angle would be off by ~5e-4 rad.
-    """
-    inv_freq = theta ** (-xp.arange(0, head_size, 2, dtype=xp.float64) / head_size)  # (hs/2,)
-    angles = xp.asarray(pos, dtype=xp.float64)[..., None] * inv_freq  # (..., T, hs/2)
-    angles = xp.concatenate([angles, angles], axis=-1)  # (..., T, hs)
-    if angles.ndim == 3:
-        angles = angles[:, None]  # (B, 1, T, hs): broadcast over heads
-    return xp.cos(angles).astype(xp.float32), xp.sin(angles).astype(xp.float32)
 
 
 def apply_rope(x, cos, sin):
@@ -102,11 +79,6 @@ def grouped_attention(attention, n_rep: int):
     return grouped
 
 
-def silu(x):
-    """x * sigmoid(x), with sigmoid(x) = (1 + tanh(x / 2)) / 2 (no exp overflow for large |x|)."""
-    return x * (0.5 + 0.5 * xp.tanh(0.5 * x))
-
-
 def swiglu(x, w_gate_up, w_down):
     """down(silu(gate(x)) * up(x)), gate and up in one product: w_gate_up = [w_gate; w_up] (2H, C).
 
@@ -128,17 +100,102 @@ def stack_rows(params: dict, names: list[str]):
     return stacked
 
 
-class Llama:
-    """Llama with grouped-query attention and a selectable attention implementation (``model.ATTENTION``)."""
+def llama_block(ops, layer: int, x, h, cache, rope):
+    """One Llama block over the table ``ops``, the previous block's MLP output h added first (none before the
+    first block), RoPE's tables ``rope`` (from ``ops.rope(pos)``) turning q and k:
+
+        x = x + h;   x = x + attn(rms_norm(x));   h = swiglu(rms_norm(x))       -> (x, h), each (B, T, C)
+    """
+    b = f"layers.{layer}."
+    x, n = ops.add_norm(x, h, b + "input_layernorm")  # x = x + h;  n = rms_norm(x)
+    y = ops.attend(layer, ops.product(n, b + "qkv"), cache, rope)  # q|k|v in one product -> heads merged (B, T, C)
+    x, n = ops.add_norm(x, ops.product(y, b + "self_attn.o_proj"), b + "post_attention_layernorm")
+    return x, ops.product(ops.act(ops.product(n, b + "gate_up")), b + "mlp.down_proj")  # (B, T, 2H) -> (B, T, C)
+
+
+def llama_blocks(ops, x, pos, cache, layers: int):
+    """``layers`` blocks on the residual stream x (B, T, C) at positions pos, then the last add and the
+    final RMSNorm -> (B, T, C)."""
+    rope, h = ops.rope(pos), None
+    for layer in range(layers):
+        x, h = llama_block(ops, layer, x, h, cache, rope)
+    return ops.add_norm(x, h, "norm")[1]
+
+
+class LlamaOps:
+    """The operations of a Llama block in array code: the default table of ``llama_block`` (the same ops as
+    ``model.GPTOps``: product, add_norm, act, attend, and rope for the position tables).
+
+    ``stacked`` holds the products that read several weights in one pass: "layers.{i}.qkv" (q_dim + 2 kv_dim, C)
+    and "layers.{i}.gate_up" (2H, C); every other product reads its own weight. Weights are [out, in].
+    """
+
+    def __init__(self, config: LlamaConfig, params: dict, attention, stacked: dict):
+        self.config, self.params, self.attention, self.stacked = config, params, attention, stacked
+
+    def weight(self, name: str) -> tuple:
+        """The weight called name as (w [in, out], bias None): a transposed view of the [out, in] matrix."""
+        w = self.stacked[name] if name in self.stacked else self.params[name + ".weight"]
+        return w.T, None
+
+    def norm_weights(self, name: str) -> tuple:
+        return (self.params[name + ".weight"],)
+
+    def product(self, x, name: str):
+        """x @ W^T for W [out, in].  (..., in) -> (..., out)"""
+        return linear(x, *self.weight(name))
+
+    def add_norm(self, x, h, name: str):
+        """x + h (the residual stream; x itself when h is None) and its RMSNorm ``name`` -> (x, normed)."""
+        x = x if h is None else x + h
+        return x, rms_norm(x, *self.norm_weights(name), self.config.norm_eps)
+
+    def act(self, gate_up):
+        """silu(gate) * up, gate and up the two halves of the stacked product.  (..., 2H) -> (..., H)"""
+        gate, up = xp.split(gate_up, 2, axis=-1)
+        return silu(gate) * up
+
+    def rope(self, pos) -> tuple:
+        """RoPE's (cos, sin) tables at positions pos: (T, hs) each, or (B, 1, T, hs) for a ragged batch."""
+        cfg = self.config
+        cos, sin = rope_cos_sin(pos, cfg.head_size, cfg.rope_theta)
+        return cos, sin
+
+    def attend(self, layer: int, qkv, cache, rope):
+        """Causal grouped-query self-attention with RoPE on q and k.  (B, T, q_dim + 2 kv_dim) -> (B, T, C)"""
+        cfg = self.config
+        q_dim, kv_dim = cfg.n_head * cfg.head_size, cfg.n_kv_head * cfg.head_size
+        q = split_heads(qkv[..., :q_dim], cfg.n_head)  # (B, nh, T, hs)
+        k = split_heads(qkv[..., q_dim : q_dim + kv_dim], cfg.n_kv_head)  # (B, n_kv_head, T, hs)
+        v = split_heads(qkv[..., q_dim + kv_dim :], cfg.n_kv_head)  # (B, n_kv_head, T, hs)
+        cos, sin = rope
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        if cache is None:
+            y = self.attention(q, k, v, causal=True)  # (B, nh, T, hs)
+        else:
+            y = cache.attend(layer, q, k, v, self.attention)  # stores n_kv_head heads -> (B, nh, T, hs)
+        return merge_heads(y)
+
+
+def stacked_weights(params: dict, n_layer: int, stack) -> dict:
+    """{"layers.{i}.qkv": q, k, v rows; "layers.{i}.gate_up": gate, up rows} made by ``stack(params, names)``."""
+    out = {}
+    for layer in range(n_layer):
+        h = f"layers.{layer}."
+        out[h + "qkv"] = stack(params, [h + f"self_attn.{p}_proj.weight" for p in "qkv"])
+        out[h + "gate_up"] = stack(params, [h + f"mlp.{p}_proj.weight" for p in ("gate", "up")])
+    return out
+
+
+class Llama(LlamaOps):
+    """Llama with grouped-query attention and a selectable attention implementation (``model.ATTENTION``).
+
+    The model is its own table of array-code ops (``LlamaOps``): ``forward`` runs ``llama_blocks(self, ...)``.
+    """
 
     def __init__(self, config: LlamaConfig, params: dict, attention: str = DEFAULT_ATTENTION):
-        self.config = config
-        self.params = check_params(config, params, "Llama")
-        self.stacked = {}  # "layers.{i}.qkv" (q_dim + 2 kv_dim, C), "layers.{i}.gate_up" (2H, C): one read each
-        for layer in range(config.n_layer):
-            h = f"layers.{layer}."
-            self.stacked[h + "qkv"] = stack_rows(self.params, [h + f"self_attn.{p}_proj.weight" for p in "qkv"])
-            self.stacked[h + "gate_up"] = stack_rows(self.params, [h + f"mlp.{p}_proj.weight" for p in ("gate", "up")])
+        params = check_params(config, params, "Llama")
+        super().__init__(config, params, None, stacked_weights(params, config.n_layer, stack_rows))  # one read each
         self.lm_head = self.params["embed_tokens.weight" if config.tie_embeddings else "lm_head.weight"]  # (V, C)
         self.set_attention(attention)
 
@@ -167,44 +224,21 @@ class Llama:
         idx, pos = token_positions(idx, cache, self.config)
         return self.blocks(self.params["embed_tokens.weight"][idx], pos, cache, layers)
 
-    def blocks(self, x, pos, cache=None, layers=None):
-        """The blocks on a residual stream x (B, T, C) at positions pos -> its final RMSNorm (B, T, C).
+    def blocks(self, x, pos, cache=None, layers=None, ops=None):
+        """The blocks of table ``ops`` (this model's array code by default) on a residual stream x (B, T, C) at
+        positions pos -> its final RMSNorm (B, T, C); the cache advances past the T tokens.
 
         ``hidden`` starts x from the token embeddings; an EAGLE draft (``minillm.eagle``) starts it
         from its own input projection and runs a one-block Llama through here.
         """
-        cfg, p = self.config, self.params
-        layers = check_layers(cfg, layers)
-        T = x.shape[1]
-        cos, sin = rope_cos_sin(pos, cfg.head_size, cfg.rope_theta)  # (T, hs) or (B, 1, T, hs)
-        for layer in range(layers):
-            h = f"layers.{layer}."
-            normed = rms_norm(x, p[h + "input_layernorm.weight"], cfg.norm_eps)
-            x = x + self._attention_block(layer, normed, cos, sin, cache)  # (B, T, C)
-            normed = rms_norm(x, p[h + "post_attention_layernorm.weight"], cfg.norm_eps)
-            x = x + swiglu(normed, self.stacked[h + "gate_up"], p[h + "mlp.down_proj.weight"])
+        out = llama_blocks(self if ops is None else ops, x, pos, cache, check_layers(self.config, layers))
         if cache is not None:
-            cache.advance(T)
-        return rms_norm(x, p["norm.weight"], cfg.norm_eps)
+            cache.advance(x.shape[1])
+        return out
 
     def logits(self, h):
         """(B, T, C) -> (B, T, V): h @ lm_head^T."""
         return weight_product(h, self.lm_head)
-
-    def _attention_block(self, layer, x, cos, sin, cache):
-        """Causal grouped-query self-attention with RoPE on q and k.  (B, T, C) -> (B, T, C)"""
-        cfg, p, h = self.config, self.params, f"layers.{layer}.self_attn."
-        q_dim, kv_dim = cfg.n_head * cfg.head_size, cfg.n_kv_head * cfg.head_size
-        qkv = weight_product(x, self.stacked[f"layers.{layer}.qkv"])  # (B, T, q_dim + 2 kv_dim): q, k, v in one read
-        q = split_heads(qkv[..., :q_dim], cfg.n_head)  # (B, nh, T, hs)
-        k = split_heads(qkv[..., q_dim : q_dim + kv_dim], cfg.n_kv_head)  # (B, n_kv_head, T, hs)
-        v = split_heads(qkv[..., q_dim + kv_dim :], cfg.n_kv_head)  # (B, n_kv_head, T, hs)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        if cache is None:
-            y = self.attention(q, k, v, causal=True)  # (B, nh, T, hs)
-        else:
-            y = cache.attend(layer, q, k, v, self.attention)  # stores n_kv_head heads -> (B, nh, T, hs)
-        return weight_product(merge_heads(y), p[h + "o_proj.weight"])  # (B, T, C)
 
     def numpy_params(self) -> dict:
         """The parameters as NumPy arrays (for saving)."""
