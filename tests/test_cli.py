@@ -12,6 +12,7 @@ from minillm.eagle import shipped_draft_path
 from minillm.tools import cli
 from minillm.tools.benchmarks import common
 from minillm.tools.benchmarks import paged as paged_bench
+from minillm.tools.options import MAX_NEW_TOKENS
 
 
 def run_cli(*args):
@@ -276,10 +277,22 @@ def test_every_numeric_option_is_checked_when_parsed(monkeypatch):
     (["bench", "speculative", "--prompts", "0"], "argument --prompts: must be >= 1, got 0"),
     (["bench", "lookahead", "--tokens", "0"], "argument --tokens: must be >= 1, got 0"),
     (["bench", "speculative", "--temperatures", "0,nan"], "argument --temperatures: must be a finite number"),
+    *[([command, option, "99999999999"], f"argument {option}: must be <= {MAX_NEW_TOKENS}, got 99999999999")
+      for command, option in [("generate", "--max-new-tokens"), ("chat", "--max-new-tokens"),
+                              ("demo", "--max-new-tokens"), ("demo", "--answer-tokens")]],
+    *[([command, "--seed", str(10**23)], f"argument --seed: must be <= {2**63 - 1}, got {10**23}")
+      for command in ("generate", "chat", "demo")],
+    (["serve-demo", "--num-blocks", str(10**12)], "argument --num-blocks: must be <= 65536"),
 ])
-def test_numeric_options_out_of_range_are_usage_errors(args, message, capsys):
+def test_numeric_options_out_of_range_are_usage_errors(args, message, capsys, monkeypatch):
     """Values that spun forever, grew memory without end or divided by zero: a usage error (exit 2)
-    before anything runs."""
+    before anything runs. `generate --max-new-tokens 99999999999` ran until stopped; `generate --seed 10**23`
+    was taken though numpy's generators take at most 2**63 - 1 here."""
+    def ran(args):
+        raise AssertionError(f"{args.command} ran with a value it should have refused")
+
+    for command in ("cmd_generate", "cmd_chat", "cmd_demo", "cmd_serve_demo"):  # (bench parses in its command)
+        monkeypatch.setattr(cli, command, ran)  # a value let through fails the test at once, never runs
     with pytest.raises(SystemExit) as exit_:
         cli.main(args)
     assert exit_.value.code == 2
@@ -302,8 +315,9 @@ def generating(tiny_checkpoint):
     """`python -m minillm generate` streaming a long text to a pipe -> the process, once it has printed;
     killed at the end of the test whatever happened.
 
-    Long enough (about 20 minutes of tokens) that it is still writing when the test acts, however long a
-    busy machine keeps the test from running: 3,000 tokens fit in the pipe and were all written by then."""
+    The longest text generate writes, one character a token, is more than a pipe holds (64 KiB): the
+    process is still writing (or waiting for the pipe to drain) when the test acts, however long a busy
+    machine keeps the test from running; 3,000 tokens fit in the pipe and were all written by then."""
     import os
     import signal
 
@@ -311,7 +325,7 @@ def generating(tiny_checkpoint):
         signal.signal(signal.SIGINT, signal.SIG_DFL)
 
     proc = subprocess.Popen([sys.executable, "-m", "minillm", "generate", "--model", tiny_checkpoint, "--prompt",
-                             "abc", "--max-new-tokens", "1000000", "--no-cache"],
+                             "abc", "--max-new-tokens", str(MAX_NEW_TOKENS), "--no-cache"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=os.environ | {"PYTHONUNBUFFERED": "1"},
                             preexec_fn=as_from_a_terminal)
     try:
@@ -417,3 +431,45 @@ def test_eagle_commands_bad_input_is_one_line(tmp_path, capsys):
     assert "holds no EAGLE data parts" in capsys.readouterr().err
     assert cli.main(["eagle-data", "--out", str(tmp_path / "data"), "--prompts", "0"]) == 1
     assert "--prompts and --max-new-tokens must be >= 1" in capsys.readouterr().err
+
+
+@pytest.mark.host_only
+def test_a_kv_pool_too_large_is_refused_before_it_is_built():
+    """`serve --max-num-seqs 1000000000` (a pool of every request's context) was killed at 23.7 GB and
+    `--num-blocks 10**12` built a free list for minutes: the options are bounded when parsed, and the pool
+    they size together (blocks times bytes per block, which depend on the model) is checked before it is
+    built; a pool within the limits passes and its size is the docstring's."""
+    import argparse
+
+    from minillm.config import GPTConfig, LlamaConfig
+    from minillm.tools import options
+
+    target = GPTConfig(vocab_size=84, block_size=256, n_layer=6, n_head=4, n_embd=256)  # the shipped target's
+    assert options.check_kv_pool(target, 48, 16) == 9_437_184  # K and V of 6 layers of 4 heads of 64, float32
+    smollm2 = LlamaConfig()
+    blocks = -(-smollm2.block_size * 10**9 // 16)  # the context for each of 1e9 requests, as serve sizes it
+    for num_blocks, page_size in [(blocks, 16), (10**12, 16), (options.MAX_KV_BLOCKS, 16), (1, 10**9)]:
+        with pytest.raises(ValueError, match="KV pool .* is over the limit"):
+            options.check_kv_pool(smollm2, num_blocks, page_size)
+    for parse, text in [(options.num_seqs, "1000000000"), (options.kv_blocks, str(10**12))]:
+        with pytest.raises(argparse.ArgumentTypeError, match="must be <="):
+            parse(text)
+
+
+@pytest.mark.host_only
+@pytest.mark.parametrize("extra", [[], ["--model", "target"]])
+def test_serve_load_against_no_server_is_one_line_and_exit_2(extra, capsys):
+    """`bench serve-load --url` naming a port nobody listens on printed an 89-line traceback (with --model,
+    every request failed and the run reported a table): one line naming --url, exit 2, before any load."""
+    import socket
+
+    from minillm.tools.benchmarks import serve_load
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))  # bound but not listening: a connection is refused
+        url = f"http://127.0.0.1:{s.getsockname()[1]}"
+        assert serve_load.main(["--url", url, "--rate", "1", "--duration", "1", *extra]) == 2
+    captured = capsys.readouterr()
+    assert captured.err.startswith(f"error: argument --url: cannot reach {url}/v1/models: ConnectError")
+    assert captured.err.count("\n") == 1
+    assert all(line.startswith(("backend ", "WARNING: the load")) for line in captured.out.splitlines()), captured.out

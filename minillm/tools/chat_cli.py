@@ -9,7 +9,7 @@ from ..chat import COMMANDS, DEFAULT_MODEL, Chat, turn_summary
 from ..kv_cache import CacheFullError
 from ..registry import load_model
 from ..sampling import SamplingSettings
-from .options import finite_float, nonnegative_int, positive_int
+from .options import MAX_NEW_TOKENS, finite_float, new_tokens, positive_int, seed_int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -18,9 +18,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--system", help="system prompt (default: the model's own)")
     p.add_argument("--temperature", type=finite_float, default=0.2, help="0 = greedy (default 0.2)")
     p.add_argument("--top-p", type=finite_float, default=0.9, help="nucleus sampling mass (default 0.9)")
-    p.add_argument("--max-new-tokens", type=nonnegative_int, default=256, help="longest reply in tokens (default 256)")
+    p.add_argument("--max-new-tokens", type=new_tokens, default=256,
+                   help=f"longest reply in tokens, at most {MAX_NEW_TOKENS:,} and the context (default 256)")
     p.add_argument("--context", type=positive_int, help="KV cache length in tokens (default: the model's context)")
-    p.add_argument("--seed", type=nonnegative_int, default=0, help="sampling seed (default 0)")
+    p.add_argument("--seed", type=seed_int, default=0, help="sampling seed, 0 to 2**63 - 1 (default 0)")
     p.add_argument("--prompt", help="answer this one message and exit (no interactive loop)")
 
 
@@ -47,8 +48,6 @@ def run(args, loader=load_model, read=input) -> int:
     ``loader(name) -> (model, tokenizer)`` and ``read(prompt) -> str`` can be swapped in tests;
     reading with ``input``, stdin's undecodable bytes become U+FFFD (``replace_bad_bytes``).
     """
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     SamplingSettings(args.temperature, None, args.top_p)  # refuses bad values before the model loads
     if args.prompt is not None:
         check_message(args.prompt, "--prompt")

@@ -16,7 +16,7 @@ import sys
 from functools import partial
 from pathlib import Path
 
-from .options import chapter_list, finite_float, nonnegative_int, positive_int
+from .options import MAX_NEW_TOKENS, chapter_list, finite_float, new_tokens, positive_int, seed_int
 
 DEMO_DEFAULT = "demo"  # `python -m minillm [demo options]` runs the demo
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
@@ -253,11 +253,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("generate", help="generate text with a model (the shipped target by default)")
     p.add_argument("--prompt", default="ROMEO:\n", help="the text to continue")
-    p.add_argument("--max-new-tokens", type=positive_int, default=200)
+    p.add_argument("--max-new-tokens", type=new_tokens, default=200,
+                   help=f"tokens to write, at most {MAX_NEW_TOKENS:,} (default 200)")
     p.add_argument("--temperature", type=finite_float, default=0.8, help="0 means greedy")
     p.add_argument("--top-k", type=positive_int, default=None)
     p.add_argument("--top-p", type=finite_float, default=None)
-    p.add_argument("--seed", type=nonnegative_int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0, help="sampling seed, 0 to 2**63 - 1 (default 0)")
     p.add_argument("--model", default="target",
                    help="'target', 'draft', 'smollm2-135m', a checkpoint file (.npz) or a Llama .gguf")
     mode = p.add_mutually_exclusive_group()

@@ -4,7 +4,9 @@ when it is parsed, and a bad one is a usage error that names the option (exit 2)
 Every numeric option of every command uses one of these types (tests/test_cli.py walks the parsers
 and refuses a raw ``int`` or ``float``): a float is always finite (no nan, no inf), every value is
 checked against its range, and a value that sizes memory up front (a KV pool's blocks) has an upper
-bound as well as a lower one.
+bound as well as a lower one. What several values size together, the KV pool (blocks times bytes per
+block, which depend on the model), is checked by ``check_kv_pool`` once the model's shape is known and
+before the pool is built.
 """
 
 from __future__ import annotations
@@ -13,6 +15,10 @@ import argparse
 import math
 
 MAX_COUNT = 1_000_000  # the upper bound of counts (tokens, requests, blocks, repeats, ...) unless told
+MAX_NEW_TOKENS = 100_000  # the longest text generate, chat and the demo write (generate's window slides on)
+MAX_NUM_SEQS = 1024  # requests in the serving engine's running batch
+MAX_KV_BLOCKS = 65_536  # blocks in a KV pool: its free list is built up front
+MAX_KV_POOL_BYTES = 16 * 10**9  # K and V of every layer in float32: the largest pool a command builds
 
 
 def int_in(lowest: int, highest: int | None = None):
@@ -65,6 +71,25 @@ positive_float, nonnegative_float = float_in(0, open_low=True), float_in(0)
 positive_int, nonnegative_int = int_at_least(1), int_at_least(0)
 count, nonnegative_count = int_in(1, MAX_COUNT), int_in(0, MAX_COUNT)  # sizes of loops and pools
 seed_int = int_in(0, 2**63 - 1)  # what numpy.random.default_rng takes
+new_tokens = int_in(1, MAX_NEW_TOKENS)  # --max-new-tokens of every command that generates
+num_seqs = int_in(1, MAX_NUM_SEQS)  # --max-num-seqs
+kv_blocks = int_in(1, MAX_KV_BLOCKS)  # --num-blocks
+
+
+def check_kv_pool(config, num_blocks: int, page_size: int) -> int:
+    """The bytes of a KV pool of num_blocks blocks of page_size tokens for a model of ``config`` (K and V of
+    every layer, float32) -> those bytes; ValueError, before anything is allocated, when the pool has more
+    than MAX_KV_BLOCKS blocks or MAX_KV_POOL_BYTES bytes (the engine builds its free list and zeroes its pool
+    at once). The character target (6 layers, 4 KV heads of 64) at 48 blocks of 16 tokens -> 9,437,184 bytes."""
+    from ..kv_cache import kv_cache_bytes
+
+    size = kv_cache_bytes(config.n_layer, config.n_kv_head, config.head_size, num_blocks * page_size,
+                          bytes_per_elem=4)
+    if num_blocks > MAX_KV_BLOCKS or size > MAX_KV_POOL_BYTES:
+        raise ValueError(f"a KV pool of {num_blocks:,} blocks of {page_size} tokens ({size / 1e9:,.1f} GB for this "
+                         f"model) is over the limit of {MAX_KV_BLOCKS:,} blocks and {MAX_KV_POOL_BYTES / 1e9:g} GB: "
+                         "lower --num-blocks, --page-size, --max-num-seqs or --context")
+    return size
 
 
 def list_of(item):

@@ -23,6 +23,7 @@ import argparse
 import asyncio
 import json
 import random
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,6 +38,11 @@ PROMPTS = ["ROMEO:", "JULIET:\nO", "First Citizen:\nWe", "KING HENRY:", "To be, 
            "Tell me about the sea.", "What is a prime number?", "Write a short poem about rain.",
            "Name three colours.", "How do birds fly?", "Explain what a cache is."]
 PREAMBLE = "The following is a conversation in the voice of a play, told plainly and briefly. "
+EXIT_BAD_URL = 2  # as argparse's usage errors: the --url given names no server that answers
+
+
+class Unreachable(Exception):
+    """The server at --url does not answer, or does not answer as an OpenAI-compatible server."""
 
 
 @dataclass
@@ -93,6 +99,32 @@ async def one_request(http, url, model, prompt, max_tokens, stop_after, outcome:
         outcome.error = f"connection: {type(exc).__name__}"
 
 
+async def get(http, url: str):
+    """GET ``url`` -> the response with status 200; Unreachable (one line) if the server does not answer so."""
+    import httpx
+
+    try:
+        r = await http.get(url)
+    except (httpx.HTTPError, httpx.InvalidURL) as exc:
+        raise Unreachable(f"cannot reach {url}: {type(exc).__name__}: {exc}") from None
+    if r.status_code != 200:
+        raise Unreachable(f"{url} answered HTTP {r.status_code}: is it a minillm server?")
+    return r
+
+
+async def served_model(http, args) -> str:
+    """--model, or else the first model of /v1/models; asked first either way, so a server that does not
+    answer is one line before the load starts."""
+    r = await get(http, args.url + "/v1/models")
+    try:
+        listed = [m["id"] for m in r.json()["data"]]
+    except (ValueError, KeyError, TypeError):
+        listed = []
+    if not listed:
+        raise Unreachable(f"{args.url}/v1/models lists no model: is it an OpenAI-compatible server?")
+    return args.model or listed[0]
+
+
 async def run_load(args, rate: float) -> tuple[list, float, dict]:
     import httpx
 
@@ -100,7 +132,7 @@ async def run_load(args, rate: float) -> tuple[list, float, dict]:
     limits = httpx.Limits(max_connections=args.concurrency, max_keepalive_connections=args.concurrency)
     outcomes, tasks = [], []
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout), limits=limits) as http:
-        model = args.model or (await http.get(args.url + "/v1/models")).json()["data"][0]["id"]
+        model = await served_model(http, args)
         slots = asyncio.Semaphore(args.concurrency)
 
         async def client(prompt, stop_after, outcome):
@@ -134,7 +166,7 @@ async def check_after_faults(http, args, model, outcomes) -> dict:
         alone[prompt] = solo.text
     deadline = time.perf_counter() + 10
     while True:
-        metrics = (await http.get(args.url + "/metrics")).text
+        metrics = (await get(http, args.url + "/metrics")).text
         values = dict(line.split(" ", 1) for line in metrics.splitlines() if line and not line.startswith("#"))
         used, open_ = int(float(values["minillm_kv_blocks_used"])), int(float(values["minillm_requests_in_flight"]))
         if (used == 0 and open_ == 0) or time.perf_counter() > deadline:
@@ -195,7 +227,11 @@ def main(argv=None) -> int:
         raise ValueError(f"{args.json} exists: refusing to overwrite it")
     rows = []
     for rate in args.rate:
-        outcomes, wall, faults = asyncio.run(run_load(args, rate))
+        try:
+            outcomes, wall, faults = asyncio.run(run_load(args, rate))
+        except Unreachable as exc:
+            print(f"error: argument --url: {exc}", file=sys.stderr)
+            return EXIT_BAD_URL
         row = summarize(outcomes, wall, args, rate)
         if faults:
             print(f"fault run at {rate}/s: {faults['hung_up']} clients hung up mid-stream; of {faults['survivors']} "

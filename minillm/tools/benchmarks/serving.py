@@ -49,12 +49,11 @@ from ...serving import (
     replay,
     save_trace,
 )
-from ..options import count, int_in, nonnegative_count, nonnegative_float, nonnegative_int, positive_float
+from ..options import count, kv_blocks, nonnegative_count, nonnegative_float, nonnegative_int, positive_float
 from .common import BenchmarkError, add_output_args, figure_dir, save_figure
 from .common import parse_args as common_parse_args
 
 MODES = ("static", "continuous", "chunked")
-MAX_BLOCKS = 65_536  # the largest KV pool an option may ask for (its free list is built up front)
 
 
 # --- the workload ----------------------------------------------------------------------------------
@@ -267,7 +266,7 @@ def parse_args(argv):
     p.add_argument("--save-trace", help="write the trace used to this CSV file")
     p.add_argument("--max-num-seqs", type=count, default=8)
     p.add_argument("--max-num-batched-tokens", type=count, default=256)
-    p.add_argument("--num-blocks", type=int_in(1, MAX_BLOCKS), default=48,
+    p.add_argument("--num-blocks", type=kv_blocks, default=48,
                    help="KV pool blocks (small pools force preemptions)")
     p.add_argument("--page-size", type=count, default=16, help="tokens per KV block")
     p.add_argument("--chunk", type=nonnegative_count, default=32, help="prefill chunk of the chunked mode")
@@ -346,7 +345,7 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--requests", type=count, default=12)
     p.add_argument("--rate", type=positive_float, default=4.0, help="mean arrivals per second")
     p.add_argument("--chunk", type=nonnegative_count, default=32, help="prefill chunk (0: none)")
-    p.add_argument("--num-blocks", type=int_in(1, MAX_BLOCKS), default=48)
+    p.add_argument("--num-blocks", type=kv_blocks, default=48)
     p.add_argument("--temperature", type=nonnegative_float, default=0.8)
     p.add_argument("--seed", type=nonnegative_int, default=0)
 
