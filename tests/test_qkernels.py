@@ -97,3 +97,26 @@ def test_the_vector_check_catches_scalar_code(monkeypatch):
 
 def test_row_tiles():
     assert [qkernels.row_tile(n) for n in (1, 2, 3, 5, 8, 9, 16)] == [1, 2, 4, 8, 8, 16, 16]
+
+
+def test_benchmark_pass_and_table(tmp_path, capsys):
+    """bench quantized: a pass is SmolLM2's 211 products (134.5 M weights, 538 MB as float32); the table's
+    floors follow from bytes, rows and the measured rates; an existing --json file is never overwritten."""
+    from minillm.tools.benchmarks import quantized
+
+    shapes = quantized.pass_shapes()
+    weights = sum(m * k for m, k in shapes)
+    assert len(shapes) == 211 and weights == 134_479_872
+    times = {1: (0.010, 0.009), 4: (0.015, 0.014)}
+    rows = quantized.format_rows("Q4_1", weights * 5 // 8, times, bandwidth=20e9, fma_rate=100e9)
+    assert [r["n"] for r in rows] == [1, 4] and rows[1]["v(n)"] == pytest.approx(1.5)
+    assert rows[0]["memory floor ms"] == pytest.approx(1e3 * weights * 5 / 8 / 20e9)
+    assert rows[1]["compute floor ms"] == pytest.approx(1e3 * 4 * weights / 100e9)
+    assert rows[1]["x floor"] == pytest.approx(15 / max(rows[1]["memory floor ms"], rows[1]["compute floor ms"]))
+    existing = tmp_path / "out.json"
+    existing.write_text("keep me")
+    with pytest.raises(SystemExit):
+        quantized.main(["--json", str(existing)])
+    with pytest.raises(SystemExit):
+        quantized.main(["--formats", "Q5_0"])
+    assert existing.read_text() == "keep me" and "exists" in capsys.readouterr().err
