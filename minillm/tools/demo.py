@@ -1,14 +1,17 @@
-"""``python -m minillm``: the main demo, in two parts.
+"""``python -m minillm``: the main demo, in three parts.
 
-1. A real model: SmolLM2-135M-Instruct (chapter 8), run from its 4-bit GGUF in plain arrays, answers
-   a question; the answer streams as it is generated, then its TTFT and tokens/s. Then the same
-   answer with and without speculation by the shipped EAGLE draft (chapter 11): after a warm-up,
-   ``--repeats`` alternating runs of each, their medians, and whether the texts are identical.
-2. Speculative decoding (chapter 5): the shipped character-level target writes a passage twice, once
+1. Speculative decoding (chapter 5): the shipped character-level target writes a passage twice, once
    with plain cached decoding (``minillm.generate``) and once with speculative decoding (the shipped
    1-layer draft proposing K tokens per target call), then prints both passages and a stats table.
+2. A real model: SmolLM2-135M-Instruct (chapter 8), run from its 4-bit GGUF in plain arrays, answers
+   a question; the answer streams as it is generated, then its TTFT and tokens/s.
+3. The same answer with and without speculation by the shipped EAGLE draft (chapter 11): after a
+   warm-up, ``--repeats`` alternating runs of each, their medians, and whether the texts are identical.
 
-Part 2 samples at temperature 0.8 by default: each passage is a sample from the same distribution,
+Parts 1 and 3 each end with one line saying whether speculation paid in this run and why, from the
+run's own numbers: what a round cost in plain decode steps, and how many tokens it yielded.
+
+Part 1 samples at temperature 0.8 by default: each passage is a sample from the same distribution,
 so they differ. Under greedy decoding (``--temperature 0``) they are identical, token for token:
 speculative decoding changes the speed, never the text (a model this small, decoded greedily, soon
 repeats itself: "the state of the state of ...").
@@ -25,7 +28,7 @@ from ..chat import answer, turn_summary
 from ..checkpoint import CheckpointError, load_model
 from ..eagle import EagleDraft, EagleProposer, shipped_draft_path
 from ..generate import generate
-from ..measure import time_pairs
+from ..measure import TimedProposer, time_pairs
 from ..notebook import format_table
 from ..registry import SMOLLM2
 from ..registry import load_model as load_any_model
@@ -38,7 +41,7 @@ from .options import MAX_NEW_TOKENS, finite_float, int_in, new_tokens, positive_
 DEFAULT_PROMPT = "ROMEO:\nBut soft, what light"
 DEFAULT_QUESTION = "What is the capital of France?"
 WARMUP_TOKENS = 8  # untimed runs first, so neither method pays for first-call overheads
-EAGLE_DEPTH = 4  # draft tokens per round in part 1
+EAGLE_DEPTH = 4  # draft tokens per round in part 3
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -47,14 +50,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-new-tokens", type=new_tokens, default=200,
                    help=f"characters to write, at most {MAX_NEW_TOKENS:,} (default 200)")
     p.add_argument("--k", type=positive_int, default=4, help="draft tokens per target call (default 4)")
-    p.add_argument("--temperature", type=finite_float, default=0.8, help="part 2's sampling temperature, 0 = greedy "
+    p.add_argument("--temperature", type=finite_float, default=0.8, help="part 1's sampling temperature, 0 = greedy "
                    "(default 0.8)")
     p.add_argument("--seed", type=seed_int, default=0, help="sampling seed, 0 to 2**63 - 1 (default 0)")
-    p.add_argument("--question", default=DEFAULT_QUESTION, help="what the real model is asked (part 1)")
-    p.add_argument("--answer-tokens", type=new_tokens, default=48, help="longest answer in tokens (default 48)")
-    p.add_argument("--repeats", type=int_in(1, 20), default=3,
-                   help="part 1: timed runs of each, plain and EAGLE, alternating (default 3)")
-    p.add_argument("--no-real-model", action="store_true", help="skip part 1 (SmolLM2)")
+    p.add_argument("--question", default=DEFAULT_QUESTION, help="what the real model is asked (part 2)")
+    p.add_argument("--answer-tokens", type=new_tokens, default=32, help="longest answer in tokens (default 32)")
+    p.add_argument("--repeats", type=int_in(1, 20), default=2,
+                   help="part 3: timed runs of each, plain and EAGLE, alternating (default 2)")
+    p.add_argument("--no-real-model", action="store_true", help="skip parts 2 and 3 (SmolLM2)")
 
 
 def main(argv=None) -> int:
@@ -64,7 +67,7 @@ def main(argv=None) -> int:
 
 
 def real_model_answer(args) -> None:
-    """Part 1: SmolLM2 answers ``args.question``, greedy, streamed; a missing model is one line."""
+    """Parts 2 and 3: SmolLM2 answers ``args.question``, greedy, streamed; a missing model is one line."""
     print(f"=== a real model: {SMOLLM2} (SmolLM2-135M-Instruct, Llama architecture, 4-bit GGUF) ===")
     try:
         model, tok = load_any_model(SMOLLM2)
@@ -80,32 +83,55 @@ def real_model_answer(args) -> None:
 
 
 def real_model_speculation(model, tok, args) -> None:
-    """The answer again, greedy, plain and with the EAGLE draft: alternating timed runs, medians."""
-    before = fast_products()
-    set_fast_products(True)  # both ways: a verify over a few tokens streams each weight once
+    """Part 3: the answer again, greedy, plain and with the EAGLE draft: alternating timed runs, medians."""
     ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": args.question}]))
     draft = EagleDraft.load(model, shipped_draft_path(SMOLLM2))
-    n = args.answer_tokens
+    n, last = args.answer_tokens, {}  # the last run of each: its tokens, and the draft's seconds in it
 
     def plain():
-        return generate(model, ids, n, temperature=0.0)
+        last["plain"] = generate(model, ids, n, temperature=0.0)
+        return last["plain"]
 
     def eagle():
-        return tree_generate(model, ids, n, EagleProposer(draft, "chain", depth=EAGLE_DEPTH), temperature=0.0)
+        last["draft"] = TimedProposer(EagleProposer(draft, "chain", depth=EAGLE_DEPTH))
+        return tree_generate(model, ids, n, last["draft"], temperature=0.0)
 
-    plain_s, eagle_s, result = time_pairs(plain, eagle, args.repeats)
-    same = result.tokens == plain().tokens
-    set_fast_products(before)
-    s = result.stats
+    before = fast_products()
+    set_fast_products(True)  # both ways: a verify over a few tokens streams each weight once
+    try:
+        plain_s, eagle_s, result = time_pairs(plain, eagle, args.repeats)
+    finally:
+        set_fast_products(before)
+    speedup = statistics.median(plain_s) / statistics.median(eagle_s)
     rows = [{"method": "plain cached", "median s": statistics.median(plain_s), "ms/token":
              statistics.median(plain_s) / n * 1e3, "tokens/call": 1.0, "speed-up": 1.0},
             {"method": f"EAGLE chain K={EAGLE_DEPTH}", "median s": statistics.median(eagle_s),
-             "ms/token": statistics.median(eagle_s) / n * 1e3, "tokens/call": s.tokens_per_call,
-             "speed-up": statistics.median(plain_s) / statistics.median(eagle_s)}]
+             "ms/token": statistics.median(eagle_s) / n * 1e3, "tokens/call": result.stats.tokens_per_call,
+             "speed-up": speedup}]
     print(f"=== the same answer ({n} tokens, greedy) with and without the EAGLE draft: after a warm-up, "
           f"{args.repeats} alternating runs each, medians ===")
     print(format_table(rows))
-    print(f"identical: {'yes' if same else 'NO'}\n")
+    print(f"identical: {'yes' if result.tokens == last['plain'].tokens else 'NO'}")
+    print(speculation_verdict(f"EAGLE chain K={EAGLE_DEPTH}", speedup, result.stats, chapter=11,
+                              draft_share=last["draft"].seconds / eagle_s[-1]) + "\n")
+
+
+def speculation_verdict(method: str, speedup: float, stats, chapter: int, draft_share: float | None = None) -> str:
+    """One line: did speculation pay in this run, and why, from the run's own numbers.
+
+    A round yields tau = ``stats.tokens_per_call`` tokens; at ``speedup`` it cost tau / speedup plain
+    decode steps (speedup = tau / cost). ``draft_share``, the draft's share of the speculative run's
+    time, splits that cost into drafting and verifying (the verify and the rest of the round).
+    Example: 0.72x with tau = 1.3 -> "EAGLE chain K=4 does not pay here (0.72x): a round costs 1.81 decode
+    steps and yields 1.30 tokens, ...".
+    """
+    tau = stats.tokens_per_call
+    cost = tau / speedup
+    split = "" if draft_share is None else (f" (drafting {stats.k} tokens {draft_share * cost:.2f}, verifying "
+                                            f"{stats.k + 1} and the rest {(1 - draft_share) * cost:.2f})")
+    verdict = "pays" if speedup >= 1 else "does not pay"
+    return (f"{method} {verdict} here ({speedup:.2f}x): a round costs {cost:.2f} decode steps{split} and yields "
+            f"{tau:.2f} tokens, the target keeping {stats.alpha:.0%} of the draft's guesses; see chapter {chapter}")
 
 
 def run(args) -> int:
@@ -120,8 +146,14 @@ def run(args) -> int:
     except (CheckpointError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    same = speculation_demo(target, draft, tok, prompt, args)
     if not args.no_real_model:
         real_model_answer(args)
+    return 0 if same or args.temperature > 0 else 1
+
+
+def speculation_demo(target, draft, tok, prompt, args) -> bool:
+    """Part 1: the character model's passage, plain and speculative -> whether the two texts are equal."""
     n, kw = args.max_new_tokens, dict(temperature=args.temperature, seed=args.seed)
     generate(target, prompt, WARMUP_TOKENS, **kw)
     speculative_generate(target, draft, prompt, WARMUP_TOKENS, k=args.k, **kw)
@@ -145,6 +177,7 @@ def run(args) -> int:
         print("\n(temperature > 0: two samples from the same distribution, so the texts differ)")
 
     ps = plain.stats
+    speedup = spec.tokens_per_s / ps.tokens_per_s
     rows = [
         {"method": "plain cached", "TTFT ms": ps.ttft_s * 1e3, "ms/token": ps.tpot_s * 1e3,
          "tokens/s": ps.tokens_per_s, "target calls": ps.new_tokens, "tokens/call": 1.0,
@@ -152,13 +185,14 @@ def run(args) -> int:
         {"method": f"speculative K={args.k}", "TTFT ms": spec.ttft_s * 1e3, "ms/token": spec.tpot_s * 1e3,
          "tokens/s": spec.tokens_per_s, "target calls": spec.target_calls,
          "tokens/call": spec.tokens_per_call, "alpha": spec.alpha,
-         "speed-up": spec.tokens_per_s / ps.tokens_per_s},
+         "speed-up": speedup},
     ]
     print()
     print(format_table(rows))
     print("\nTTFT: prompt in -> first token(s) out. ms/token: mean time per token after those. "
           "alpha: share of checked draft tokens the target accepted.")
-    return 0 if same or args.temperature > 0 else 1
+    print(speculation_verdict(f"speculative K={args.k}", speedup, spec, chapter=5) + "\n")
+    return same
 
 
 if __name__ == "__main__":
