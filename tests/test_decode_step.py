@@ -56,6 +56,27 @@ def test_a_step_gives_the_forward_passes_logits(family):
     assert cache.host_lengths.tolist() == [8] and to_numpy(cache.lengths).tolist() == [8]
 
 
+@pytest.mark.exercise("12.2")
+@REFERENCES
+@pytest.mark.parametrize("family", MODELS)
+def test_a_batch_step_gives_each_rows_own_logits(family):
+    """Three rows of different tokens, a prefill (T = 5) and then a T = 3 step: each row's logits are
+    model.forward's for that row alone. Fails for keys and values written into another batch row (the
+    batch row of token row r is r // T, not r % B)."""
+    model = MODELS[family]()
+    rows = [[PROMPT, [6, 2, 7]], [[3, 3, 1, 0, 2], [1, 5, 4]], [[7, 1, 6, 2, 4], [0, 0, 3]]]
+    cache, ref_caches = StaticCache(model.config, len(rows), 10), [KVCache(model.config) for _ in rows]
+    for i in range(2):
+        step = StaticStep(model, cache, T=len(rows[0][i]))
+        step.set_ids([row[i] for row in rows])
+        step.step()
+        for b, (row, ref_cache) in enumerate(zip(rows, ref_caches)):
+            want = to_numpy(model.forward(np.array([row[i]]), ref_cache))[0]
+            got = to_numpy(step.logits).reshape(len(rows), step.T, -1)[b]  # (B * T, V) -> row b's (T, V)
+            np.testing.assert_allclose(got, want, atol=2e-5, rtol=1e-5)
+    assert cache.host_lengths.tolist() == [8] * len(rows)
+
+
 @pytest.mark.parametrize("family", MODELS)
 @pytest.mark.parametrize("graph", [pytest.param(False, marks=REFERENCES), pytest.param(True, marks=ON_A_DEVICE)])
 def test_greedy_tokens_equal_generate(family, graph):

@@ -72,9 +72,9 @@ def numeric_grad(f, x, h=1e-6):
     return g
 
 
-def rms_norm_backward_error(backward, rng) -> float:
+def rms_norm_backward_error(backward, rng, shape=(3, 8)) -> float:
     """Largest gap between ``backward``'s dx, dw and central differences of sum(rms_norm(x, w) * dy)."""
-    x, w, dy = rng.normal(size=(3, 8)), rng.normal(size=8), rng.normal(size=(3, 8))
+    x, w, dy = rng.normal(size=shape), rng.normal(size=shape[-1]), rng.normal(size=shape)
     dx, dw = backward(dy, x, w, 1e-5)
     def loss():
         return float((rms_norm(x, w, 1e-5) * dy).sum())
@@ -91,6 +91,14 @@ def rope_backward_error(backward, rng) -> float:
 @pytest.mark.uses_exercise("8.2")
 def test_rms_norm_backward_matches_finite_differences(rng):
     assert rms_norm_backward_error(rms_norm_backward, rng) < 1e-7
+
+
+@pytest.mark.exercise("11.1")
+@pytest.mark.uses_exercise("8.2")
+def test_rms_norm_backward_of_a_batch_of_sequences(rng):
+    """x (B, T, C), as the draft layer calls it: dw sums over every row of every sequence. Fails for a dw
+    summed over the first axis only (right for 2-D input alone)."""
+    assert rms_norm_backward_error(rms_norm_backward, rng, shape=(2, 3, 8)) < 1e-7
 
 
 @pytest.mark.exercise("11.2")

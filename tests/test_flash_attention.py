@@ -326,6 +326,8 @@ def test_io_bytes_counts_by_hand():
     assert io["flash"] == 4 * (2 * 8 * 2 + 8 + 2 * 2 * 8 * 4)  # 672: 4 query tiles read all 8 keys
     causal = fa.attention_io_bytes(8, 2, 64, causal=True)
     assert causal["flash"] == 4 * (2 * 8 * 2 + 8 + 2 * 2 * (2 + 4 + 6 + 8))  # 480: tile i reads keys 0..2i+1
+    tail = fa.attention_io_bytes(7, 2, 64, causal=True)  # the last query tile holds one row and reads 7 keys, not 8
+    assert tail["flash"] == 4 * (2 * 7 * 2 + 7 + 2 * 2 * (2 + 4 + 6 + 7))
 
 
 @pytest.mark.exercise("4.3")

@@ -74,6 +74,17 @@ def test_top_k_keeps_exactly_the_k_largest():
     np.testing.assert_allclose(probs[1] / probs[2], np.e)
 
 
+@pytest.mark.exercise("1.1", "1.2")
+@pytest.mark.parametrize("setting", [{"top_k": 2}, {"top_p": 0.6}, {"top_k": 3, "top_p": 0.8}])
+def test_top_k_and_top_p_filter_each_row_of_a_batch_alone(setting):
+    """(B, T, V) logits: every row is filtered as it is alone. Fails for a k-th largest logit or a row's
+    mass taken without keeping the row axis (1-D logits only) or over the whole batch."""
+    logits = np.random.default_rng(5).normal(size=(2, 3, 7)) * 2.0
+    batch = logits_to_probs(logits, **setting)
+    alone = [[logits_to_probs(row, **setting) for row in rows] for rows in logits]
+    np.testing.assert_allclose(batch, alone, atol=1e-12)
+
+
 @pytest.mark.exercise("1.2")
 def test_top_p_keeps_smallest_set_reaching_p():
     base = np.array([0.5, 0.3, 0.15, 0.05])
@@ -175,3 +186,10 @@ def test_non_finite_logits_are_refused_by_every_sampler(bad, temperature):
                  lambda: settings.probs(broken)):
         with pytest.raises(ValueError, match="logits are not finite"):
             call()
+
+
+@pytest.mark.parametrize("setting", [{"temperature": 10**400}, {"top_p": 10**400}, {"temperature": -(10**400)}])
+def test_integers_too_large_for_a_float_are_refused_with_a_value_error(setting):
+    """math.isfinite(10**400) raises OverflowError: a setting that large is a ValueError naming its field."""
+    with pytest.raises(ValueError, match=next(iter(setting))):
+        SamplingSettings(**setting)
