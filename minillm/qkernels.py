@@ -16,8 +16,8 @@ panel is stored input position by input position, so that the P weights of one p
     Q4_1   dm   [m/P, k/32, 2, P] fp16 bits   qs   [m/P, k/32, 16, P]  uint8 (q[j] | q[j + 16] << 4)
 
 The block formats keep their file's bytes per weight (the fp16 scales stay fp16). One position of a
-panel is one 16-lane vector: load it, dequantize it (``d * q + m`` for Q4_1, 4 instructions for two
-positions), and add it times x[i, t] into R accumulators, one per token row:
+panel is one 16-lane vector: load it, dequantize it (``d * q + m`` for Q4_1: 8 instructions for the two
+positions a byte row holds), and add it times x[i, t] into R accumulators, one per token row:
 
     for each panel (16 outputs):                       acc (U, R, P) lives in registers
         for t in 0..k-1:                               (U copies of the R rows when R < 8, see below)
@@ -48,9 +48,9 @@ What numba needed (each setting is applied only while these kernels compile, ``v
 With numba's default settings the same kernels compile to scalar FMAs (vfmadd231ss), 16 per position;
 ``tests/test_qkernels.py`` reads the machine code (``vector_fma_count``) and fails if that happens.
 
-Compiled with ``cache=True``: the first use of a (format, R) compiles (1.5-3.5 s each on a busy 2-core
-EPYC; 20 kernels in all), later processes load the machine code. Everything runs on the calling thread
-(no ``prange``).
+Compiled with ``cache=True``: the first use of a (format, R) compiles (0.3-0.8 s of CPU each on a 2-core
+EPYC, 20 kernels in all; docs/quantization.md), later processes load the machine code. Everything
+runs on the calling thread (no ``prange``).
 """
 
 from __future__ import annotations

@@ -63,6 +63,8 @@ def check_matrix(w, multiple: int = 1, what: str = "weight") -> np.ndarray:
         raise QuantError(f"{what} has {w.shape[1]} inputs per row, not a multiple of the format's block of {multiple}")
     if not np.isfinite(np.sum(w, dtype=np.float64)):
         raise QuantError(f"{what} holds NaN or inf values: only finite weights can be quantized")
+    if w.dtype != np.float32 and np.max(np.abs(w)) > np.finfo(np.float32).max:
+        raise QuantError(f"{what} holds values outside float32's range")
     return np.asarray(w, dtype=np.float32)
 
 

@@ -156,6 +156,7 @@ def test_smollm2_tensors_dequantize_like_gguf():
     (np.full((2, 64), np.nan, np.float32), "NaN or inf"),
     (np.array([[1.0] * 63 + [np.inf]] * 2, np.float32), "NaN or inf"),
     (np.full((2, 64), 1e7, np.float32), "past fp16"),
+    (np.full((2, 64), 1e39), "outside float32's range"),
 ])
 def test_bad_weights_are_refused(fmt, bad, message):
     with pytest.raises(QuantError, match=message):
