@@ -1,7 +1,17 @@
 """Every chapter notebook executes top to bottom (on NumPy, in the CI time budget; chapters 1 and 7 also on
-the strict CuPy stand-in), and is committed with its figures and without errors."""
+the strict CuPy stand-in), and is committed with its figures and without errors.
+
+The execution runs every cell of a copy of the notebook (the committed file is never rewritten), so a cell
+that raises fails the suite. The notebooks' code is also what the chapters' tests check, so the copy runs
+with its longest loops and benchmarks shortened: QUICK_EDITS below lists, per notebook, text edits of its
+code (fewer repeats, fewer tokens, smaller samples; each replaces every occurrence of its text, and one
+that matches nothing fails the test, naming it), and the kernel runs with MINILLM_NOTEBOOK_QUICK=1, which a
+notebook may read to do the same. ``MINILLM_NOTEBOOKS=full python -m pytest tests/test_notebooks.py``
+executes the committed sizes.
+"""
 
 import json
+import os
 import re
 from pathlib import Path
 
@@ -134,13 +144,83 @@ def test_figure_check_counts_what_it_should():
 
 EXECUTED = [pytest.param(p, id=p.name, marks=[] if p.name in ON_A_DEVICE else pytest.mark.host_only) for p in NOTEBOOKS]
 
+# notebook -> ((old, new), ...): the sizes its execution test runs with; the committed notebook keeps its own
+QUICK_EDITS = {
+    "03_kv_cache.ipynb": (
+        ("naive = generate_naive(model, prompt, 224, temperature=0)\ncached = generate(model, prompt, 224,",
+         "naive = generate_naive(model, prompt, 64, temperature=0)\ncached = generate(model, prompt, 64,"),
+        ("cached_step(model, 1, context=n), repeat=30)", "cached_step(model, 1, context=n), repeat=3)"),
+        ("context=144, steps=10, rounds=10)", "context=144, steps=2, rounds=2)"),
+        ("runs = [lambda c=c: generate(model, prompt, 224,", "runs = [lambda c=c: generate(model, prompt, 64,"),
+        ("time_pairs(*runs, repeat=5)", "time_pairs(*runs, repeat=1)"),
+    ),
+    "05_speculative_decoding.ipynb": (
+        ("V, K, N = 4, 3, 30_000", "V, K, N = 4, 3, 3_000"),
+        ("for s in range(1000)]", "for s in range(100)]"),
+        ("pr, 150, k=8,", "pr, 40, k=8,"),
+        ("prompt, n_new = prompts[0], 180", "prompt, n_new = prompts[0], 40"),
+        ("temperature=0), repeat=3)", "temperature=0), repeat=1)"),  # the K sweep and the weak drafts
+    ),
+    "07_batched_speculative.ipynb": (
+        ("return time_fn(step, warmup=2, repeat=10)", "return time_fn(step, warmup=1, repeat=2)"),
+        ("policy=policy), repeat=3)", "policy=policy), repeat=1)"),
+    ),
+    "08_a_real_model.ipynb": (
+        ("def ask(question, max_new_tokens=60):", "def ask(question, max_new_tokens=8):"),
+    ),
+    "09_speculation_without_a_draft.ipynb": (
+        ("tree_generate(target, p_ids, 96, LayerSkip(", "tree_generate(target, p_ids, 24, LayerSkip("),
+        ("tree_generate(target, p_ids, 96, MedusaProposer(", "tree_generate(target, p_ids, 24, MedusaProposer("),
+        ("jacobi_generate(target, text, 96, m=m)", "jacobi_generate(target, text, 24, m=m)"),
+        ("tree_generate(target, text, 96, Lookahead())", "tree_generate(target, text, 24, Lookahead())"),
+        ("generate(target, text, 96, temperature=0).tokens", "generate(target, text, 24, temperature=0).tokens"),
+        ("verify_step, repeat=5)", "verify_step, repeat=1)"),
+        ("validation_prompts(tok, 1, 48)[0], 64, 0.0)", "validation_prompts(tok, 1, 48)[0], 16, 0.0)"),
+        ("tok.encode(copy_text), 64, 0.0)", "tok.encode(copy_text), 16, 0.0)"),
+        ("validation_prompts(tok, 1, 48)[0], 64, 1.0)", "validation_prompts(tok, 1, 48)[0], 16, 1.0)"),
+    ),
+    "10_serving.ipynb": (
+        ('"--duration", "4"', '"--duration", "1"'),
+    ),
+    "A1_training.ipynb": (
+        ("max_steps=300,", "max_steps=100,"),
+    ),
+}
+
+
+def quick_copy(nb, edits):
+    """Apply ``edits`` to the code cells of ``nb`` (in place): every occurrence of each old text is replaced,
+    and an old text found in no cell raises AssertionError."""
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    for old, new in edits:
+        holders = [c for c in code if old in c.source]
+        assert holders, f"a quick edit matches nothing in the notebook's code: {old!r}"
+        for c in holders:
+            c.source = c.source.replace(old, new)
+    return nb
+
+
+@pytest.mark.host_only
+def test_quick_edits_name_notebooks_and_match_once():
+    """Every QUICK_EDITS entry names a notebook, and each of its edits matches that notebook's code."""
+    nbformat = pytest.importorskip("nbformat")
+    by_name = {p.name: p for p in NOTEBOOKS}
+    assert set(QUICK_EDITS) <= set(by_name), set(QUICK_EDITS) - set(by_name)
+    for name, edits in QUICK_EDITS.items():
+        quick_copy(nbformat.read(by_name[name], as_version=4), edits)
+    with pytest.raises(AssertionError, match="matches nothing"):
+        quick_copy(nbformat.read(NOTEBOOKS[0], as_version=4), [("no cell holds this text", "")])
+
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", EXECUTED)
-def test_notebook_executes(path):
+def test_notebook_executes(path, monkeypatch):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
     nb = nbformat.read(path, as_version=4)
+    if os.environ.get("MINILLM_NOTEBOOKS") != "full":
+        quick_copy(nb, QUICK_EDITS.get(path.name, ()))
+        monkeypatch.setenv("MINILLM_NOTEBOOK_QUICK", "1")  # the kernel inherits it
     client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3",
                                      resources={"metadata": {"path": str(path.parent)}})
     client.execute()  # raises CellExecutionError naming the failing cell
