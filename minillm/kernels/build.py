@@ -127,7 +127,13 @@ FUSED = KernelFile(FUSED_SOURCE, (
     # q, k cache, v cache, pos, out, status, T, nh, nkv, hs, max_len, scale
     "decode_attention": (FLOAT_P, FLOAT_P, FLOAT_P, INT_P, FLOAT_P, INT_P) + (I,) * 5 + (F,),
 }, status_codes(FUSED_DEFINES, "FUSED_"))
-KERNELS = {name: kernel for kernel in (V1, V2, FUSED) for name in kernel.names}  # kernel name -> its file
+# quant.cu: y = x @ W.T from Q8_0 / Q4_1 blocks (minillm.qcuda); both kernels take W's bytes as int32 words, x, y,
+# status, n, m, k
+QUANT_SOURCE = KERNEL_DIR / "quant.cu"
+QUANT_DEFINES = read_defines(QUANT_SOURCE)
+QUANT = KernelFile(QUANT_SOURCE, ("q8_0_product", "q4_1_product"), (INT_P, FLOAT_P, FLOAT_P, INT_P, I, I, I),
+                   status_codes(QUANT_DEFINES, "QUANT_"))
+KERNELS = {name: kernel for kernel in (V1, V2, FUSED, QUANT) for name in kernel.names}  # kernel name -> its file
 
 
 def raise_status(code: int, name: str = KERNEL_NAME) -> None:

@@ -1,5 +1,5 @@
 """Broken kernels on purpose: the classic CUDA mistakes, each an edit of the real flash_attention.cu
-(KERNEL_MUTANTS), flash_attention_v2.cu (V2_MUTANTS) or fused.cu (FUSED_MUTANTS).
+(KERNEL_MUTANTS), flash_attention_v2.cu (V2_MUTANTS), fused.cu (FUSED_MUTANTS) or quant.cu (QUANT_MUTANTS).
 
 Chapter 4 shows that its checks bite by running them on these, and tests/test_flash_attention.py
 asserts that every one is caught. Each mutant is the current kernel with one or two textual edits,
@@ -120,6 +120,34 @@ FUSED_MUTANTS = {
     "rope_float_angle": [(
         "            const double angle = (double)p * pow((double)theta, -2.0 * j / hs);\n",
         "            const float angle = (float)p * powf(theta, -2.0f * j / hs);  // (mutant: float32 angle)\n",
+    )],
+}
+
+
+# name -> [(old, new), ...]: the edits of minillm/kernels/quant.cu (products from Q8_0 / Q4_1 blocks). Each is caught by
+# tests/test_qcuda.py: the first three by the output check, the last by the emulator's barrier check (KernelError).
+QUANT_MUTANTS = {
+    # Q4_1's nibbles read the wrong way round: the high nibble taken for weight j, the low one for weight j + 16.
+    "q4_1_nibbles_swapped": [(
+        "        const unsigned int q = j < 16 ? (byte & 0x0fu) : (byte >> 4);  // j: low nibble, j + 16: high\n",
+        "        const unsigned int q = j < 16 ? (byte >> 4) : (byte & 0x0fu);  // (mutant: high nibble = weight j)\n",
+    )],
+    # Q8_0's scale read from the next block (b + 1): every weight is scaled by its neighbour's d.
+    "q8_0_next_block_scale": [(
+        "        const float d = fp16_at(blk);  // this block's scale\n",
+        "        const float d = fp16_at(blk + BYTES);  // (mutant: the scale of block b + 1)\n",
+    )],
+    # Q4_1's minimum dropped: w = d * q instead of d * q + m.
+    "q4_1_no_min": [(
+        "        return d * (float)q + m;\n",
+        "        (void)m;\n        return d * (float)q;  // (mutant: the minimum dropped)\n",
+    )],
+    # a warp whose rows all lie past m leaves before the barriers: the rest of its block waits at __syncthreads()
+    # for threads that are gone (and on a GPU, its share of x's tile is never copied).
+    "warp_leaves_early": [(
+        "    const int row0 = blockIdx.x * QROWS_PER_BLOCK + warp * QROWS_PER_WARP;  // this warp's first row of W\n",
+        "    const int row0 = blockIdx.x * QROWS_PER_BLOCK + warp * QROWS_PER_WARP;  // this warp's first row of W\n"
+        "    if (row0 >= m) return;  // (mutant: a warp with no rows leaves before the barriers)\n",
     )],
 }
 
