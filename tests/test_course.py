@@ -393,79 +393,320 @@ def test_grade_prints_a_score_table(edition):
     assert "0/2 exercises pass" in r.stdout
 
 
-def test_a_test_that_dies_on_another_exercises_stub_is_blocked_not_failed(tmp_path):
-    """3.2's truncate tests run the model through 3.1's attend: with 3.2 solved and 3.1 not, 3.2 is
-    BLOCKED (by 3.1), its blocked tests are not counted, and 3.1 (its own stub) FAILs."""
-    submission = tmp_path / "submission"
-    course.student_edition(ROOT, submission, exercises=["3.1", "3.2"])
+# ---- grading: only the regions' bodies, checked, in a fresh copy of the reference ------------------
+
+HANDED_OUT = ["1.1", "3.1", "3.2", "11.3"]  # cheap grading runs: a few seconds each
+
+
+@pytest.fixture(scope="module")
+def small_edition(tmp_path_factory):
+    """A student edition of four exercises and the instructor's MANIFEST.json, built once for the tests below."""
+    out = tmp_path_factory.mktemp("small") / "edition"
+    course.student_edition(ROOT, out, exercises=HANDED_OUT)
+    return out
+
+
+def make_submission(edition, folder, bodies=(), files=()):
+    """A copy of the edition's minillm/ with the regions of ``bodies`` {exercise: code (unindented), or
+    "reference" for the reference solution} written in, and ``files`` {relative path: text} beside them."""
+    shutil.copytree(edition / "minillm", folder / "minillm")
     by_id = {ex.id: ex for ex in course.find_exercises(ROOT)}
-    solved = course.stubbed_sources(ROOT, [by_id["3.1"]])  # the student wrote 3.2
-    (submission / "minillm" / "kv_cache.py").write_text(solved["minillm/kv_cache.py"])
-    grades = {g.exercise: g for g in course.grade(submission, exercises=["3.1", "3.2"])}
-    assert grades["3.1"].result == "FAIL" and grades["3.1"].failed > 0 and not grades["3.1"].blocked
+    for ex_id, code in dict(bodies).items():
+        ex = by_id[ex_id]
+        path = folder / ex.file
+        text = path.read_text()
+        region = next(r for r in course.parse_markers(text, ex.file) if r.id == ex_id)
+        if code == "reference":
+            lines = (ROOT / ex.file).read_text().splitlines(keepends=True)[ex.begin : ex.end - 1]
+        else:
+            indent = text.splitlines()[region.begin - 1].split("#")[0]
+            lines = [indent + line + "\n" for line in code.splitlines()]
+        path.write_text(course.with_bodies(text, [(region.begin, region.end, lines)]))
+    for rel, text in dict(files).items():
+        (folder / rel).write_text(text)
+    return folder
+
+
+def results(grades):
+    return {g.exercise: g.result for g in grades}
+
+
+CHEAT_RUNTEST = ("import sys\nif 'pytest' in sys.modules:\n    import _pytest.python\n"
+                 "    _pytest.python.Function.runtest = lambda self: None\n")
+CHEAT_JUNIT = ("import atexit, re, sys\n"
+               "def _clean():\n"
+               "    for arg in sys.argv:\n"
+               "        if arg.startswith('--junitxml='):\n"
+               "            path = arg.split('=', 1)[1]\n"
+               "            text = open(path).read()\n"
+               "            open(path, 'w').write(re.sub(r'<failure.*?</failure>', '', text, flags=re.S))\n"
+               "atexit.register(_clean)\n")
+
+
+def test_grading_runs_nothing_of_the_submission_but_its_region_bodies(small_edition, tmp_path):
+    """Planted in minillm/__init__.py, a pytest patch that skips every test's body and an atexit hook
+    that deletes the failures from the JUnit report change nothing: that file is not taken. Planted in
+    a region, they are refused and earn nothing (no test is run for them)."""
+    init = (small_edition / "minillm" / "__init__.py").read_text()
+    sub = make_submission(small_edition, tmp_path / "sub", bodies={
+        "3.1": "import _pytest.python\n_pytest.python.Function.runtest = lambda self: None\nreturn None",
+        "3.2": "import atexit\natexit.register(print)\nself.length = n",
+    }, files={"minillm/__init__.py": CHEAT_RUNTEST + CHEAT_JUNIT + init})
+    grades = {g.exercise: g for g in course.grade(sub, manifest_path=small_edition / course.MANIFEST_JSON,
+                                                    exercises=["1.1", "3.1", "3.2"])}
+    assert grades["1.1"].result == "FAIL" and grades["1.1"].failed > 0, grades["1.1"]  # the stub, run and failing
+    assert grades["3.1"].result == "REFUSED (imports _pytest: the test machinery)"
+    assert grades["3.2"].result == "REFUSED (imports atexit: the interpreter or the process)"
+    assert not any(g.ok for g in grades.values()) and grades["3.1"].seconds == 0
+    assert "2 refused or missing" in course.format_grades(list(grades.values()))
+
+
+def test_a_missing_file_an_empty_library_or_a_link_to_the_reference_earns_nothing(small_edition, tmp_path):
+    """Grading reads a region from the submission's own file or not at all: minillm/kv_cache.py deleted,
+    an empty minillm/, kv_cache.py or minillm/ itself a link to the reference: MISSING or REFUSED."""
+    manifest = small_edition / course.MANIFEST_JSON
+    graded = ["3.1", "3.2"]
+    deleted = make_submission(small_edition, tmp_path / "deleted")
+    (deleted / "minillm" / "kv_cache.py").unlink()
+    assert set(results(course.grade(deleted, manifest_path=manifest, exercises=graded)).values()) == {
+        "MISSING (no minillm/kv_cache.py)"}
+    empty = tmp_path / "empty"
+    (empty / "minillm").mkdir(parents=True)
+    assert {r.split()[0] for r in results(course.grade(empty, manifest_path=manifest)).values()} == {"MISSING"}
+    linked = make_submission(small_edition, tmp_path / "linked")
+    (linked / "minillm" / "kv_cache.py").unlink()
+    (linked / "minillm" / "kv_cache.py").symlink_to(ROOT / "minillm" / "kv_cache.py")
+    assert set(results(course.grade(linked, manifest_path=manifest, exercises=graded)).values()) == {
+        "REFUSED (minillm/kv_cache.py is a symbolic link)"}
+    folder = tmp_path / "folder-link"
+    folder.mkdir()
+    (folder / "minillm").symlink_to(ROOT / "minillm")
+    assert set(results(course.grade(folder, manifest_path=manifest, exercises=graded)).values()) == {
+        "REFUSED (minillm is a symbolic link)"}
+
+
+def test_the_grading_run_imports_minillm_from_the_grading_copy_only(small_edition, tmp_path):
+    """This environment has the reference installed (editable: its finder supplies any minillm module
+    a folder lacks). With the grading copy's kv_cache.py deleted, the grading run fails to import it
+    instead of running the reference's: no test is reported, the grade is a FAIL."""
+    exercises = {ex.id: ex for ex in course.find_exercises(ROOT)}
+    handed = [exercises[i] for i in HANDED_OUT]
+    copy, problems = course.grading_copy(ROOT, make_submission(small_edition, tmp_path / "sub", bodies={
+        "1.1": "reference"}), tmp_path / "scratch", handed)
+    assert problems == dict.fromkeys(HANDED_OUT, "") and course.unsolved_exercises(copy, handed) == {"3.1", "3.2",
+                                                                                                      "11.3"}
+    (copy / "minillm" / "kv_cache.py").unlink()
+    g = course.grade_exercise(copy, exercises["1.1"], [])
+    assert not g.ok and g.passed == 0 and "No module named 'minillm.kv_cache'" in g.result, g
+
+
+def test_blocked_only_by_a_handed_out_declared_dependency_that_is_still_unsolved(small_edition, tmp_path):
+    """3.2's truncate tests run the model through 3.1's attend: with 3.2 solved and 3.1 not, 3.2 is
+    BLOCKED (by 3.1) and its blocked tests are not counted. A stub message raised from the student's
+    own code blocks nothing: 11.3 raising exercise 8.2's (not in this edition, not a dependency of
+    11.3) is a FAIL; so is 3.2 raising 3.1's once 3.1 is solved."""
+    manifest = small_edition / course.MANIFEST_JSON
+    sub = make_submission(small_edition, tmp_path / "a", bodies={
+        "3.2": "reference", "11.3": 'raise NotImplementedError("Exercise 8.2: divide x by its root mean square")'})
+    grades = {g.exercise: g for g in course.grade(sub, manifest_path=manifest, exercises=["3.2", "11.3"])}
     g = grades["3.2"]
-    assert g.result == "BLOCKED (by 3.1)" and g.blockers == ["3.1"] and g.failed == 0, g
-    assert g.total == g.passed and len(g.blocked) > 0
+    assert g.result == "BLOCKED (by 3.1)" and g.failed == 0 and g.total == g.passed and len(g.blocked) > 0, g
+    assert grades["11.3"].result == "FAIL" and not grades["11.3"].blocked, grades["11.3"]
     table = course.format_grades(list(grades.values()))
     assert "BLOCKED (by 3.1)" in table and "0/2 exercises pass, 1 blocked" in table
-    assert course.classify("3.2", "E  NotImplementedError: Exercise 3.1: write k, v") == ["3.1"]
-    assert course.classify("3.2", "NotImplementedError: Exercise 3.2: roll back\nExercise 3.1: x") == []
-    assert course.classify("3.2", "assert 3 == 4") == []
+    task = next(ex.task for ex in course.find_exercises(ROOT) if ex.id == "3.1")
+    sub = make_submission(small_edition, tmp_path / "b", bodies={
+        "3.1": "reference", "3.2": f'raise NotImplementedError("Exercise 3.1: {task}")'})
+    [g] = course.grade(sub, manifest_path=manifest, exercises=["3.2"])
+    assert g.result == "FAIL" and not g.blocked and g.failed > 0, g
 
 
-def test_grading_uses_the_instructors_tests_and_manifest_not_the_submissions(tmp_path):
+def test_what_may_block_an_exercise():
+    """The rule itself: a dependency declared in EXERCISE_DEPENDS, handed out, and unsolved; a failure
+    that names any other stub, or the exercise's own, is the student's."""
+    ex = {e.id: e for e in course.find_exercises(ROOT)}
+    assert course.may_block(ex["3.2"], {"3.1", "3.2"}, {"3.1", "3.2"}) == ["3.1"]
+    assert course.may_block(ex["3.2"], {"3.2"}, {"3.1", "3.2"}) == []  # 3.1 not handed out
+    assert course.may_block(ex["3.2"], {"3.1", "3.2"}, {"3.2"}) == []  # 3.1 solved
+    assert course.may_block(ex["11.3"], {"8.2", "11.3"}, {"8.2", "11.3"}) == []  # 8.2 not a dependency of 11.3
+    assert course.classify("3.2", "E  NotImplementedError: Exercise 3.1: write k, v", ["3.1"]) == ["3.1"]
+    assert course.classify("3.2", "E  NotImplementedError: Exercise 3.1: write k, v", []) == []
+    assert course.classify("3.2", "NotImplementedError: Exercise 3.2: roll back\nNotImplementedError: Exercise "
+                                  "3.1: x", ["3.1"]) == []
+    assert course.classify("3.2", "NotImplementedError: Exercise 8.2: x", ["3.1"]) == []
+    assert course.classify("3.2", "assert 3 == 4", ["3.1"]) == []
+
+
+REGION_SOURCE = ("import numpy as np\n\nTABLE = {}\n\n\nclass C:\n    def f(self, x):\n"
+                 "        # EXERCISE 9.1 BEGIN: do it\n        return x\n        # EXERCISE 9.1 END\n")
+
+
+@pytest.mark.parametrize("body,why", [
+    ("import pytest", "imports pytest: the test machinery"),
+    ("from _pytest import python", "imports _pytest: the test machinery"),
+    ("import numpy.testing", "imports testing: the test machinery"),
+    ("np.testing.assert_allclose(x, x)", "uses testing: the test machinery"),
+    ("import sys\nsys.modules.clear()", "imports sys: the interpreter or the process"),
+    ("import atexit", "imports atexit: the interpreter or the process"),
+    ("return __builtins__", "uses __builtins__: the interpreter's internals"),
+    ("import os\nos.environ['X'] = '1'", "imports os: the interpreter or the process"),
+    ("open('out.txt', 'w').write('x')", "uses open: files or the network"),
+    ("np.save('x.npy', x)", "uses save: files or the network"),
+    ("import socket", "imports socket: files or the network"),
+    ("__import__('os')", "uses __import__: code made or looked up at run time"),
+    ("import importlib", "imports importlib: code made or looked up at run time"),
+    ("import subprocess", "imports subprocess: code made or looked up at run time"),
+    ("exec('y = 1')", "uses exec: code made or looked up at run time"),
+    ("return eval('x')", "uses eval: code made or looked up at run time"),
+    ("return globals()", "uses globals: code made or looked up at run time"),
+    ("setattr(np, 'allclose', print)", "uses setattr: code made or looked up at run time"),
+    ("return getattr(np, 'lo' + 'ad')", "uses getattr: code made or looked up at run time"),
+    ("raise KeyboardInterrupt", "uses KeyboardInterrupt: the interpreter or the process"),
+    ("np.allclose = print", "assigns np.allclose: state outside the function"),
+    ("TABLE['x'] = 1", "assigns TABLE['x']: state outside the function"),
+    ("m = np\nm.allclose = print", "assigns m.allclose: only a parameter's own attributes"),
+    ("self.a.b = 1", "assigns self.a.b: only a parameter's own attributes"),
+    ("def g(self):\n    self.x = 1\ng(np)", "assigns self.x: only a parameter's own attributes"),
+    ("global TABLE", "declares global TABLE: state outside the function"),
+    ("return x.__class__", "uses __class__: the interpreter's internals"),
+    ("return np._core", "uses np._core: a private name of another module"),
+    ("import zipfile", "imports zipfile: a solution imports only numpy"),
+    ("from ..tools import project", "imports tools: the interpreter or the process"),
+    ("return (", "does not parse"),
+])
+def test_a_region_body_that_reaches_outside_its_function_is_refused(body, why):
+    """Each entry of course.REFUSED's kinds, and the structural rules, with the reason the grade shows."""
+    [ex] = course.parse_markers(REGION_SOURCE, "m.py")
+    lines = [f"        {line}\n" for line in body.splitlines()]
+    assert course.refused_in_body(REGION_SOURCE, ex, lines).startswith(why)
+
+
+def test_ordinary_solutions_and_every_reference_solution_are_accepted():
+    [ex] = course.parse_markers(REGION_SOURCE, "m.py")
+    body = ("from .kv_cache import KVCache\nimport math\nout = np.zeros(3)\nout[0] = math.sqrt(2)\n"
+            "self.length = len(out)\nx.shape = (-1,)\nreturn [r for r in out if r.__len__]")
+    assert course.refused_in_body(REGION_SOURCE, ex, [f"        {line}\n" for line in body.splitlines()]) == ""
+    for ex in course.find_exercises(ROOT):
+        text = (ROOT / ex.file).read_text()
+        assert course.refused_in_body(text, ex, text.splitlines(keepends=True)[ex.begin : ex.end - 1]) == "", ex.id
+
+
+def test_a_manifest_with_an_id_that_is_not_a_string_or_a_selection_outside_it_is_one_line(small_edition, tmp_path):
+    """--exercises and --chapters pick among the manifest's exercises; an id or chapter it does not hand
+    out, or a manifest whose ids are not strings, is refused with one line (CourseError, exit 1)."""
+    bad = tmp_path / "MANIFEST.json"
+    bad.write_text('[{"id": 3}]')
+    with pytest.raises(course.CourseError, match="exercise id 3 is not a string"):
+        course.manifest_ids(bad)
+    manifest = small_edition / course.MANIFEST_JSON
+    empty = tmp_path / "empty"
+    (empty / "minillm").mkdir(parents=True)
+    assert [g.exercise for g in course.grade(empty, manifest_path=manifest, chapters=["3"])] == ["3.1", "3.2"]
+    with pytest.raises(course.CourseError, match="no exercise 2.1 in the manifest"):
+        course.grade(empty, manifest_path=manifest, exercises=["2.1"])
+    with pytest.raises(course.CourseError, match=r"no exercises in chapter\(s\) 2 in the manifest"):
+        course.grade(empty, manifest_path=manifest, chapters=["2"])
+    r = run_cli("course", "grade", str(empty), "--manifest", str(bad))
+    assert r.returncode == 1 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_grading_uses_the_instructors_tests_and_manifest_not_the_submissions(small_edition, tmp_path):
     """A submission whose MANIFEST.json drops its stubbed exercise and whose grading test file is
-    edited to pass gets no credit: grade runs the reference's tests on the submission's minillm/,
-    for the exercises of the instructor's manifest."""
-    submission = tmp_path / "submission"
-    course.student_edition(ROOT, submission, exercises=["1.1"])
-    kept = tmp_path / "handed-out-MANIFEST.json"
-    shutil.copy(submission / course.MANIFEST_JSON, kept)  # the instructor's copy
-    (submission / course.MANIFEST_JSON).write_text("[]\n")
-    (submission / "tests" / "test_sampling.py").write_text(
+    edited to pass gets no credit: grade runs the reference's tests, for the exercises of the
+    instructor's manifest that --exercises names."""
+    sub = make_submission(small_edition, tmp_path / "submission")
+    (sub / "tests").mkdir()
+    (sub / course.MANIFEST_JSON).write_text("[]\n")
+    (sub / "tests" / "test_sampling.py").write_text(
         'import pytest\n\n\n@pytest.mark.exercise("1.1")\ndef test_top_k():\n    assert True\n')
-    r = run_cli("course", "grade", str(submission), "--manifest", str(kept))
+    r = run_cli("course", "grade", str(sub), "--manifest", str(small_edition / course.MANIFEST_JSON),
+                "--exercises", "1.1")
     assert r.returncode == 1, r.stdout + r.stderr
-    row = next(line.split() for line in r.stdout.splitlines() if line.split()[:1] == ["1.1"])
-    assert row[3] == "FAIL" and row[1].startswith("0/"), r.stdout
+    rows = [line.split() for line in r.stdout.splitlines() if line.split()[:1] in (["1.1"], ["3.1"])]
+    assert len(rows) == 1 and rows[0][3] == "FAIL", r.stdout
     assert "0/1 exercises pass" in r.stdout
 
 
-def test_edition_notebooks_run_the_editions_code_with_the_reference_installed(edition, tmp_path):
+@pytest.fixture(scope="module")
+def chapter12_edition(tmp_path_factory):
+    """An edition with chapter 12's exercises stubbed (the others solved), for the notebook tests below."""
+    out = tmp_path_factory.mktemp("chapter12") / "edition"
+    course.student_edition(ROOT, out, chapters=["12"])
+    return out
+
+
+def execute_notebook(page, edition, out_dir, *jupyter):
+    """Execute notebook ``page`` (in its own folder) with ``jupyter ... nbconvert`` started in ``edition``
+    from a student's shell (no PYTHONPATH), writing to ``out_dir`` -> the executed notebook, or the
+    error's tail."""
+    nbformat = pytest.importorskip("nbformat")
+    out = Path(out_dir) / ("executed_" + Path(page).name)
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([*jupyter, "nbconvert", "--to", "notebook", "--execute", "--output-dir", str(out.parent),
+                        "--output", out.name, str(page)],
+                       cwd=edition, env=dict(env, MPLBACKEND="Agg"), capture_output=True, text=True, timeout=600)
+    return nbformat.read(out, as_version=4) if r.returncode == 0 else r.stderr[-300:]
+
+
+def printed(notebook) -> list[str]:
+    return ["".join(o.get("text", "") for o in cell.get("outputs", [])).strip() for cell in notebook.cells
+            if cell.cell_type == "code"]
+
+
+LAB = (sys.executable, "-m", "minillm", "course", "lab")
+
+
+def test_edition_notebooks_run_the_editions_code_with_the_reference_installed(chapter12_edition, tmp_path):
     """Opened as MANIFEST.md says (``python -m minillm course lab`` in the edition), a notebook
     imports the edition's minillm, even though this environment has the reference installed; opened
     by plain Jupyter, it would not. (A kernel runs in its notebook's folder, which holds no minillm:
-    the edition's notebooks/, or here a folder beside it, so the shared edition stays untouched.)"""
+    the edition's notebooks/, or here a folder beside it.)"""
     pytest.importorskip("nbclient")
     nbformat = pytest.importorskip("nbformat")
-    edition = shutil.copytree(edition, tmp_path / "edition")  # running it writes caches: a copy of its own
     page = tmp_path / "where_is_minillm.ipynb"
     cell = nbformat.v4.new_code_cell("import minillm\nprint(minillm.__file__)")
     nbformat.write(nbformat.v4.new_notebook(cells=[cell]), page)
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}  # a student's shell
+    via_lab = execute_notebook(page, chapter12_edition, tmp_path, *LAB)
+    assert Path(printed(via_lab)[0]).resolve().is_relative_to(chapter12_edition.resolve()), via_lab
+    plain = execute_notebook(page, chapter12_edition, tmp_path, sys.executable, "-m", "jupyter")
+    assert not Path(printed(plain)[0]).resolve().is_relative_to(chapter12_edition.resolve()), plain
 
-    def imported(*command):
-        out = page.with_suffix(".out.ipynb")
-        r = subprocess.run([*command, "nbconvert", "--to", "notebook", "--execute", "--output", out.name,
-                            str(page)], cwd=edition, env=env, capture_output=True, text=True, timeout=300)
-        if r.returncode != 0:
-            return r.stderr[-300:]
-        return "".join(o.get("text", "") for o in nbformat.read(out, as_version=4).cells[0].outputs).strip()
 
-    via_lab = imported(sys.executable, "-m", "minillm", "course", "lab")
-    assert Path(via_lab).resolve().is_relative_to(edition.resolve()), via_lab
-    plain = imported(sys.executable, "-m", "jupyter")
-    assert not Path(plain).resolve().is_relative_to(edition.resolve()), plain
+@pytest.mark.slow
+def test_notebook_12_of_an_edition_runs_the_students_fused_code(chapter12_edition, tmp_path):
+    """Notebook 12 executed through ``course lab`` in an edition with chapter 12 stubbed: a cell that
+    calls the edition's ``fused.decode_attention`` or ``fused.qkv_to_cache`` meets the stub and says so
+    ("this cell needs exercise 12.2 ..."), so the page shows the student's code, not the reference's
+    outputs. The rest of the page runs (its other chapters are solved)."""
+    pytest.importorskip("nbclient")
+    page = course.chapter_notebook(chapter12_edition, "12")
+    executed = execute_notebook(page, chapter12_edition, tmp_path, *LAB)
+    assert not isinstance(executed, str), executed
+    needs = [text for text in printed(executed) if text.startswith("this cell needs exercise")]
+    assert needs and all(text.startswith(("this cell needs exercise 12.1", "this cell needs exercise 12.2"))
+                         for text in needs), needs
+
+
+# Of the tests no exercise names, the edition's run below takes one in SAMPLE_ONE_IN (MINILLM_KIT_ALL=1: all)
+SAMPLE_ONE_IN = 1 if os.environ.get("MINILLM_KIT_ALL") == "1" else 16
 
 
 @pytest.mark.slow
 def test_student_edition_fails_exactly_the_named_tests(edition, tmp_path):
-    """All exercises stubbed: the failing tests == the union of the tests the manifest names, and each
-    exercise's grading selection has a test that fails with that exercise's NotImplementedError alone.
-    Not run here: tests/test_site.py (it renders the committed notebooks and runs no library code),
-    the notebooks (minutes each; named by their chapter's exercises) and the Hugging
-    Face oracles (tests named *transformers* / *huggingface*: seconds to a minute of loading torch and
-    the weights; they check what the float64 references of test_model and test_llama also cover)."""
+    """All exercises stubbed: every test the manifest names fails, each exercise's grading selection
+    has a test that fails with that exercise's NotImplementedError alone, and the tests run beside
+    them that no exercise names pass.
+
+    What runs: every test the manifest names (the ``exercise`` and ``uses_exercise`` marks), and of the
+    others one in SAMPLE_ONE_IN that is not marked slow, the same ones each time (a hash of the node
+    id: course_plugin's MINILLM_KIT_SAMPLE). The others are covered by MINILLM_KIT_ALL=1, which runs
+    every test of the edition (a few minutes on two cores; run it before handing out an edition after
+    the tests changed); a test there that fails without being named runs exercise code and needs a
+    ``uses_exercise`` mark. Not run either way: tests/test_site.py (it renders the committed notebooks
+    and runs no library code), the notebooks (minutes each; named by their chapter's exercises; a
+    notebook of an edition is executed in the next test) and the Hugging Face oracles (tests named
+    *transformers* / *huggingface*: they check what the float64 references of test_model and
+    test_llama also cover)."""
     edition = shutil.copytree(edition, tmp_path / "edition")  # the run writes caches: a copy of its own
     files = sorted(p.relative_to(edition).as_posix() for p in (edition / "tests").glob("test_*.py")
                    if p.name != "test_site.py")  # builds pages from the committed notebooks: no exercise code runs
@@ -474,7 +715,8 @@ def test_student_edition_fails_exactly_the_named_tests(edition, tmp_path):
     def run(i):
         report = tmp_path / f"report{i}.json"
         r = run_pytest(edition, "--tb=line", *halves[i], "-k", "not transformers and not huggingface",
-                       "--deselect", "tests/test_notebooks.py::test_notebook_executes", report=report)
+                       "--deselect", "tests/test_notebooks.py::test_notebook_executes", report=report,
+                       sample=SAMPLE_ONE_IN)
         assert r.returncode in (0, 1), r.stdout[-3000:] + r.stderr[-3000:]
         return json.loads(report.read_text())
 
@@ -482,6 +724,7 @@ def test_student_edition_fails_exactly_the_named_tests(edition, tmp_path):
         tests = {t: e for part in pool.map(run, range(2)) for t, e in part.items()}
     failed = {t for t, e in tests.items() if e["failed"]}
     named = {t for t, e in tests.items() if e["named_by"]}
+    assert len(tests) - len(named) >= 10, "the sample of the tests no exercise names is empty"
     assert not failed - named, f"tests that break but no exercise names: {sorted(failed - named)}"
     assert not named - failed, f"tests named by an exercise that still pass: {sorted(named - failed)}"
     lacking = [ex.command for ex in course.find_exercises(ROOT)

@@ -30,6 +30,7 @@ import json
 import os
 import re
 import shutil
+import stat
 import subprocess
 import sys
 import tempfile
@@ -107,23 +108,28 @@ class Exercise:
 # reading the markers and the declarations
 
 
-def _enclosing_function(tree: ast.Module, line: int) -> str:
-    """Qualified name of the innermost function around ``line``: "KVCache.attend", "generate.next_logits"."""
+def _enclosing_defs(tree: ast.Module, line: int) -> list[ast.AST]:
+    """The functions and classes around ``line``, outermost first: [ClassDef KVCache, FunctionDef attend]."""
     defs = (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)
-    names, body = [], tree.body
+    found, body = [], tree.body
     while True:
         inner = next((n for n in body if isinstance(n, defs) and n.lineno <= line <= n.end_lineno), None)
         if inner is None:
-            return ".".join(names)
-        names.append(inner.name)
+            return found
+        found.append(inner)
         body = [n for n in ast.walk(inner) if n is not inner and isinstance(n, defs)]
 
 
-def parse_markers(text: str, rel: str) -> list[Exercise]:
-    """The marked regions of the source ``text`` of file ``rel``; CourseError for malformed markers."""
-    lines = text.splitlines()
+def _enclosing_function(tree: ast.Module, line: int) -> str:
+    """Qualified name of the innermost function around ``line``: "KVCache.attend", "generate.next_logits"."""
+    return ".".join(node.name for node in _enclosing_defs(tree, line))
+
+
+def scan_markers(text: str, rel: str) -> list[tuple[str, int, int, str]]:
+    """[(exercise id, BEGIN line, END line, task)] of the source ``text`` of file ``rel``, without
+    parsing it as Python (lines are 1-based); CourseError for malformed markers."""
     found, open_ = [], None
-    for n, line in enumerate(lines, 1):
+    for n, line in enumerate(text.splitlines(), 1):
         m = MARKER.match(line)
         if not m:
             continue
@@ -142,15 +148,21 @@ def parse_markers(text: str, rel: str) -> list[Exercise]:
                 raise CourseError(f"{where}: EXERCISE {ex_id} END does not close an open BEGIN at its indentation")
             if n == open_[1] + 1:
                 raise CourseError(f"{where}: EXERCISE {ex_id} has an empty region")
-            found.append((open_, n))
+            found.append((ex_id, open_[1], n, open_[3]))
             open_ = None
     if open_ is not None:
         raise CourseError(f"{rel}:{open_[1]}: EXERCISE {open_[0]} BEGIN has no END")
+    return found
+
+
+def parse_markers(text: str, rel: str) -> list[Exercise]:
+    """The marked regions of the source ``text`` of file ``rel``; CourseError for malformed markers."""
+    found = scan_markers(text, rel)
     tree = ast.parse(text, filename=rel) if found else None
     return [
         Exercise(id=ex_id, chapter=EXERCISE_ID.match(ex_id)["chapter"], task=task, file=rel,
                  function=_enclosing_function(tree, begin), begin=begin, end=end)
-        for (ex_id, begin, _, task), end in found
+        for ex_id, begin, end, task in found
     ]
 
 
@@ -302,18 +314,18 @@ def chapter_notebook(root: Path, chapter: str) -> Path | None:
     return found[0] if found else None
 
 
-def select(exercises: list[Exercise], chapters=None, ids=None) -> list[Exercise]:
+def select(exercises: list[Exercise], chapters=None, ids=None, among="") -> list[Exercise]:
     """The exercises of ``chapters`` ("3", "A1") and those named in ``ids`` ("3.1"); both None: all.
-    CourseError naming an unknown chapter or exercise."""
+    CourseError naming an unknown chapter or exercise (``among``: where they were looked for, " in ...")."""
     if chapters is None and ids is None:
         return exercises
     known = sorted({ex.chapter for ex in exercises}, key=lambda c: exercise_sort_key(c + ".0"))
     unknown = [c for c in chapters or () if c not in known]
     if unknown:
-        raise CourseError(f"no exercises in chapter(s) {', '.join(unknown)}; chapters: {', '.join(known)}")
+        raise CourseError(f"no exercises in chapter(s) {', '.join(unknown)}{among}; chapters: {', '.join(known)}")
     unknown = [i for i in ids or () if i not in {ex.id for ex in exercises}]
     if unknown:
-        raise CourseError(f"no exercise {', '.join(unknown)}; exercises: {', '.join(ex.id for ex in exercises)}")
+        raise CourseError(f"no exercise {', '.join(unknown)}{among}; exercises: {', '.join(ex.id for ex in exercises)}")
     return [ex for ex in exercises if ex.chapter in (chapters or ()) or ex.id in (ids or ())]
 
 
@@ -388,18 +400,29 @@ def copy_project(root: Path, out: Path, leave_out: tuple = ()) -> Path:
 # writing the student edition
 
 
+def with_bodies(text: str, bodies: list[tuple[int, int, list[str]]]) -> str:
+    """``text`` with the lines strictly between each BEGIN line and END line (1-based) replaced by
+    the given lines (each ending in a newline): [(begin, end, lines)]."""
+    lines = text.splitlines(keepends=True)
+    for begin, end, body in sorted(bodies, key=lambda b: b[0], reverse=True):
+        lines[begin : end - 1] = body
+    return "".join(lines)
+
+
+def stub_body(text: str, ex: Exercise, needs: list[str]) -> list[str]:
+    """The lines of exercise ``ex``'s stub in the source ``text``: a comment naming the exercises its
+    grading tests also need (``needs``, when any), then ``raise NotImplementedError("Exercise 3.1: <task>")``."""
+    indent = MARKER.match(text.splitlines()[ex.begin - 1])["indent"]
+    note = [f"{indent}# {depends_note(needs)}\n"] if needs else []
+    return note + [f"{indent}raise NotImplementedError({json.dumps(stub_message(ex.id, ex.task))})\n"]
+
+
 def stub_source(text: str, exercises: list[Exercise], stubbed=None) -> str:
     """Replace the lines between each BEGIN and END marker by one ``raise NotImplementedError``, after
     a comment naming the exercises its grading tests also need (``depends``; of those, only the ones
     in ``stubbed`` when given: the others keep their reference code)."""
-    lines = text.splitlines(keepends=True)
-    for ex in sorted(exercises, key=lambda e: e.begin, reverse=True):
-        indent = MARKER.match(lines[ex.begin - 1])["indent"]
-        message = stub_message(ex.id, ex.task)
-        needs = [d for d in ex.depends if stubbed is None or d in stubbed]
-        note = [f"{indent}# {depends_note(needs)}\n"] if needs else []
-        lines[ex.begin : ex.end - 1] = note + [f"{indent}raise NotImplementedError({json.dumps(message)})\n"]
-    return "".join(lines)
+    needs = {ex.id: [d for d in ex.depends if stubbed is None or d in stubbed] for ex in exercises}
+    return with_bodies(text, [(ex.begin, ex.end, stub_body(text, ex, needs[ex.id])) for ex in exercises])
 
 
 def depends_note(depends: list[str]) -> str:
@@ -513,10 +536,298 @@ def lab(root: Path, jupyter_args=()) -> int:
 
 
 # ------------------------------------------------------------------------------------------------
-# grading
+# grading: what is taken from a submission
 
 
 GRADE_TIMEOUT_S = 900  # per exercise
+MAX_SOURCE_BYTES = 1_000_000  # a submission's source file, or a manifest, larger than this is refused unread
+
+# What a region body may not reach for: the test machinery, the interpreter and the process, files
+# and the network, code made or looked up at run time. A body that names one of these (as a variable,
+# an attribute, or a module it imports or imports from) is refused: it earns nothing, the stub runs in
+# its place, and its grade says why: "REFUSED (imports pytest: the test machinery)". Refused too: an
+# import of a module outside REGION_IMPORTS, a dunder outside SAFE_DUNDERS, `global`/`nonlocal`, an
+# attribute assigned on anything but a parameter of the function (`np.allclose = ...`), an item
+# assigned into a module-level name, and a private name reached through a module (`np._core`).
+REFUSED = {
+    **dict.fromkeys(("pytest", "_pytest", "pluggy", "unittest", "hypothesis", "conftest", "testing", "test"),
+                    "the test machinery"),
+    **dict.fromkeys(("sys", "os", "posix", "atexit", "builtins", "signal", "gc", "inspect", "threading", "_thread",
+                     "multiprocessing", "concurrent", "asyncio", "ctypes", "ctypeslib", "faulthandler", "resource",
+                     "environ", "modules", "tools", "exit", "quit", "KeyboardInterrupt", "SystemExit",
+                     "GeneratorExit", "BaseException", "mro", "f_globals", "f_locals", "f_back", "f_builtins",
+                     "tb_frame", "tb_next", "gi_frame", "gi_code", "cr_frame", "ag_frame", "co_code"),
+                    "the interpreter or the process"),
+    **dict.fromkeys(("open", "io", "pathlib", "Path", "shutil", "tempfile", "glob", "socket", "ssl", "urllib",
+                     "http", "pickle", "marshal", "shelve", "mmap", "load", "save", "savez", "savez_compressed",
+                     "savetxt", "loadtxt", "genfromtxt", "fromfile", "fromregex", "tofile", "dump", "memmap",
+                     "open_memmap", "DataSource"),
+                    "files or the network"),
+    **dict.fromkeys(("exec", "eval", "compile", "__import__", "importlib", "runpy", "subprocess", "f2py", "globals",
+                     "locals", "vars", "getattr", "setattr", "delattr", "breakpoint", "input", "help",
+                     "get_type_hints", "singledispatch", "singledispatchmethod"),
+                    "code made or looked up at run time"),
+}
+REGION_IMPORTS = ("numpy", "math", "cmath", "itertools", "functools", "collections", "heapq", "bisect", "numbers",
+                  "hashlib", "minillm")  # and the package's own modules (from .kv_cache import ...), not its tools
+SAFE_DUNDERS = ("__getitem__", "__len__", "__contains__", "__iter__", "__next__", "__name__")
+NESTED = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+
+
+def _chain(node: ast.AST) -> tuple[ast.AST, int, bool]:
+    """The root of ``a.b[i].c`` (the Name ``a``, or whatever else it starts from), how many attributes
+    the chain holds, and whether the one next to the root is an attribute."""
+    attributes, next_to_root = 0, False
+    while isinstance(node, (ast.Attribute, ast.Subscript, ast.Starred)):
+        attributes += isinstance(node, ast.Attribute)
+        next_to_root = isinstance(node, ast.Attribute)
+        node = node.value
+    return node, attributes, next_to_root
+
+
+def _stored(node: ast.AST) -> list[ast.AST]:
+    """The targets a statement (or comprehension) assigns or deletes, tuples unpacked."""
+    if isinstance(node, ast.Assign):
+        targets = node.targets
+    elif isinstance(node, (ast.AugAssign, ast.AnnAssign, ast.For, ast.AsyncFor, ast.comprehension)):
+        targets = [node.target]
+    elif isinstance(node, ast.Delete):
+        targets = node.targets
+    elif isinstance(node, (ast.With, ast.AsyncWith)):
+        targets = [item.optional_vars for item in node.items if item.optional_vars is not None]
+    else:
+        return []
+    flat = []
+    while targets:
+        t = targets.pop()
+        if isinstance(t, (ast.Tuple, ast.List)):
+            targets += t.elts
+        else:
+            flat.append(t.value if isinstance(t, ast.Starred) else t)
+    return flat
+
+
+def _refused_name(name: str, verb: str) -> str:
+    if name in REFUSED:
+        return f"{verb} {name}: {REFUSED[name]}"
+    if name.startswith("__") and name.endswith("__") and name not in SAFE_DUNDERS:
+        return f"{verb} {name}: the interpreter's internals"
+    return ""
+
+
+def _refused_import(node: ast.Import | ast.ImportFrom) -> str:
+    modules = [a.name for a in node.names] if isinstance(node, ast.Import) else [node.module or ""]
+    names = [a.asname for a in node.names if a.asname] + ([a.name for a in node.names]
+                                                          if isinstance(node, ast.ImportFrom) else [])
+    for module in modules:
+        for part in filter(None, module.split(".")):
+            if why := _refused_name(part, "imports"):
+                return why
+        top = module.split(".")[0]
+        if (isinstance(node, ast.Import) or node.level == 0) and top not in REGION_IMPORTS:
+            return f"imports {top}: a solution imports only {', '.join(REGION_IMPORTS)}"
+    return next(filter(None, (_refused_name(n, "imports") for n in names)), "")
+
+
+def _refused_store(target: ast.AST, params: set, local: set, nested: bool) -> str:
+    if not isinstance(target, (ast.Attribute, ast.Subscript)):
+        return ""
+    root, attributes, next_to_root = _chain(target)
+    what = ast.unparse(target)
+    if not isinstance(root, ast.Name) or root.id not in local:
+        return f"assigns {what}: state outside the function"
+    if attributes and (nested or attributes > 1 or not next_to_root or root.id not in params):
+        return f"assigns {what}: only a parameter's own attributes may be set (self.length = ...)"
+    return ""
+
+
+def refused_in_body(reference: str, ex: Exercise, body: list[str]) -> str:
+    """Why grading refuses ``body`` as exercise ``ex``'s region (REFUSED and the rules above), or "".
+    The body is read where it would run: in the reference file ``reference``, in place of the region."""
+    text = with_bodies(reference, [(ex.begin, ex.end, body)])
+    last = ex.begin + len(body)  # the region's last line in ``text``
+    try:
+        tree = ast.parse(text)
+    except SyntaxError as exc:
+        return f"does not parse: {exc.msg} (line {(exc.lineno or ex.begin) - ex.begin} of the region)"
+    function = _enclosing_defs(tree, ex.begin)[-1]
+    a = function.args
+    params = {arg.arg for arg in [*a.posonlyargs, *a.args, *a.kwonlyargs, a.vararg, a.kwarg] if arg is not None}
+    local = params | {n.id for n in ast.walk(function) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
+    inside = [n for n in ast.walk(function) if ex.begin < getattr(n, "lineno", 0) <= last]
+    nested = {id(sub) for n in inside if isinstance(n, NESTED) for sub in ast.walk(n) if sub is not n}
+    for node in inside:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            why = _refused_import(node)
+        elif isinstance(node, ast.Name):
+            why = _refused_name(node.id, "uses")
+        elif isinstance(node, ast.Attribute):
+            root = _chain(node)[0]
+            private = node.attr.startswith("_") and isinstance(root, ast.Name) and root.id not in local
+            why = _refused_name(node.attr, "uses") or (
+                f"uses {ast.unparse(node)}: a private name of another module" if private else "")
+        elif isinstance(node, (ast.Global, ast.Nonlocal)):
+            why = f"declares {ast.unparse(node)}: state outside the function"
+        else:
+            why = next(filter(None, (_refused_store(t, params, local, id(node) in nested) for t in _stored(node))), "")
+        if why:
+            return why
+    return ""
+
+
+def is_stub(text: str, ex: Exercise) -> bool:
+    """Whether the region of ``ex`` (its lines in ``text``) in the source ``text`` is its stub: one ``raise
+    NotImplementedError("Exercise <its id>: ...")`` (comments aside), as the student edition wrote it."""
+    tree = ast.parse(text)
+    parent = _enclosing_defs(tree, ex.begin)[-1]
+    body = [n for n in ast.walk(parent) if isinstance(n, ast.stmt) and ex.begin < n.lineno < ex.end]
+    if len(body) != 1 or not isinstance(body[0], ast.Raise) or not isinstance(body[0].exc, ast.Call):
+        return False
+    call = body[0].exc
+    message = call.args[0] if len(call.args) == 1 and not call.keywords else None
+    return (isinstance(call.func, ast.Name) and call.func.id == "NotImplementedError"
+            and isinstance(message, ast.Constant) and isinstance(message.value, str)
+            and (m := UNSOLVED.match(message.value)) is not None and m["id"] == ex.id)
+
+
+def read_submitted(submission: Path, rel: str) -> tuple[str | None, str]:
+    """The text of the file ``rel`` of the folder ``submission`` -> (text, "") or (None, why it was not
+    read): a symbolic link anywhere on the way, a path out of the folder, no such file, not a regular
+    file, more than MAX_SOURCE_BYTES, not UTF-8."""
+    path = submission
+    for part in rel.split("/"):
+        path = path / part
+        if path.is_symlink():
+            return None, f"REFUSED ({path.relative_to(submission).as_posix()} is a symbolic link)"
+    if not path.exists():
+        return None, f"MISSING (no {rel})"
+    if not path.resolve().is_relative_to(submission.resolve()):
+        return None, f"REFUSED ({rel} lies outside the submission)"
+    try:  # no link followed, no wait on a FIFO
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0))
+    except OSError as exc:
+        return None, f"REFUSED ({rel} cannot be read: {exc.strerror})"
+    with os.fdopen(fd, "rb") as f:
+        info = os.fstat(f.fileno())
+        if not stat.S_ISREG(info.st_mode):
+            return None, f"REFUSED ({rel} is not a regular file)"
+        data = f.read(MAX_SOURCE_BYTES + 1) if info.st_size <= MAX_SOURCE_BYTES else b""
+    if info.st_size > MAX_SOURCE_BYTES or len(data) > MAX_SOURCE_BYTES:
+        return None, f"REFUSED ({rel} is larger than {MAX_SOURCE_BYTES} bytes)"
+    try:
+        return data.decode("utf-8"), ""
+    except UnicodeDecodeError:
+        return None, f"REFUSED ({rel} is not UTF-8 text)"
+
+
+def submitted_bodies(submission: Path, rel: str, reference: str, exercises: list[Exercise]) -> dict[str, tuple]:
+    """{exercise: (its region's body in the submission's file ``rel``, "") or (None, why none is taken)}
+    for the ``exercises`` of that file (``reference``: the file's reference text)."""
+    text, problem = read_submitted(submission, rel)
+    if text is None:
+        return {ex.id: (None, problem) for ex in exercises}
+    try:
+        found = scan_markers(text, rel)
+    except CourseError as exc:
+        return {ex.id: (None, f"REFUSED ({exc})") for ex in exercises}
+    lines = text.splitlines(keepends=True)
+    taken = {}
+    for ex in exercises:
+        regions = [(begin, end) for ex_id, begin, end, _ in found if ex_id == ex.id]
+        if len(regions) != 1:
+            many = f"EXERCISE {ex.id} is marked {len(regions)} times in {rel}"
+            taken[ex.id] = (None, f"REFUSED ({many})" if regions else f"MISSING (no EXERCISE {ex.id} region in {rel})")
+            continue
+        body = [line if line.endswith("\n") else line + "\n" for line in lines[regions[0][0] : regions[0][1] - 1]]
+        why = refused_in_body(reference, ex, body)
+        taken[ex.id] = (None, f"REFUSED ({why})") if why else (body, "")
+    return taken
+
+
+# The first plugin of a grading run (pytest -p ISOLATION_PLUGIN), written into the grading copy: before
+# the tests import minillm it drops every import hook that would find minillm elsewhere (an editable
+# install's finder supplies, from the reference checkout, any module the copy lacks); at the end, a run
+# that imported any minillm module from outside the copy, was cut short, or did not finish every test
+# it selected exits before its JUnit report is written, so it reports nothing and its grade is a FAIL.
+ISOLATION_PLUGIN = "_minillm_grading_isolation"
+ISOLATION_SOURCE = '''\
+"""Written by minillm.tools.course for one grading run: minillm comes from this folder or not at all."""
+import os
+import sys
+from importlib.machinery import BuiltinImporter, FrozenImporter, PathFinder
+
+import pytest
+
+COPY = os.path.dirname(os.path.realpath(__file__))
+FINISHED = set()
+
+
+def inside(path):
+    return path is not None and os.path.realpath(str(path)).startswith(COPY + os.sep)
+
+
+def finds_minillm_elsewhere(finder):
+    try:
+        spec = finder.find_spec("minillm", None)
+    except Exception:
+        return False
+    return spec is not None and not inside(spec.origin)
+
+
+sys.meta_path[:] = [f for f in sys.meta_path
+                    if f in (BuiltinImporter, FrozenImporter, PathFinder) or not finds_minillm_elsewhere(f)]
+
+
+def pytest_runtest_logfinish(nodeid, location):
+    FINISHED.add(nodeid)
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionfinish(session, exitstatus):
+    modules = [(name, getattr(m, "__file__", None) or next(iter(getattr(m, "__path__", None) or ()), None))
+               for name, m in list(sys.modules.items()) if name == "minillm" or name.startswith("minillm.")]
+    foreign = [f"{name} from {where}" for name, where in modules if where is not None and not inside(where)]
+    unfinished = [item.nodeid for item in session.items if item.nodeid not in FINISHED]
+    if foreign or unfinished or exitstatus not in (0, 1, 5):
+        why = foreign[:1] or [f"{len(unfinished)} tests did not finish (exit status {int(exitstatus)})"]
+        sys.stderr.write(f"grading run refused: {why[0]}\\n")
+        sys.stderr.flush()
+        os._exit(3)
+'''
+
+
+def grading_copy(root: Path, submission: Path, scratch: Path, handed_out: list[Exercise]) -> tuple[Path, dict]:
+    """A fresh copy of the reference project ``root`` in ``scratch`` whose ``handed_out`` exercises' regions
+    hold the submission's bodies (its stub where none is taken): nothing else of the submission is read.
+    -> (the copy, {exercise: "" or why its body was not taken}), with the isolation plugin written in."""
+    project = copy_project(root, Path(scratch) / "project")
+    by_file: dict[str, list[Exercise]] = {}
+    for ex in handed_out:
+        by_file.setdefault(ex.file, []).append(ex)
+    handed, problems = {ex.id for ex in handed_out}, {}
+    for rel, members in by_file.items():
+        reference = (Path(root) / rel).read_text()
+        taken = submitted_bodies(Path(submission), rel, reference, members)
+        stubs = {ex.id: stub_body(reference, ex, [d for d in ex.depends if d in handed]) for ex in members}
+        bodies = [(ex.begin, ex.end, taken[ex.id][0] or stubs[ex.id]) for ex in members]
+        (project / rel).write_text(with_bodies(reference, bodies))
+        problems.update({ex_id: problem for ex_id, (_, problem) in taken.items()})
+    (project / f"{ISOLATION_PLUGIN}.py").write_text(ISOLATION_SOURCE)
+    return project, problems
+
+
+def unsolved_exercises(project: Path, exercises: list[Exercise]) -> set[str]:
+    """The ``exercises`` whose region in the grading copy ``project`` is still the stub."""
+    unsolved = set()
+    for rel in {ex.file for ex in exercises}:
+        text = (Path(project) / rel).read_text()
+        regions = {region.id: region for region in parse_markers(text, rel)}  # where they lie in the copy
+        unsolved |= {ex.id for ex in exercises if ex.file == rel and is_stub(text, regions[ex.id])}
+    return unsolved
+
+
+# ------------------------------------------------------------------------------------------------
+# grading: running the tests
 
 
 @dataclass
@@ -528,6 +839,7 @@ class Grade:
     failed: int  # grading tests that failed for a reason of their own (the exercise's code, its own stub)
     blocked: dict[str, list[str]]  # test -> the other exercises whose stubs it died on
     seconds: float
+    problem: str = ""  # why nothing was run or counted: "REFUSED (imports pytest: ...)", "MISSING (...)"
 
     @property
     def total(self) -> int:
@@ -540,10 +852,12 @@ class Grade:
 
     @property
     def ok(self) -> bool:
-        return self.total > 0 and self.failed == 0 and not self.blocked
+        return not self.problem and self.total > 0 and self.failed == 0 and not self.blocked
 
     @property
     def result(self) -> str:
+        if self.problem:
+            return self.problem
         if self.ok:
             return "pass"
         if self.failed or not self.blocked:
@@ -562,68 +876,86 @@ def raised_exercises(text: str) -> list[str]:
     return found
 
 
-def classify(exercise: str, failure: str) -> list[str]:
-    """[] when a failing grading test of ``exercise`` is the student's to fix (its code, its own stub,
-    or no stub at all), else the other exercises whose stubs it died on (it is blocked by them)."""
+def may_block(ex: Exercise, handed_out: set[str], unsolved: set[str]) -> list[str]:
+    """The exercises that can block ``ex``: its declared dependencies (EXERCISE_DEPENDS) that the
+    instructor handed out and that the submission left unsolved (their regions still the stub)."""
+    return [d for d in ex.depends if d in handed_out and d in unsolved]
+
+
+def classify(exercise: str, failure: str, blockers: list[str]) -> list[str]:
+    """[] when a failing grading test of ``exercise`` is the student's to fix, else the exercises whose
+    stubs it died on: only when every stub its report names is one of ``blockers`` (``may_block``).
+    Its own stub, no stub, or a stub of any other exercise: the student's to fix."""
     raised = raised_exercises(failure)
-    return [] if not raised or exercise in raised else raised
+    return raised if raised and exercise not in raised and set(raised) <= set(blockers) else []
 
 
 def run_tests(project: Path, args: list[str], timeout: float) -> tuple[list[tuple[str, str, str]], float, str]:
-    """pytest ``args`` in ``project``, importing its minillm -> ([(test, "passed" | "failed" | "skipped",
-    failure report)], seconds, output tail). Errors count as failures; past ``timeout`` what finished."""
-    cases, seconds, output = run_pytest(project, args, timeout, env={"MPLBACKEND": "Agg"})
+    """pytest ``args`` in the grading copy ``project``, importing its minillm and nothing of another
+    (ISOLATION_PLUGIN; no user site-packages, no working folder on the path) -> ([(test, "passed" |
+    "failed" | "skipped", failure report)], seconds, output tail). Errors count as failures; a run cut
+    short or past ``timeout`` reports no test."""
+    env = {"MPLBACKEND": "Agg", "PYTHONNOUSERSITE": "1", "PYTHONSAFEPATH": "1"}
+    cases, seconds, output = run_pytest(project, ["-p", ISOLATION_PLUGIN, *args], timeout, env=env)
     return [(c.nodeid, c.outcome, c.report) for c in cases], seconds, output[-4000:]
 
 
-def grade_exercise(project: Path, ex: Exercise) -> Grade:
-    """Run exercise ``ex``'s grading command in ``project`` -> its grade (skipped tests not counted)."""
-    results, seconds, _ = run_tests(project, ex.checks.args, GRADE_TIMEOUT_S)
+def grade_exercise(project: Path, ex: Exercise, blockers: list[str]) -> Grade:
+    """Run exercise ``ex``'s grading command in the grading copy ``project`` -> its grade (skipped tests
+    not counted; a test dying on a stub counts as blocked only for the ``blockers``)."""
+    results, seconds, output = run_tests(project, ex.checks.args, GRADE_TIMEOUT_S)
     passed = sum(outcome == "passed" for _, outcome, _ in results)
-    failing = [(test, classify(ex.id, report)) for test, outcome, report in results if outcome == "failed"]
+    failing = [(test, classify(ex.id, report, blockers)) for test, outcome, report in results if outcome == "failed"]
     blocked = {test: by for test, by in failing if by}
-    return Grade(ex.id, ex.command, ex.depends, passed, len(failing) - len(blocked), blocked, seconds)
+    last = (output.strip().splitlines() or ["(no output)"])[-1][:120]
+    problem = "" if results else f"FAIL (no test reported: {last})"
+    return Grade(ex.id, ex.command, ex.depends, passed, len(failing) - len(blocked), blocked, seconds, problem)
 
 
 def manifest_ids(path: Path) -> list[str]:
-    """The exercise ids of a MANIFEST.json (the one the instructor's student_edition wrote)."""
+    """The exercise ids of a MANIFEST.json (the one the instructor's student_edition wrote); CourseError
+    for anything else."""
+    path = Path(path)
+    not_one = f"{path} is not a manifest written by `course student-edition`"
     try:
-        rows = json.loads(Path(path).read_text())
-        return [row["id"] for row in rows]
-    except (OSError, ValueError, TypeError, KeyError) as exc:
-        raise CourseError(f"{path} is not a manifest written by `course student-edition` ({exc})") from exc
-
-
-def grading_copy(root: Path, submission: Path, scratch: Path) -> Path:
-    """A copy of the reference project ``root`` (its tests, fixtures and declarations) whose library
-    is the submission's ``minillm/``: nothing else of the submission is read."""
-    project = copy_project(root, Path(scratch) / "project")
-    shutil.rmtree(project / "minillm")
-    for rel in walk_files(submission, ["minillm"]):  # the student's files, committed or not; no links
-        if not any(fnmatch.fnmatch(part, pattern) for part in rel.split("/") for pattern in IGNORED):
-            (project / rel).parent.mkdir(parents=True, exist_ok=True)
-            shutil.copy2(Path(submission) / rel, project / rel)
-    return project
+        if path.stat().st_size > MAX_SOURCE_BYTES:
+            raise CourseError(f"{not_one} (larger than {MAX_SOURCE_BYTES} bytes)")
+        rows = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CourseError(f"{not_one} ({exc})") from exc
+    if not isinstance(rows, list) or not all(isinstance(row, dict) and "id" in row for row in rows):
+        raise CourseError(f"{not_one} (it must be a list of exercises, each with an id)")
+    bad = [row["id"] for row in rows if not isinstance(row["id"], str) or not EXERCISE_ID.match(row["id"])]
+    if bad:
+        raise CourseError(f"{path}: exercise id {bad[0]!r} is not a string such as \"3.1\"")
+    return [row["id"] for row in rows]
 
 
 def grade(submission: Path, root: Path | None = None, chapters=None, exercises=None,
           manifest_path: Path | None = None) -> list[Grade]:
     """Grade ``submission`` with the reference project ``root``'s tests (default: the checkout this
-    kit runs from): the exercises of the instructor's ``manifest_path`` (the MANIFEST.json that
-    student_edition wrote), else of ``chapters`` and ``exercises``, else every exercise of ``root``.
-    The submission's own tests and manifest are never read."""
+    kit runs from). Handed out: the exercises of the instructor's ``manifest_path`` (the MANIFEST.json
+    that student_edition wrote), else every exercise of ``root``; graded: those of them in ``chapters``
+    and ``exercises`` (none named: all). Only the bodies of the handed-out regions are read from the
+    submission (``grading_copy``)."""
     from .project import project_root
 
     root, submission = project_root(root), Path(submission).resolve()
     if not (submission / "minillm").is_dir():
         raise CourseError(f"{submission} has no minillm/ folder: point grade at a student's copy of the project")
-    ids = manifest_ids(manifest_path) if manifest_path is not None else exercises
-    chosen = select(find_exercises(root), chapters=chapters, ids=ids)
-    if submission == root:
-        return [grade_exercise(root, ex) for ex in chosen]
+    known = find_exercises(root)
+    if manifest_path is None:
+        handed_out, among = known, ""
+    else:
+        handed_out = select(known, ids=manifest_ids(manifest_path), among=f" in {root}")
+        among = f" in the manifest {manifest_path}"
+    chosen = select(handed_out, chapters=chapters, ids=exercises, among=among)
+    handed = {ex.id for ex in handed_out}
     with tempfile.TemporaryDirectory(prefix="minillm-grade-") as scratch:
-        project = grading_copy(root, submission, Path(scratch))
-        return [grade_exercise(project, ex) for ex in chosen]
+        project, problems = grading_copy(root, submission, Path(scratch), handed_out)
+        unsolved = unsolved_exercises(project, handed_out)
+        return [Grade(ex.id, ex.command, ex.depends, 0, 0, {}, 0.0, problems[ex.id]) if problems[ex.id]
+                else grade_exercise(project, ex, may_block(ex, handed, unsolved)) for ex in chosen]
 
 
 def format_grades(grades: list[Grade]) -> str:
@@ -635,8 +967,10 @@ def format_grades(grades: list[Grade]) -> str:
              "grade with": g.command} for g in grades]
     solved = sum(g.ok for g in grades)
     blocked = sum(g.result.startswith("BLOCKED") for g in grades)
+    refused = sum(g.result.startswith(("REFUSED", "MISSING")) for g in grades)
     return (format_table(rows, columns=list(rows[0])) if rows else "(no exercises)") + (
-        f"\n\n{solved}/{len(grades)} exercises pass, {blocked} blocked by unsolved exercises they run")
+        f"\n\n{solved}/{len(grades)} exercises pass, {blocked} blocked by unsolved exercises they run"
+        + (f", {refused} refused or missing" if refused else ""))
 
 
 MIN_SOLUTION_LINE = 28  # characters: shorter lines ("return out", "self.allocator.free(block)") give nothing away
