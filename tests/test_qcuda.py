@@ -193,3 +193,26 @@ def test_nvcc_builds_without_spills(arch):
     assert set(report["functions"]) == set(build.QUANT.names)
     assert report["spill_stores"] == 0 and report["spill_loads"] == 0, report["report"]
     assert report["stack_frame"] == 0 and report["registers"] <= 255, report["report"]
+
+
+@pytest.mark.skipif(not is_gpu(), reason="the kernel on a device: CuPy, or MINILLM_BACKEND=strict")
+def test_gpu_checks_quantized_section_checks_each_product_against_cublas(monkeypatch):
+    """gpu_check's table of the quantized products: each one first equal to the float32 product of the dequantized
+    weight on the device (cuBLAS on a GPU), then timed; a product that differs is reported, not timed."""
+    from minillm.tools import gpu_check
+
+    timings = []
+
+    def timer(fn):
+        fn()
+        timings.append(fn)
+        return 1e-3
+
+    table, _, ok = gpu_check.run_quant_bench(shapes=[(13, 576)], rows=(1, 16), repeat=1, timer=timer)
+    assert ok, table
+    assert len(timings) == 2 * 2 * 2  # two formats x two row counts x (kernel, cuBLAS)
+    for fmt in ("Q8_0", "Q4_1"):
+        assert fmt in table, table
+    monkeypatch.setattr(gpu_check, "dense_product", lambda x, w: x @ w.T + 1.0)
+    table, _, ok = gpu_check.run_quant_bench(shapes=[(13, 576)], rows=(1,), repeat=1, timer=timer)
+    assert not ok and " NO " in table, table

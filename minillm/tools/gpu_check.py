@@ -20,6 +20,8 @@ Run it from a checkout of the project whenever a CUDA GPU is available (see docs
 4. decode: milliseconds per decoded token, greedy, of the shipped target (and of SmolLM2 when installed) by
            path: the array code with each attention, the static step with fused kernels, eager and replayed
            from a CUDA graph, and speculative decoding; each path's tokens first checked against NumPy's
+5. quant:  the products from Q8_0 and Q4_1 blocks (kernels/quant.cu) against cuBLAS on the dequantized float32
+           weight, SmolLM2-135M's weight shapes, n = 1 and 16 token rows: checked against cuBLAS, then timed
 Then a compact table. Exit status 1 when anything fails, including a CuPy that is installed but cannot
 be used; 0 with "skipped" only on a machine without CuPy and without an NVIDIA driver.
 """
@@ -33,6 +35,7 @@ import io
 import re
 import shutil
 import time
+from functools import partial
 from pathlib import Path
 
 from ..backend import BACKEND_REASON, CUPY_PROBLEM, GPU_INSTALL_HINT, first_line, is_cupy
@@ -265,6 +268,53 @@ def run_decode_bench(steps: int = 32, models=("target", "smollm2-135m"), attenti
     return f"{title}\n{table}", time.perf_counter() - t0, ok
 
 
+QUANT_ROWS = (1, 16)  # token rows of the quantized products: a decode step, a verification of 16 tokens
+QUANT_TOL = 1e-5  # kernel vs cuBLAS, relative to each output's sum of |x w| (float32 sums in two orders)
+
+
+def dense_product(x, w):
+    return x @ w.T
+
+
+def run_quant_bench(shapes=None, rows=QUANT_ROWS, repeat: int = 5, timer=None) -> tuple[str, float, bool]:
+    """kernels/quant.cu (minillm.qcuda) against cuBLAS on the dequantized float32 weight, on the device: each of
+    SmolLM2-135M's weight shapes (``bench quantized``'s pass) unless ``shapes`` are given, Q8_0 and Q4_1, n token
+    rows. Each product is first checked against cuBLAS's, then both are timed (``timer(fn)`` -> seconds; CUDA
+    events, the median of ``repeat``) -> (table, seconds, every product matched). GB/s: the weight's bytes in
+    its format (float32 for cuBLAS) over the time."""
+    import numpy as np
+
+    from ..backend import to_numpy, xp
+    from ..notebook import format_table
+    from ..qcuda import quant_product, to_device
+    from ..quantize import Q4_1, Q8_0
+    from .benchmarks.attention import event_time
+    from .benchmarks.quantized import pass_shapes
+
+    timer = timer or partial(event_time, repeat=repeat)
+    t0, table, ok, rng = time.perf_counter(), [], True, np.random.default_rng(0)
+    for m, k in shapes or sorted(set(pass_shapes())):
+        weight = rng.standard_normal((m, k)).astype(np.float32)
+        for fmt in (Q8_0, Q4_1):
+            w = fmt.quantize(weight)
+            host_dense = w.dequantize()
+            blocks, dense = to_device(w), xp.asarray(host_dense)
+            for n in rows:
+                host_x = rng.standard_normal((n, k)).astype(np.float32)
+                x = xp.asarray(host_x)
+                error = np.abs(to_numpy(quant_product(x, blocks)) - to_numpy(dense_product(x, dense)))
+                same = bool(np.all(error <= QUANT_TOL * (np.abs(host_x) @ np.abs(host_dense).T)))
+                ok &= same
+                t_kernel = timer(partial(quant_product, x, blocks, check_status=False)) if same else float("nan")
+                t_cublas = timer(partial(dense_product, x, dense))
+                table.append({"W (m x k)": f"{m} x {k}", "format": fmt.__name__, "n": n, "= cuBLAS": "yes" if same
+                              else "NO", "kernel us": 1e6 * t_kernel, "cuBLAS f32 us": 1e6 * t_cublas,
+                              "cuBLAS / kernel": t_cublas / t_kernel, "kernel GB/s": w.raw.nbytes / t_kernel / 1e9,
+                              "cuBLAS GB/s": host_dense.nbytes / t_cublas / 1e9})
+    title = f"quantized products on the device: kernels/quant.cu vs cuBLAS on the float32 weight, median of {repeat}"
+    return f"{title}\n{format_table(table)}", time.perf_counter() - t0, ok
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m minillm.tools.gpu_check", description=__doc__.split("\n")[0])
     p.add_argument("--max-n", type=positive_int, default=16384, help="largest N of the attention benchmark")
@@ -313,6 +363,9 @@ def main(argv: list[str] | None = None) -> int:
     decode_table, secs, ok_decode = run_decode_bench()
     summary.append(("decode (ms per token)", "ok" if ok_decode else "FAIL (tokens differ from NumPy's)", secs))
 
+    quant_table, secs, ok_quant = run_quant_bench(repeat=args.repeat)
+    summary.append(("quantized products (vs cuBLAS)", "ok" if ok_quant else "FAIL (differs from cuBLAS)", secs))
+
     total = time.perf_counter() - t_start
     width = max(len(c) for c, _, _ in summary)
     lines.append("")
@@ -321,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
                  f"{total:6.1f} s")
     lines.append("")
     lines.append(bench_out.rstrip())
-    lines += ["", decode_table]
+    lines += ["", decode_table, "", quant_table]
     failed = any(r.startswith("FAIL") for _, r, _ in summary)
     if failed and test_tail:
         lines += ["", "pytest output:", test_tail]
