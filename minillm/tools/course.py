@@ -15,11 +15,14 @@ and ``tests/conftest.py`` holds the one table of what each exercise's grading te
 ``python -m pytest tests/test_kv_cache.py --exercise 3.1`` runs the tests marked for 3.1 (the option
 lives in tests/conftest.py). ``student_edition(root, out)`` copies the project's tracked files,
 replaces the body of every chosen region by ``raise NotImplementedError("Exercise 3.1: <task>")``
-(markers, signature and docstring kept) and writes the manifest. ``grade(submission)`` copies the
-submission's ``minillm/`` into a scratch copy of the reference project (its tests, its fixtures, its
-exercises: never the submission's), runs each exercise's grading command there and says pass, FAIL,
-or BLOCKED where a test dies on another exercise's stub. docs/instructors.md explains the rules;
-tests/test_course.py enforces them.
+(markers, signature and docstring kept) and writes the manifest. ``grade(submission)`` reads from
+the submission only the bodies of the handed-out exercise regions, refuses a body that reaches for
+the test machinery, the process, files or code made at run time (REFUSED and the rules beside it),
+writes the others into a fresh copy of the reference project (its tests, its fixtures, every other
+line of its library: never the submission's), runs each exercise's grading command there with no
+other minillm importable, and says pass, FAIL, REFUSED, MISSING, or BLOCKED where a test dies on the
+stub of a dependency the instructor handed out and the submission left unsolved.
+docs/instructors.md explains the rules; tests/test_course.py enforces them.
 """
 
 from __future__ import annotations
