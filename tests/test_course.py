@@ -741,9 +741,11 @@ def test_instructors_guide_lists_every_exercise_with_its_grading_command():
     """docs/instructors.md's exercise table says what the manifest says: file, function and the exact
     grading command of every exercise (so the guide cannot drift from the tests)."""
     guide = (ROOT / "docs" / "instructors.md").read_text()
-    for ex in course.find_exercises(ROOT):
+    exercises = course.find_exercises(ROOT)
+    for ex in exercises:
         row = f"| {ex.id} | `{ex.file}` | `{ex.function}` | `{ex.command}` |"
         assert row in guide, f"docs/instructors.md lacks (or has a stale) row: {row}"
+    assert f"every one of the {len(exercises)} exercises" in guide, "the guide's count of exercises is stale"
 
 
 def test_notebooks_show_library_source_without_exercise_solutions():
