@@ -32,7 +32,9 @@ kernel, which reads w once where BLAS's matrix-matrix product first repacks it. 
 measured, not guessed: the first product of each (weight shape, layout, row bucket) runs a few times
 on both paths, alternating, inside the forward that needs it; it and every later product of the
 bucket take the faster (``product_choices`` shows the winners). BLAS is the reference and the default;
-``MINILLM_FAST_PRODUCTS=1`` or ``set_fast_products(True)`` turns the streaming path on.
+``MINILLM_FAST_PRODUCTS=1`` or ``set_fast_products(True)`` turns the streaming path on. A weight kept
+in quantized blocks (chapter 13) brings its own product: packed kernels on NumPy, dequantize + matmul
+on a device.
 """
 
 from __future__ import annotations
@@ -341,7 +343,12 @@ def weight_product(x, w):
     columns (a GPT-2 weight stored [in, out], passed as ``w_in_out.T``). The reference is
     ``blas_product``; it runs on CuPy, on the strict stand-in, for other dtypes or layouts, past
     STREAM_MAX_ROWS rows, and whenever the streaming path is off or measured slower.
+
+    A weight kept in its file's blocks (minillm.quantize's Q8_0 / Q4_1, or minillm.qkernels's packed form)
+    is not an array: it knows its own product, ``w.product(x)``, which runs here.
     """
+    if hasattr(w, "product"):
+        return w.product(x)
     if not fast_products() or x.dtype != numpy.float32:
         return blas_product(x, w)
     streaming = _streaming()

@@ -26,13 +26,14 @@ import numpy as np
 
 from .checkpoint import CheckpointError
 from .config import LlamaConfig
+from .quantize import Q4_1, Q4_1_BYTES, Q8_0, Q8_0_BYTES, QK, Blocks
 
-QK = 32  # weights per Q8_0 / Q4_1 block
-Q8_0_BYTES = 2 + QK  # fp16 d, 32 int8
-Q4_1_BYTES = 2 + 2 + QK // 2  # fp16 d, fp16 m, 32 nibbles
 SUPPORTED_TYPES = ("F32", "F16", "Q8_0", "Q4_1")
+BLOCK_TYPES = {"Q8_0": Q8_0, "Q4_1": Q4_1}  # kept in their blocks by read_llama(weights="q")
+BLOCK_BYTES = {"Q8_0": Q8_0_BYTES, "Q4_1": Q4_1_BYTES}
+WEIGHTS = ("q", "fp32")  # read_llama's choices: the file's blocks, or every matrix dequantized to float32
 # The reader's exceptions for a file that is truncated or not GGUF (a short buffer viewed as a wider
-# dtype, an empty reshape, an unknown enum value, a length past the end ...)
+# dtype, an empty reshape, an unknown enum value, a length past the end ...); QuantError is a ValueError
 READER_ERRORS = (ValueError, IndexError, KeyError, OverflowError, TypeError, EOFError)
 
 
@@ -40,51 +41,55 @@ class GGUFError(CheckpointError):
     """A .gguf file is missing, truncated or corrupt, or holds an architecture or type minillm cannot run."""
 
 
-def fp16_to_f32(two_bytes):
-    """(..., 2) uint8 little-endian IEEE half -> (..., 1) float32 (exactly representable)."""
-    return two_bytes.view(np.float16).astype(np.float32)
+def blocks_of(raw, type_name: str):
+    """Stored Q8_0 / Q4_1 blocks (..., n * block bytes) uint8 -> minillm.quantize's weight of their rows
+    (m, n * 32), the bytes as they are (checked: whole blocks, finite scales)."""
+    rows = raw.reshape(-1, raw.shape[-1])  # (m, n * block bytes)
+    return BLOCK_TYPES[type_name].from_raw(rows, (rows.shape[0], rows.shape[1] // BLOCK_BYTES[type_name] * QK))
 
 
 def dequantize_q8_0(raw):
-    """Q8_0 blocks -> float32: x = d * q.  (..., n * 34) uint8 -> (..., n * 32) float32
+    """Q8_0 blocks -> float32: x = d * q (``quantize.Q8_0``).  (..., n * 34) uint8 -> (..., n * 32) float32
 
     Example: d = 0.5 (fp16 0x3800), q = [-2, 0, 3, ...] -> x = [-1.0, 0.0, 1.5, ...].
     """
-    blocks = raw.reshape(-1, Q8_0_BYTES)  # (N, 34): one block per row
-    d = fp16_to_f32(blocks[:, :2])  # (N, 1)
-    q = blocks[:, 2:].view(np.int8).astype(np.float32)  # (N, 32), -128..127
-    return (d * q).reshape(*raw.shape[:-1], -1)
+    return blocks_of(raw, "Q8_0").dequantize().reshape(*raw.shape[:-1], -1)
 
 
 def dequantize_q4_1(raw):
-    """Q4_1 blocks -> float32: x = d * q + m, q in 0..15.  (..., n * 20) uint8 -> (..., n * 32) float32
+    """Q4_1 blocks -> float32: x = d * q + m, q in 0..15 (``quantize.Q4_1``).  (..., n * 20) uint8 -> (..., n * 32)
 
     Example: d = 0.25, m = -1, first byte 0x3A -> element 0 = 0.25 * 0xA - 1 = 1.5 and
     element 16 = 0.25 * 0x3 - 1 = -0.25.
     """
-    blocks = raw.reshape(-1, Q4_1_BYTES)  # (N, 20): one block per row
-    d, m = fp16_to_f32(blocks[:, 0:2]), fp16_to_f32(blocks[:, 2:4])  # (N, 1) each
-    packed = blocks[:, 4:]  # (N, 16): byte j = element j (low nibble) | element j + 16 (high nibble)
-    q = np.concatenate([packed & 0x0F, packed >> 4], axis=1).astype(np.float32)  # (N, 32)
-    return (d * q + m).reshape(*raw.shape[:-1], -1)
+    return blocks_of(raw, "Q4_1").dequantize().reshape(*raw.shape[:-1], -1)
 
 
-def dequantize(raw, type_name: str, shape: tuple[int, ...]):
-    """A tensor's stored data -> float32 array of ``shape`` (NumPy order: the last axis is contiguous)."""
+def stored_weight(raw, type_name: str, shape: tuple[int, ...]):
+    """A tensor's stored data -> a float32 array of ``shape`` (F32, F16), or its blocks (Q8_0, Q4_1: a
+    minillm.quantize weight of (prod(shape[:-1]), shape[-1]) viewing the stored bytes, nothing dequantized)."""
     raw = np.asarray(raw)
+    size = int(np.prod(shape, dtype=np.int64))
+    if type_name in BLOCK_TYPES:
+        stored = raw.view(np.uint8).reshape(-1)
+        if shape[-1] % QK or stored.size * QK != size * BLOCK_BYTES[type_name]:
+            raise GGUFError(f"a {type_name} tensor of shape {shape} holds {stored.size} bytes")
+        return blocks_of(stored.reshape(size // shape[-1], -1), type_name)  # the file's bytes, not a copy
     if type_name == "F32":
         out = raw.view(np.float32).astype(np.float32)  # a copy: the result never aliases the file
     elif type_name == "F16":
         out = raw.view(np.float16).astype(np.float32)
-    elif type_name == "Q8_0":
-        out = dequantize_q8_0(raw.view(np.uint8))
-    elif type_name == "Q4_1":
-        out = dequantize_q4_1(raw.view(np.uint8))
     else:
         raise GGUFError(f"tensor type {type_name} is not supported: minillm reads {', '.join(SUPPORTED_TYPES)}")
-    if out.size != np.prod(shape, dtype=np.int64):
+    if out.size != size:
         raise GGUFError(f"a {type_name} tensor of shape {shape} holds {out.size} values")
     return out.reshape(shape)
+
+
+def dequantize(raw, type_name: str, shape: tuple[int, ...]):
+    """A tensor's stored data -> float32 array of ``shape`` (NumPy order: the last axis is contiguous)."""
+    out = stored_weight(raw, type_name, shape)
+    return out.dequantize().reshape(shape) if isinstance(out, Blocks) else out
 
 
 def unpermute_rope_rows(w, n_head: int):
@@ -182,12 +187,16 @@ def llama_param_name(gguf_name: str) -> str | None:
     return LLAMA_TENSORS.get(gguf_name)
 
 
-def read_llama(path) -> tuple[LlamaConfig, dict, dict]:
-    """A Llama .gguf -> (LlamaConfig, float32 params named like Hugging Face, metadata).
+def read_llama(path, weights: str = "fp32") -> tuple[LlamaConfig, dict, dict]:
+    """A Llama .gguf -> (LlamaConfig, params named like Hugging Face, metadata).
 
+    ``weights="fp32"``: every param a float32 array. ``weights="q"``: every Q8_0 / Q4_1 matrix stays in the
+    file's blocks (a ``minillm.quantize`` weight); the rest is float32.
     Pass 1 checks everything (architecture, names, types, shapes) and dequantizes nothing;
-    pass 2 dequantizes each tensor and undoes the RoPE row order of q and k.
+    pass 2 undoes the RoPE row order of q and k on the stored rows (whole rows of blocks) and reads each tensor.
     """
+    if weights not in WEIGHTS:
+        raise GGUFError(f"weights={weights!r}: choose from {', '.join(WEIGHTS)}")
     reader = open_gguf(path)
     metadata = read_metadata(reader)
     config = llama_config(metadata, {t.name for t in reader.tensors}, path)
@@ -208,15 +217,18 @@ def read_llama(path) -> tuple[LlamaConfig, dict, dict]:
     missing = sorted(expected.keys() - {name for _, name, _, _ in plan})
     if missing:
         raise GGUFError(f"{path}: tensors missing for {missing[:3]}{' ...' if len(missing) > 3 else ''}")
+    heads = {"q_proj.weight": config.n_head, "k_proj.weight": config.n_kv_head}  # k uses its own head count
     params = {}
     for tensor, name, type_name, shape in plan:  # pass 2
         try:
-            w = dequantize(tensor.data, type_name, shape)
+            stored = tensor.data
+            n_head = heads.get(name.rsplit(".", 2)[-2] + ".weight")
+            if n_head is not None:
+                stored = unpermute_rope_rows(stored, n_head)  # (rows, values or block bytes): rows reordered
+            w = stored_weight(stored, type_name, shape)
         except READER_ERRORS as exc:  # the memory map ends before the tensor does
             raise GGUFError(f"corrupt or truncated GGUF file {path}: tensor {tensor.name}: {exc}") from exc
-        if name.endswith("q_proj.weight"):
-            w = unpermute_rope_rows(w, config.n_head)
-        elif name.endswith("k_proj.weight"):
-            w = unpermute_rope_rows(w, config.n_kv_head)
+        if isinstance(w, Blocks) and (weights == "fp32" or len(shape) != 2):
+            w = w.dequantize().reshape(shape)
         params[name] = w
     return config, params, metadata

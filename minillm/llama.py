@@ -28,7 +28,8 @@ import numpy as np
 from .backend import to_numpy, weight_product, xp
 from .config import LlamaConfig
 from .model import DEFAULT_ATTENTION, INIT_STD, check_layers, check_params, get_attention, token_positions
-from .nn import linear, merge_heads, rope_cos_sin, silu, split_heads
+from .nn import merge_heads, rope_cos_sin, silu, split_heads
+from .quantize import as_blocks, concat_rows, kept_in_blocks, model_weight
 
 
 def rms_norm(x, w, eps: float):
@@ -90,14 +91,27 @@ def swiglu(x, w_gate_up, w_down):
 def stack_rows(params: dict, names: list[str]):
     """Stack weights [out_i, in] into one (sum out_i, in) matrix and make each params[name] a view of
     its rows: one product then streams them all (a read of q, k and v is one pass, not three), and
-    the parameters keep their names, shapes and values (an in-place change reaches the stack)."""
-    stacked = xp.concatenate([params[name] for name in names], axis=0)  # (sum out_i, in)
+    the parameters keep their names, shapes and values (an in-place change reaches the stack).
+
+    Weights kept in their file's blocks (one format, ``minillm.quantize``) stack their raw rows, which are
+    then kept as the model keeps blocks (``quantize.model_weight``: packed once on a CPU)."""
+    parts = [params[name] for name in names]
+    blocks = any(kept_in_blocks(w) for w in parts)
+    stacked = model_weight(concat_rows([as_blocks(w) for w in parts])) if blocks else xp.concatenate(parts, axis=0)
     start = 0
-    for name in names:
-        rows = params[name].shape[0]
-        params[name] = stacked[start : start + rows]  # (out_i, in), a view
-        start += rows
+    for name, w in zip(names, parts):
+        stop = start + w.shape[0]
+        params[name] = stacked.row_slice(start, stop) if blocks else stacked[start:stop]  # (out_i, in), a view
+        start = stop
     return stacked
+
+
+def check_llama_params(config: LlamaConfig, params: dict) -> dict:
+    """``check_params`` (names, shapes; arrays -> float32 on the backend), except that a matrix kept in its
+    file's blocks (a ``minillm.quantize`` Q8_0 / Q4_1) is checked by its shape and kept as it is."""
+    blocks = {name: w for name, w in params.items() if kept_in_blocks(w)}
+    shapes = {name: np.broadcast_to(np.float32(0), w.shape) for name, w in blocks.items()}  # no memory on a CPU
+    return check_params(config, params | shapes, "Llama") | blocks
 
 
 def llama_block(ops, layer: int, x, h, cache, rope):
@@ -133,17 +147,20 @@ class LlamaOps:
     def __init__(self, config: LlamaConfig, params: dict, attention, stacked: dict):
         self.config, self.params, self.attention, self.stacked = config, params, attention, stacked
 
+    def matrix(self, name: str):
+        """The [out, in] weight called name: a float32 matrix, or a weight kept in blocks (``minillm.quantize``)."""
+        return self.stacked[name] if name in self.stacked else self.params[name + ".weight"]
+
     def weight(self, name: str) -> tuple:
         """The weight called name as (w [in, out], bias None): a transposed view of the [out, in] matrix."""
-        w = self.stacked[name] if name in self.stacked else self.params[name + ".weight"]
-        return w.T, None
+        return self.matrix(name).T, None
 
     def norm_weights(self, name: str) -> tuple:
         return (self.params[name + ".weight"],)
 
     def product(self, x, name: str):
         """x @ W^T for W [out, in].  (..., in) -> (..., out)"""
-        return linear(x, *self.weight(name))
+        return weight_product(x, self.matrix(name))
 
     def add_norm(self, x, h, name: str):
         """x + h (the residual stream; x itself when h is None) and its RMSNorm ``name`` -> (x, normed)."""
@@ -194,8 +211,10 @@ class Llama(LlamaOps):
     """
 
     def __init__(self, config: LlamaConfig, params: dict, attention: str = DEFAULT_ATTENTION):
-        params = check_params(config, params, "Llama")
-        super().__init__(config, params, None, stacked_weights(params, config.n_layer, stack_rows))  # one read each
+        params = check_llama_params(config, params)
+        stacked = stacked_weights(params, config.n_layer, stack_rows)  # one read each
+        params |= {name: model_weight(w) for name, w in params.items() if kept_in_blocks(w)}  # the rest
+        super().__init__(config, params, None, stacked)
         self.lm_head = self.params["embed_tokens.weight" if config.tie_embeddings else "lm_head.weight"]  # (V, C)
         self.set_attention(attention)
 

@@ -70,6 +70,8 @@ from .quantize import BF16, F32, Q4_1, Q4_1_BYTES, Q8_0, Q8_0_BYTES, QK, QuantEr
 P = 16  # output channels per panel: one 512-bit vector of float32
 ROW_TILES = (1, 2, 4, 8, 16)  # token rows a kernel is compiled for (n is rounded up to one of these)
 MAX_ROWS = ROW_TILES[-1]  # rows per pass; more rows run in chunks
+KERNEL_MAX_ROWS = 16  # a model's product over more token rows goes to dense_product (measured, docs/quantization.md)
+DENSE_PANEL = 256  # rows of W dequantized at a time by dense_product
 FMA_CHAINS = 8  # independent sums that keep the FMA units busy (latency 4 x 2 per cycle)
 FASTMATH = {"nnan", "ninf", "nsz", "arcp", "contract", "afn"}  # fastmath without "reassoc" (docstring)
 jit = numba.njit(cache=True, fastmath=FASTMATH, nogil=True, boundscheck=False)
@@ -269,7 +271,10 @@ KERNELS = {"F32": f32_kernel, "BF16": bf16_kernel, "Q8_0": q8_0_kernel, "Q4_1": 
 
 @dataclass(frozen=True)
 class Packed:
-    """A weight in its kernel's layout (module docstring): ``arrays`` are the kernel's weight arguments."""
+    """A weight in its kernel's layout (module docstring): ``arrays`` are the kernel's weight arguments.
+
+    As a model's weight it does what a float32 matrix does, from its blocks: ``product(x)`` = x @ W.T,
+    ``rows(ids)`` (and ``table[ids]``) dequantizes the looked-up rows only, ``row_slice`` is a view."""
 
     format: str
     shape: tuple[int, int]  # (m, k) of the weight; m is padded to a multiple of P in the panels
@@ -278,6 +283,46 @@ class Packed:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays)
+
+    def product(self, x):
+        """x @ W.T.  (..., k) float32 -> (..., m): ``product`` (the kernels) for a few token rows, and
+        panel by panel dequantized into BLAS for a prefill (``dense_product``)."""
+        x2 = x.reshape(-1, x.shape[-1])  # (B, T, k) -> (B*T, k): every token row is one row of the product
+        run = product if x2.shape[0] <= KERNEL_MAX_ROWS else dense_product
+        return run(x2, self).reshape(*x.shape[:-1], self.shape[0])
+
+    def unpack(self, ids):
+        """The rows ``ids`` as the file's blocks (the inverse of ``pack``): (n,) ints -> Q8_0 / Q4_1 (n, k)."""
+        ids = np.asarray(ids).reshape(-1)
+        panel, lane = ids // P, ids % P
+        m, k = self.shape
+        if self.format == "Q8_0":
+            d, q = self.arrays  # (m/P, nb, P), (m/P, nb, 32, P)
+            raw = np.concatenate([d[panel, :, lane].view(np.uint8).reshape(len(ids), -1, 2),  # (n, nb, 2)
+                                  q[panel, :, :, lane].view(np.uint8)], axis=-1)  # (n, nb, 32)
+            return Q8_0(raw.reshape(len(ids), -1), k)
+        if self.format == "Q4_1":
+            dm, qs = self.arrays  # (m/P, nb, 2, P), (m/P, nb, 16, P)
+            raw = np.concatenate([dm[panel, :, :, lane].view(np.uint8).reshape(len(ids), -1, 4),  # (n, nb, 4)
+                                  qs[panel, :, :, lane]], axis=-1)  # (n, nb, 16)
+            return Q4_1(raw.reshape(len(ids), -1), k)
+        raise QuantError(f"unpack: {self.format} keeps no blocks (Q8_0 and Q4_1 do)")
+
+    def rows(self, ids):
+        """Dequantize only the rows ``ids``.  ids (...) ints -> (..., k) float32 (``Blocks.rows``)"""
+        return self.unpack(ids).dequantize().reshape(*np.shape(ids), self.shape[1])
+
+    def __getitem__(self, ids):
+        """``table[ids]`` as for a float32 table: ``rows(ids)``."""
+        return self.rows(ids)
+
+    def row_slice(self, start: int, stop: int) -> Packed:
+        """Rows start..stop-1: a view of whole panels when start is a multiple of P and stop is too (or the
+        end), else those rows packed anew."""
+        m, k = self.shape
+        if start % P or (stop % P and stop != m):
+            return pack(self.unpack(np.arange(start, stop)))
+        return Packed(self.format, (stop - start, k), tuple(a[start // P:-(-stop // P)] for a in self.arrays))
 
 
 def panels(a, m: int):
@@ -362,6 +407,19 @@ def vector_fma_count(asm: str) -> dict:
     return {"zmm": sum(1 for kind, reg in fmas if kind == "p" and reg == "zmm"),
             "ymm": sum(1 for kind, reg in fmas if kind == "p" and reg == "ymm"),
             "scalar": sum(1 for kind, _ in fmas if kind == "s")}
+
+
+def dense_product(x, packed: Packed) -> np.ndarray:
+    """y = x @ W.T for many token rows (a prefill, compute-bound): DENSE_PANEL rows of W at a time unpacked,
+    dequantized by the reference (``minillm.quantize``) and multiplied by BLAS; never all of W as float32.
+    x (n, k) float32 -> (n, m)"""
+    m, k = packed.shape
+    y = np.empty((x.shape[0], m), dtype=np.float32)
+    for start in range(0, m, DENSE_PANEL):
+        stop = min(m, start + DENSE_PANEL)
+        w = packed.unpack(np.arange(start, stop)).dequantize()  # (rows, k) float32, a few hundred KB
+        np.matmul(x, w.T, out=y[:, start:stop])
+    return y
 
 
 def product(x, packed: Packed) -> np.ndarray:

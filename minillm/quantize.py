@@ -34,6 +34,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .backend import is_gpu, on_device, xp
+
 QK = 32  # weights per GGUF Q8_0 / Q4_1 block
 Q8_0_BYTES = 2 + QK  # fp16 d, 32 int8
 Q4_1_BYTES = 2 + 2 + QK // 2  # fp16 d, fp16 m, 32 nibbles
@@ -88,10 +90,16 @@ def check_raw(raw, shape, block_bytes: int, what: str) -> np.ndarray:
     return raw
 
 
+def array_module(a):
+    """The array module of a: ``backend.xp`` for a device array (blocks kept on a GPU), else NumPy."""
+    return xp if on_device(a) else np
+
+
 def fp16_bits_to_f32(raw, offset: int, block_bytes: int) -> np.ndarray:
     """The fp16 field at byte ``offset`` of every block -> float32 (m, k/32).  raw (m, nb * block_bytes)"""
     blocks = raw.reshape(raw.shape[0], -1, block_bytes)  # (m, nb, block_bytes)
-    return np.ascontiguousarray(blocks[:, :, offset:offset + 2]).view(np.float16)[..., 0].astype(np.float32)
+    field = array_module(raw).ascontiguousarray(blocks[:, :, offset:offset + 2])  # (m, nb, 2) bytes
+    return field.view(np.float16)[..., 0].astype(np.float32)
 
 
 def check_scales(scales, what: str) -> None:
@@ -151,8 +159,68 @@ class BF16:
         return (self.bits.astype(np.uint32) << np.uint32(16)).view(np.float32)
 
 
+class Blocks:
+    """What a GGUF block weight (Q8_0, Q4_1) does as a model's weight, without a float32 copy of itself.
+
+    ``raw`` (m, k/32 * block bytes) may live on the host or on a device (``backend.xp``); rows of blocks
+    are whole output channels, so stacking weights or picking rows never touches a block's bytes."""
+
+    def rows(self, ids):
+        """Dequantize only the rows ``ids`` (an embedding lookup).  ids (...) ints -> (..., k) float32
+
+        Example: a Q8_0 (49152, 576) token table and ids (1, 3) -> (1, 3, 576), three rows read."""
+        flat = ids.reshape(-1) if hasattr(ids, "reshape") else np.asarray(ids).reshape(-1)
+        return type(self)(self.raw[flat], self.k).dequantize().reshape(*np.shape(ids), self.k)
+
+    def __getitem__(self, ids):
+        """``table[ids]`` as for a float32 table: ``rows(ids)``."""
+        return self.rows(ids)
+
+    def row_slice(self, start: int, stop: int):
+        """Rows start..stop-1, a view of the same blocks."""
+        return type(self)(self.raw[start:stop], self.k)
+
+    def product(self, x):
+        """x @ W.T by the reference: W dequantized, then one matmul.  (..., k) -> (..., m) float32"""
+        return x @ self.dequantize().T
+
+
+def concat_rows(weights: list):
+    """Weights of one block format and one input size -> one weight of all their rows, in order (the raw
+    block rows concatenated; nothing is dequantized).  Q4_1 (576, 576), (192, 576) -> Q4_1 (768, 576)"""
+    kind, k = type(weights[0]), weights[0].k
+    if any(type(w) is not kind or w.k != k for w in weights):
+        raise QuantError(f"concat_rows: the weights must share one format and input size, got "
+                         f"{[(type(w).__name__, w.shape) for w in weights]}")
+    return kind(array_module(weights[0].raw).concatenate([w.raw for w in weights]), k)
+
+
+def kept_in_blocks(w) -> bool:
+    """True for a weight kept in quantized blocks (a ``Blocks``, or ``qkernels.Packed``): not an array, a
+    weight that knows its own product (``w.product(x)``, which ``backend.weight_product`` calls)."""
+    return hasattr(w, "product")
+
+
+def as_blocks(w) -> Blocks:
+    """A weight kept in blocks as the file's blocks: a ``Blocks`` as it is, a packed one unpacked (a copy)."""
+    return w if isinstance(w, Blocks) else w.unpack(np.arange(w.shape[0]))
+
+
+def model_weight(weight):
+    """A Q8_0 / Q4_1 weight as a model keeps it: packed once for ``minillm.qkernels``'s kernels on NumPy; on
+    a device (CuPy, the strict stand-in) its raw blocks, uploaded once, whose products dequantize there
+    (``Blocks.product``). A weight already kept so is returned as it is."""
+    if not isinstance(weight, Blocks):
+        return weight  # packed already
+    if is_gpu():
+        return weight if on_device(weight.raw) else type(weight)(xp.asarray(weight.raw), weight.k)
+    from .qkernels import pack  # numba, imported when a model first keeps blocks
+
+    return pack(weight)
+
+
 @dataclass(frozen=True)
-class Q8_0:
+class Q8_0(Blocks):
     """GGUF Q8_0: blocks of 32 weights, w = d * q.  raw (m, k/32 * 34) uint8, the file's bytes.
 
     Per block: amax = max |w|, d = amax / 127, q = roundf(w / d) in -127..127, d stored as fp16.
@@ -199,7 +267,7 @@ class Q8_0:
 
 
 @dataclass(frozen=True)
-class Q4_1:
+class Q4_1(Blocks):
     """GGUF Q4_1: blocks of 32 weights, w = d * q + m, q in 0..15.  raw (m, k/32 * 20) uint8, the file's bytes.
 
     Per block: m = min w, d = (max w - min w) / 15, q = min(15, trunc((w - m) / d + 0.5)); d, m stored
@@ -242,7 +310,7 @@ class Q4_1:
     def quants(self) -> np.ndarray:
         """q per weight, uint8 0..15 (m, k/32, 32)."""
         nibbles = self.raw.reshape(self.raw.shape[0], -1, Q4_1_BYTES)[:, :, 4:]  # (m, nb, 16)
-        return np.concatenate([nibbles & np.uint8(0x0F), nibbles >> np.uint8(4)], axis=-1)
+        return array_module(self.raw).concatenate([nibbles & np.uint8(0x0F), nibbles >> np.uint8(4)], axis=-1)
 
     def dequantize(self) -> np.ndarray:
         """w = d * q + m.  -> float32 (m, k)"""
