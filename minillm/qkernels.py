@@ -439,9 +439,14 @@ def product(x, packed: Packed) -> np.ndarray:
     for start in range(0, n, MAX_ROWS):  # chunks of 16 rows; each reads every weight once
         rows = min(MAX_ROWS, n - start)
         tile = row_tile(rows)
-        xt = np.zeros((k, tile), dtype=np.float32)  # (k, R): x[r, t] of a position side by side
-        xt[:, :rows] = x[start:start + rows].T
-        out = np.empty((tile, m_pad), dtype=np.float32)
-        compiled(packed.format, tile)(xt, *packed.arrays, out, tile, max(1, FMA_CHAINS // tile))
-        y[start:start + rows] = out[:rows, :m]
+        if tile == 1:  # a decode step: x (1, k) is already xt (k, 1), a view
+            xt = x[start:start + 1].reshape(k, 1)
+        else:
+            xt = np.zeros((k, tile), dtype=np.float32)  # (k, R): x[r, t] of a position side by side
+            xt[:, :rows] = x[start:start + rows].T
+        direct = tile == rows and m == m_pad  # the kernel can write y's rows itself
+        out = y[start:start + rows] if direct else np.empty((tile, m_pad), dtype=np.float32)
+        compiled(packed.format, tile)(np.ascontiguousarray(xt), *packed.arrays, out, tile, max(1, FMA_CHAINS // tile))
+        if not direct:
+            y[start:start + rows] = out[:rows, :m]
     return y

@@ -120,3 +120,24 @@ def test_benchmark_pass_and_table(tmp_path, capsys):
     with pytest.raises(SystemExit):
         quantized.main(["--formats", "Q5_0"])
     assert existing.read_text() == "keep me" and "exists" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1"])
+def test_packed_weight_gives_back_its_blocks(fmt):
+    """unpack is pack's inverse (the file's bytes, row by row); rows() dequantizes only the looked-up rows;
+    row_slice is a view of whole panels (or the rows packed anew); a prefill's product (more rows than
+    the kernels take) goes panel by panel into BLAS and matches the reference."""
+    rng = np.random.default_rng(4)
+    weight = FORMATS[fmt].quantize(rng.standard_normal((300, 96)).astype(np.float32))
+    packed = qkernels.pack(weight)
+    np.testing.assert_array_equal(packed.unpack(np.arange(300)).raw, weight.raw)
+    ids = np.array([[299, 0, 17]])
+    np.testing.assert_array_equal(packed[ids], weight.dequantize()[ids])
+    view = packed.row_slice(16, 300)
+    assert view.arrays[0].base is not None and view.shape == (284, 96)
+    for start, stop in ((16, 300), (5, 48)):
+        np.testing.assert_array_equal(packed.row_slice(start, stop).unpack(np.arange(stop - start)).raw,
+                                      weight.raw[start:stop])
+    x = rng.standard_normal((2, 20, 96)).astype(np.float32)  # 40 rows > KERNEL_MAX_ROWS
+    ref = x.astype(np.float64) @ weight.dequantize().astype(np.float64).T
+    assert np.abs(packed.product(x) - ref).max() <= TOL * np.abs(ref).max() * 96

@@ -180,3 +180,24 @@ def test_bad_bytes_and_settings_are_refused():
         Int4PerGroup.quantize(w, group=48)
     with pytest.raises(QuantError, match="NaN or inf"):
         BF16.quantize(np.full((2, 3), np.nan, np.float32))
+
+
+@pytest.mark.parametrize("fmt", [Q8_0, Q4_1])
+def test_blocks_as_a_model_weight(fmt):
+    """rows(ids) is dequantize()[ids] in the ids' shape; row_slice and concat_rows move whole rows of blocks
+    (their bytes unchanged); product is x @ dequantize().T; two formats cannot be concatenated."""
+    from minillm.quantize import concat_rows
+
+    rng = np.random.default_rng(7)
+    w = fmt.quantize(rng.standard_normal((40, 64)).astype(np.float32))
+    ids = np.array([[39, 0], [5, 5]])
+    np.testing.assert_array_equal(w.rows(ids), w.dequantize()[ids])
+    assert w.rows(ids).shape == (2, 2, 64) and w[ids].dtype == np.float32
+    np.testing.assert_array_equal(w.row_slice(3, 9).raw, w.raw[3:9])
+    both = concat_rows([w.row_slice(0, 7), w.row_slice(7, 40)])
+    np.testing.assert_array_equal(both.raw, w.raw)
+    x = rng.standard_normal((3, 64)).astype(np.float32)
+    np.testing.assert_array_equal(w.product(x), x @ w.dequantize().T)
+    other = (Q4_1 if fmt is Q8_0 else Q8_0).quantize(rng.standard_normal((4, 64)).astype(np.float32))
+    with pytest.raises(QuantError, match="share one format"):
+        concat_rows([w, other])

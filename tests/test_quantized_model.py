@@ -1,0 +1,138 @@
+"""Chapter 13, the model in its file's blocks: SmolLM2 with every Q8_0 / Q4_1 matrix kept quantized
+(``load_model(..., weights="q")``, the default) computes what the float32 reference computes from the same
+file (``weights="fp32"``).
+
+The two models hold the same weights: "q" multiplies by the blocks (packed numba kernels on NumPy; on a
+device, the blocks dequantized for each product), "fp32" by the same blocks dequantized once at load. So
+they differ only by float32 rounding of sums taken in another order: the bound below is float32 rounding,
+not quantization error. A tiny random Llama quantized here checks the same on both backends in
+milliseconds (on the strict stand-in the quantized product is dequantize + matmul on the "device").
+"""
+
+import numpy as np
+import pytest
+
+from minillm import generate, to_numpy
+from minillm.backend import is_gpu, xp
+from minillm.config import LlamaConfig
+from minillm.kv_cache import KVCache
+from minillm.llama import Llama
+from minillm.quantize import Q4_1, Q8_0, Blocks, QuantError
+
+# |logits_q - logits_fp32| <= LOGIT_TOL * max |logits_fp32|. Each product differs from BLAS's by float32
+# rounding of a reordered sum (the kernels' own test: 2e-6 of sum |x w|); through 30 blocks the difference
+# measured 3e-6 of the largest logit (9e-5 of 27). The bound leaves 30x room and is still 100x below one
+# step of a Q4_1 weight (d / 2, about 1% of a weight).
+LOGIT_TOL = 1e-4
+GREEDY_TOKENS = 32
+PROMPTS = [  # token ids: a chat turn, and a short phrase
+    [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407, 19712, 8182, 2],
+    [504, 3458, 282, 4649, 314],
+]
+TINY = LlamaConfig(vocab_size=96, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, n_hidden=96,
+                   rope_theta=10000.0)
+
+
+def close_logits(a, b):
+    """a, b (B, T, V) float32: within LOGIT_TOL of b's largest logit."""
+    a, b = to_numpy(a), to_numpy(b)
+    assert a.dtype == b.dtype == np.float32
+    error = np.abs(a.astype(np.float64) - b).max()
+    assert error <= LOGIT_TOL * np.abs(b).max(), f"{error:.3g} > {LOGIT_TOL} * {np.abs(b).max():.3g}"
+
+
+def greedy(model, prompt, n=GREEDY_TOKENS):
+    return generate(model, prompt, n, temperature=0, cache=KVCache(model.config, max_len=len(prompt) + n)).tokens
+
+
+# ---- a tiny random Llama, both backends ---------------------------------------------------------------
+
+
+def tiny_params(seed=0):
+    """Random weights; every matrix quantized (Q8_0 for the tied embedding, Q4_1 for the blocks, as in
+    SmolLM2's file) -> (params with blocks, the same params dequantized to float32)."""
+    rng = np.random.default_rng(seed)
+    blocks, dense = {}, {}
+    for name, shape in TINY.param_shapes().items():
+        if len(shape) == 1:
+            blocks[name] = dense[name] = (1.0 + 0.2 * rng.standard_normal(shape)).astype(np.float32)
+            continue
+        w = (rng.standard_normal(shape) * (1.0 if "embed" in name else shape[1] ** -0.5)).astype(np.float32)
+        blocks[name] = (Q8_0 if "embed" in name else Q4_1).quantize(w)
+        dense[name] = blocks[name].dequantize()
+    return blocks, dense
+
+
+def test_tiny_quantized_llama_equals_its_dequantized_copy():
+    """Logits (prefill of 20 rows: the panel-by-panel product on NumPy; decode steps: the kernels) and 12
+    greedy tokens of the model in blocks equal those of the same weights dequantized at load."""
+    blocks, dense = tiny_params()
+    q, ref = Llama(TINY, blocks), Llama(TINY, dense)
+    assert all(not isinstance(w, np.ndarray) for w in q.stacked.values()) and not isinstance(q.lm_head, np.ndarray)
+    ids = np.array([[(7 * t) % TINY.vocab_size for t in range(20)]])
+    close_logits(q.forward(ids), ref.forward(ids))
+    prompt = [3, 14, 15, 92, 65]
+    assert greedy(q, prompt, 12) == greedy(ref, prompt, 12)
+
+
+def test_tiny_quantized_embedding_looks_up_rows():
+    """The tied Q8_0 table: a lookup dequantizes only the rows asked for, in the ids' shape, on either backend."""
+    blocks, dense = tiny_params(1)
+    q = Llama(TINY, blocks)
+    ids = np.array([[5, 0, 95], [95, 7, 7]])
+    rows = q.params["embed_tokens.weight"][xp.asarray(ids) if is_gpu() else ids]  # (2, 3, C)
+    np.testing.assert_array_equal(to_numpy(rows), dense["embed_tokens.weight"][ids])
+
+
+def test_mixed_formats_cannot_share_a_product():
+    """q in Q4_1 and k in Q8_0 cannot be stacked into one product: a clear error, nothing half-built."""
+    blocks, _ = tiny_params(2)
+    k = blocks["layers.0.self_attn.k_proj.weight"]
+    blocks["layers.0.self_attn.k_proj.weight"] = Q8_0(Q8_0.quantize(k.dequantize()).raw, k.k)
+    with pytest.raises(QuantError, match="share one format"):
+        Llama(TINY, blocks)
+
+
+# ---- SmolLM2 from its own file -----------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def smollm2_pair():
+    from minillm import GGUFError
+    from minillm.registry import load_model
+
+    try:
+        return load_model("smollm2-135m")[0], load_model("smollm2-135m", weights="fp32")[0]
+    except GGUFError as exc:
+        pytest.skip(str(exc))
+
+
+def test_smollm2_keeps_its_blocks(smollm2_pair):
+    """Every matrix of the default load stays in blocks: no float32 matrix, the file's bytes (98 MB, not 538)."""
+    q, ref = smollm2_pair
+    matrices = [*q.stacked.values(), *(w for n, w in q.params.items() if n.endswith(("o_proj.weight",
+                                                                                     "down_proj.weight")))]
+    assert not any(isinstance(w, np.ndarray) for w in [*matrices, q.lm_head, q.params["embed_tokens.weight"]])
+    if is_gpu():  # the raw blocks on the device
+        assert all(isinstance(w, Blocks) for w in [*matrices, q.lm_head])
+    else:  # packed for the kernels: 30 x (q, k, v, o, gate, up, down) in Q4_1 + the Q8_0 table
+        kept = sum(w.nbytes for w in matrices) + q.lm_head.nbytes
+        assert 96e6 < kept < 97e6, kept
+    assert ref.lm_head.dtype == xp.float32 and ref.lm_head.shape == (49152, 576)
+
+
+@pytest.mark.uses_exercise("8.1", "8.2", "8.3")
+def test_smollm2_quantized_logits_equal_the_float32_reference(smollm2_pair):
+    q, ref = smollm2_pair
+    for prompt in PROMPTS:
+        ids = np.array([prompt])
+        close_logits(q.forward(ids), ref.forward(ids))
+
+
+@pytest.mark.host_only  # 64 decode steps of each model: the NumPy kernels (the stand-in runs the tiny model)
+@pytest.mark.uses_exercise("8.1", "8.2", "8.3")
+def test_smollm2_quantized_greedy_equals_the_float32_reference(smollm2_pair):
+    """32 greedy tokens after each of two prompts: the same tokens from the blocks and from float32."""
+    q, ref = smollm2_pair
+    for prompt in PROMPTS:
+        assert greedy(q, prompt) == greedy(ref, prompt), prompt
