@@ -25,11 +25,24 @@ from __future__ import annotations
 
 import numpy as np
 
-from .backend import to_numpy, weight_product, xp
+from .backend import is_gpu, on_device, to_numpy, weight_product, xp
 from .config import LlamaConfig
 from .model import DEFAULT_ATTENTION, INIT_STD, check_layers, check_params, get_attention, token_positions
 from .nn import merge_heads, rope_cos_sin, silu, split_heads
-from .quantize import as_blocks, concat_rows, kept_in_blocks, model_weight
+from .quantize import Blocks, as_blocks, concat_rows, kept_in_blocks
+
+
+def model_weight(weight):
+    """A Q8_0 / Q4_1 weight as a model keeps it: packed once for ``minillm.qkernels``'s kernels on NumPy; on
+    a device (CuPy, the strict stand-in) its raw blocks, uploaded once, whose products dequantize there
+    (``quantize.Blocks.product``). A weight already kept so is returned as it is."""
+    if not isinstance(weight, Blocks):
+        return weight  # packed already
+    if is_gpu():
+        return weight if on_device(weight.raw) else type(weight)(xp.asarray(weight.raw), weight.k)
+    from .qkernels import pack  # numba, imported when a model first keeps blocks
+
+    return pack(weight)
 
 
 def rms_norm(x, w, eps: float):

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .backend import is_gpu, on_device, xp
+from .backend import on_device, xp
 
 QK = 32  # weights per GGUF Q8_0 / Q4_1 block
 Q8_0_BYTES = 2 + QK  # fp16 d, 32 int8
@@ -204,19 +204,6 @@ def kept_in_blocks(w) -> bool:
 def as_blocks(w) -> Blocks:
     """A weight kept in blocks as the file's blocks: a ``Blocks`` as it is, a packed one unpacked (a copy)."""
     return w if isinstance(w, Blocks) else w.unpack(np.arange(w.shape[0]))
-
-
-def model_weight(weight):
-    """A Q8_0 / Q4_1 weight as a model keeps it: packed once for ``minillm.qkernels``'s kernels on NumPy; on
-    a device (CuPy, the strict stand-in) its raw blocks, uploaded once, whose products dequantize there
-    (``Blocks.product``). A weight already kept so is returned as it is."""
-    if not isinstance(weight, Blocks):
-        return weight  # packed already
-    if is_gpu():
-        return weight if on_device(weight.raw) else type(weight)(xp.asarray(weight.raw), weight.k)
-    from .qkernels import pack  # numba, imported when a model first keeps blocks
-
-    return pack(weight)
 
 
 @dataclass(frozen=True)

@@ -76,6 +76,7 @@ def test_a_decode_cache_of_a_quarter_of_the_bytes():
     assert 0 < used < cache.bytes_used <= cache.nbytes
 
 
+@pytest.mark.uses_exercise("3.1")
 def test_grouped_query_heads_are_stored_as_kv_heads():
     """A Llama with 4 query heads and 2 KV heads: the cache stores 2 heads, and prefill-then-decode
     through it gives logits within int8 rounding of the float32 cache's."""
@@ -111,6 +112,7 @@ class PerHeadInt8KVCache(Int8KVCache):
     quantize = staticmethod(per_head_scale)
 
 
+@pytest.mark.uses_exercise("8.2")
 def test_a_scale_per_position_matters(target, window):
     """The bug-zoo shortcut, one scale per head instead of one per (head, position), costs measurably
     more: on the shipped target's full context its KL from the float32 cache is more than 1.5 times

@@ -12,9 +12,10 @@ PACKAGE = Path(__file__).resolve().parents[1] / "minillm"
 LAYERS = [  # lowest first; a module may import from its own layer and the ones before it
     {"backend", "streaming", "strict", "cache_contract", "config", "tokenizer", "bpe", "notebook", "kernels",
      "kernels.build"},
-    {"attention", "nn", "flash_attention", "kernels.launch", "data", "sampling", "workloads"},  # nn: both models' layer functions
-    {"model", "kv_cache", "paged_kv", "prefix_blocks"},
-    {"llama", "checkpoint", "gguf", "registry", "drafts", "fused"},  # fused: the kernels beside their references
+    {"quantize", "qkernels"},  # the weight formats, then their packed CPU kernels
+    {"attention", "nn", "flash_attention", "kernels.launch", "data", "sampling", "workloads"},  # nn: layer functions
+    {"model", "kv_cache", "kv_quant", "paged_kv", "prefix_blocks"},
+    {"llama", "checkpoint", "gguf", "registry", "drafts", "fused", "qcuda"},  # fused, qcuda: kernels, references
     {"generate", "speculative", "measure", "decode_step"},
     {"token_tree"},
     {"draft_free", "lookahead", "medusa", "eagle"},
