@@ -25,6 +25,8 @@ TOPICS = {
     "real-speculation": "minillm.tools.benchmarks.real_speculation",
     "device-calls": "minillm.tools.benchmarks.device_calls",
     "serve-load": "minillm.tools.benchmarks.serve_load",
+    "quantized": "minillm.tools.benchmarks.quantized",
+    "quant-quality": "minillm.tools.benchmarks.quant_quality",
 }
 
 
