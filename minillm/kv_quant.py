@@ -11,7 +11,7 @@ cache, 0.266 for hs = 64. The rounding error of each element is at most s / 2 = 
 
 Why a scale per position and not one per head: a head's key and value vectors differ in size from
 token to token (in SmolLM2-135M's middle layer the largest absmax of a head over 512 tokens of
-Shakespeare is 1.5-2 times the median), so one scale for a head's whole sequence is set by its largest
+Shakespeare is 1.5 to 1.9 times the median), so one scale for a head's whole sequence is set by its largest
 vector and leaves the typical one fewer of the 255 levels (tests/test_kv_quant.py measures the
 difference in the logits). A per-position scale also makes the stored bytes of a token independent of
 how tokens were grouped into forward calls (prefill, decode, a verification of K tokens), so
