@@ -43,8 +43,7 @@ from .kernels.build import (
     run_emulated,
 )
 from .kernels.launch import compile_raw_kernel
-from .llama import apply_rope, repeat_kv, rms_norm, rope_cos_sin, silu
-from .nn import LN_EPS, gelu, layer_norm, merge_heads, split_heads
+from .nn import LN_EPS, apply_rope, gelu, layer_norm, merge_heads, repeat_kv, rms_norm, rope_cos_sin, silu, split_heads
 
 FLOAT_BYTES = 4
 HS_MAX = FUSED_HS_MAX  # the largest head size decode_attention takes (its #define in fused.cu)

@@ -4,7 +4,8 @@
     for each block:  x = x + attn(rms_norm(x));  x = x + swiglu(rms_norm(x))
     logits = rms_norm(x) @ embed_tokens^T                        (SmolLM2 ties the LM head)
 
-Four changes from GPT-2 (``model.py``), each a function here:
+Four changes from GPT-2 (``model.py``), each one function: ``swiglu`` here, the other three in ``minillm.nn``
+(chapter 8's exercises; the fused kernels' references use them too, and ``nn`` sits below both):
 
 - ``rms_norm``: scale by the root mean square, no mean subtraction and no bias (Zhang & Sennrich 2019).
 - ``apply_rope``: no position table; q and k of every head are rotated by angles proportional to
@@ -28,7 +29,7 @@ import numpy as np
 from .backend import is_gpu, on_device, to_numpy, weight_product, xp
 from .config import LlamaConfig
 from .model import DEFAULT_ATTENTION, INIT_STD, check_layers, check_params, get_attention, token_positions
-from .nn import merge_heads, rope_cos_sin, silu, split_heads
+from .nn import apply_rope, merge_heads, repeat_kv, rms_norm, rope_cos_sin, silu, split_heads
 from .quantize import Blocks, as_blocks, concat_rows, kept_in_blocks
 
 
@@ -43,42 +44,6 @@ def model_weight(weight):
     from .qkernels import pack  # numba, imported when a model first keeps blocks
 
     return pack(weight)
-
-
-def rms_norm(x, w, eps: float):
-    """x / sqrt(mean(x^2) + eps) * w over the last axis.  [..., C] -> [..., C]"""
-    # EXERCISE 8.2 BEGIN: divide x by its root mean square over the last axis (eps inside the root), scale by w
-    mean_square = (x * x).sum(axis=-1, keepdims=True) / x.shape[-1]  # (..., 1)
-    return x / xp.sqrt(mean_square + eps) * w
-    # EXERCISE 8.2 END
-
-
-def apply_rope(x, cos, sin):
-    """Rotate each pair (x_j, x_{j+hs/2}) by its angle: x cos + rotate_half(x) sin, rotate_half(x) = (-x2, x1).
-
-    (B, nh, T, hs) with cos, sin from ``rope_cos_sin`` -> (B, nh, T, hs). Rotating q at position m and
-    k at position n leaves their score depending on n - m only: R(m)q . R(n)k = q . R(n - m)k.
-    Weights read from a GGUF file are in this layout once ``gguf.unpermute_rope_rows`` has run.
-    """
-    # EXERCISE 8.1 BEGIN: rotate dims j and j + hs/2 of each head by the angle in cos, sin (rotate half)
-    half = x.shape[-1] // 2
-    rotated = xp.concatenate([-x[..., half:], x[..., :half]], axis=-1)  # rotate_half: (x1, x2) -> (-x2, x1)
-    return x * cos + rotated * sin
-    # EXERCISE 8.1 END
-
-
-def repeat_kv(x, n_rep: int):
-    """Grouped-query attention's head mapping: query head h reads key/value head h // n_rep.
-
-    (B, n_kv_head, T, hs) -> (B, n_kv_head * n_rep, T, hs); KV heads [a, b] with n_rep = 2 -> [a, a, b, b].
-    """
-    # EXERCISE 8.3 BEGIN: repeat each key/value head n_rep times in a row along the head axis
-    if n_rep == 1:
-        return x
-    B, n_kv, T, hs = x.shape
-    x = xp.broadcast_to(x[:, :, None], (B, n_kv, n_rep, T, hs))  # (B, n_kv, n_rep, T, hs), no copy yet
-    return x.reshape(B, n_kv * n_rep, T, hs)
-    # EXERCISE 8.3 END
 
 
 def grouped_attention(attention, n_rep: int):

@@ -1,8 +1,9 @@
 """The layer functions both model families use, one equation each, below the models and the kernels.
 
 ``model.py`` (GPT-2) and ``llama.py`` build their blocks from these; ``fused.py`` writes the array code its
-kernels replace with them; ``train.py`` differentiates them. Chapter 8's own three (``rms_norm``,
-``apply_rope``, ``repeat_kv``) stay in ``llama.py``, where its exercises are.
+kernels replace with them; ``train.py`` differentiates them. The last three are Llama's, chapter 8's
+exercises (``rms_norm`` 8.2, ``apply_rope`` 8.1, ``repeat_kv`` 8.3): they live here, below both the model and
+the kernels, so that ``fused.py``'s references use them without importing a model.
 """
 
 from __future__ import annotations
@@ -69,3 +70,39 @@ def rope_cos_sin(pos, head_size: int, theta: float):
     if angles.ndim == 3:
         angles = angles[:, None]  # (B, 1, T, hs): broadcast over heads
     return xp.cos(angles).astype(xp.float32), xp.sin(angles).astype(xp.float32)
+
+
+def rms_norm(x, w, eps: float):
+    """x / sqrt(mean(x^2) + eps) * w over the last axis.  [..., C] -> [..., C]"""
+    # EXERCISE 8.2 BEGIN: divide x by its root mean square over the last axis (eps inside the root), scale by w
+    mean_square = (x * x).sum(axis=-1, keepdims=True) / x.shape[-1]  # (..., 1)
+    return x / xp.sqrt(mean_square + eps) * w
+    # EXERCISE 8.2 END
+
+
+def apply_rope(x, cos, sin):
+    """Rotate each pair (x_j, x_{j+hs/2}) by its angle: x cos + rotate_half(x) sin, rotate_half(x) = (-x2, x1).
+
+    (B, nh, T, hs) with cos, sin from ``rope_cos_sin`` -> (B, nh, T, hs). Rotating q at position m and
+    k at position n leaves their score depending on n - m only: R(m)q . R(n)k = q . R(n - m)k.
+    Weights read from a GGUF file are in this layout once ``gguf.unpermute_rope_rows`` has run.
+    """
+    # EXERCISE 8.1 BEGIN: rotate dims j and j + hs/2 of each head by the angle in cos, sin (rotate half)
+    half = x.shape[-1] // 2
+    rotated = xp.concatenate([-x[..., half:], x[..., :half]], axis=-1)  # rotate_half: (x1, x2) -> (-x2, x1)
+    return x * cos + rotated * sin
+    # EXERCISE 8.1 END
+
+
+def repeat_kv(x, n_rep: int):
+    """Grouped-query attention's head mapping: query head h reads key/value head h // n_rep.
+
+    (B, n_kv_head, T, hs) -> (B, n_kv_head * n_rep, T, hs); KV heads [a, b] with n_rep = 2 -> [a, a, b, b].
+    """
+    # EXERCISE 8.3 BEGIN: repeat each key/value head n_rep times in a row along the head axis
+    if n_rep == 1:
+        return x
+    B, n_kv, T, hs = x.shape
+    x = xp.broadcast_to(x[:, :, None], (B, n_kv, n_rep, T, hs))  # (B, n_kv, n_rep, T, hs), no copy yet
+    return x.reshape(B, n_kv * n_rep, T, hs)
+    # EXERCISE 8.3 END

@@ -100,9 +100,9 @@ def embed_case(name, B, T, rng, V=11, C=40, max_len=12):
 # ---- every kernel equals its reference ----------------------------------------------------------------------
 
 
-RMS = pytest.mark.uses_exercise("8.2")  # the references of the RMSNorm kernels call llama.rms_norm
-ROPE = pytest.mark.uses_exercise("8.1")  # ... of the RoPE kernel llama.apply_rope
-GQA = pytest.mark.uses_exercise("8.3")  # ... of decode_attention llama.repeat_kv
+RMS = pytest.mark.uses_exercise("8.2")  # the references of the RMSNorm kernels call nn.rms_norm
+ROPE = pytest.mark.uses_exercise("8.1")  # ... of the RoPE kernel nn.apply_rope
+GQA = pytest.mark.uses_exercise("8.3")  # ... of decode_attention nn.repeat_kv
 
 
 @pytest.mark.parametrize("name", ["layer_norm_rows", pytest.param("rms_norm_rows", marks=RMS), "add_layer_norm_rows",
@@ -134,7 +134,7 @@ def test_qkv_split_and_cache_write_equal_the_array_code(name, B, T, nh, nkv, hs)
 @pytest.mark.uses_exercise("12.2")
 @ROPE
 def test_rope_at_position_5000_keeps_the_double_angle():
-    """The angle pos * theta^(-2j/hs) in double, as llama.rope_cos_sin computes it: in float it would be off by
+    """The angle pos * theta^(-2j/hs) in double, as nn.rope_cos_sin computes it: in float it would be off by
     about 3e-4 rad at this position."""
     assert_same(*run_both("qkv_rope_to_cache", *qkv_case("qkv_rope_to_cache", 1, 2, 2, 1, 32,
                                                            np.random.default_rng(0), start=5000)))
