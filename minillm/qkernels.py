@@ -70,8 +70,6 @@ from .quantize import BF16, F32, Q4_1, Q4_1_BYTES, Q8_0, Q8_0_BYTES, QK, QuantEr
 P = 16  # output channels per panel: one 512-bit vector of float32
 ROW_TILES = (1, 2, 4, 8, 16)  # token rows a kernel is compiled for (n is rounded up to one of these)
 MAX_ROWS = ROW_TILES[-1]  # rows per pass; more rows run in chunks
-KERNEL_MAX_ROWS = 16  # a model's product over more token rows goes to dense_product (measured, docs/quantization.md)
-DENSE_PANEL = 256  # rows of W dequantized at a time by dense_product
 FMA_CHAINS = 8  # independent sums that keep the FMA units busy (latency 4 x 2 per cycle)
 FASTMATH = {"nnan", "ninf", "nsz", "arcp", "contract", "afn"}  # fastmath without "reassoc" (docstring)
 jit = numba.njit(cache=True, fastmath=FASTMATH, nogil=True, boundscheck=False)
@@ -285,11 +283,12 @@ class Packed:
         return sum(a.nbytes for a in self.arrays)
 
     def product(self, x):
-        """x @ W.T.  (..., k) float32 -> (..., m): ``product`` (the kernels) for a few token rows, and
-        panel by panel dequantized into BLAS for a prefill (``dense_product``)."""
+        """x @ W.T by the kernels (``product``), a prefill in chunks of 16 rows.  (..., k) float32 -> (..., m)
+
+        Dequantizing W panel by panel into BLAS instead measured 3 to 8 times slower for prompts of 17 to
+        256 tokens (docs/quantization.md), so the kernels take every product."""
         x2 = x.reshape(-1, x.shape[-1])  # (B, T, k) -> (B*T, k): every token row is one row of the product
-        run = product if x2.shape[0] <= KERNEL_MAX_ROWS else dense_product
-        return run(x2, self).reshape(*x.shape[:-1], self.shape[0])
+        return product(x2, self).reshape(*x.shape[:-1], self.shape[0])
 
     def unpack(self, ids):
         """The rows ``ids`` as the file's blocks (the inverse of ``pack``): (n,) ints -> Q8_0 / Q4_1 (n, k)."""
@@ -407,19 +406,6 @@ def vector_fma_count(asm: str) -> dict:
     return {"zmm": sum(1 for kind, reg in fmas if kind == "p" and reg == "zmm"),
             "ymm": sum(1 for kind, reg in fmas if kind == "p" and reg == "ymm"),
             "scalar": sum(1 for kind, _ in fmas if kind == "s")}
-
-
-def dense_product(x, packed: Packed) -> np.ndarray:
-    """y = x @ W.T for many token rows (a prefill, compute-bound): DENSE_PANEL rows of W at a time unpacked,
-    dequantized by the reference (``minillm.quantize``) and multiplied by BLAS; never all of W as float32.
-    x (n, k) float32 -> (n, m)"""
-    m, k = packed.shape
-    y = np.empty((x.shape[0], m), dtype=np.float32)
-    for start in range(0, m, DENSE_PANEL):
-        stop = min(m, start + DENSE_PANEL)
-        w = packed.unpack(np.arange(start, stop)).dequantize()  # (rows, k) float32, a few hundred KB
-        np.matmul(x, w.T, out=y[:, start:stop])
-    return y
 
 
 def product(x, packed: Packed) -> np.ndarray:

@@ -126,7 +126,7 @@ def test_benchmark_pass_and_table(tmp_path, capsys):
 def test_packed_weight_gives_back_its_blocks(fmt):
     """unpack is pack's inverse (the file's bytes, row by row); rows() dequantizes only the looked-up rows;
     row_slice is a view of whole panels (or the rows packed anew); a prefill's product (more rows than
-    the kernels take) goes panel by panel into BLAS and matches the reference."""
+    a chunk of 16) runs in chunks and matches the reference."""
     rng = np.random.default_rng(4)
     weight = FORMATS[fmt].quantize(rng.standard_normal((300, 96)).astype(np.float32))
     packed = qkernels.pack(weight)
@@ -138,6 +138,31 @@ def test_packed_weight_gives_back_its_blocks(fmt):
     for start, stop in ((16, 300), (5, 48)):
         np.testing.assert_array_equal(packed.row_slice(start, stop).unpack(np.arange(stop - start)).raw,
                                       weight.raw[start:stop])
-    x = rng.standard_normal((2, 20, 96)).astype(np.float32)  # 40 rows > KERNEL_MAX_ROWS
+    x = rng.standard_normal((2, 20, 96)).astype(np.float32)  # (B, T, k): 40 rows, three chunks
     ref = x.astype(np.float64) @ weight.dequantize().astype(np.float64).T
     assert np.abs(packed.product(x) - ref).max() <= TOL * np.abs(ref).max() * 96
+
+
+def test_decode_benchmark_table(tmp_path, capsys):
+    """bench quantized --decode: medians per engine, the ratio to llama.cpp, tokens agreeing with fp32 up to
+    the first difference, the memory read from /proc; an unknown engine is refused before anything runs."""
+    from minillm.tools.benchmarks import quantized
+
+    assert quantized.agreeing([1, 2, 3], [1, 2, 4]) == 2 and quantized.agreeing([5], [5, 6]) == 1
+    prompts = [[1] * 10, [1] * 20]
+    def run(tokens, prefill_s, decode_s):
+        return {"tokens": tokens, "prefill_s": prefill_s, "decode_s": decode_s}
+
+    runs = {"fp32": [run([1, 2], 0.1, 0.03)] * 3,
+            "q": [run([1, 3], 0.05, 0.01), run([1, 2], 0.05, 0.02), run([1, 2], 0.05, 0.008)],
+            "llama.cpp": [run([1, 2], 0.02, 0.01)] * 3}
+    mem = {"rss_mb": 200.0, "peak_mb": 250.0}
+    rows = quantized.decode_rows(runs, {e: {"after load": mem, "after answering": mem} for e in runs}, prompts)
+    q = rows[1]
+    assert q["engine"] == "q" and q["decode ms/token"] == pytest.approx(10.0) and q["x llama.cpp"] == pytest.approx(1.0)
+    assert q["same tokens as fp32"] == 1 + 2 + 2 and q["prefill tokens/s"] == pytest.approx(200.0)
+    now = quantized.memory_mb()
+    assert 0 < now["rss_mb"] <= now["peak_mb"]
+    with pytest.raises(SystemExit):
+        quantized.main(["--decode", "--engines", "vllm"])
+    assert "unknown engine" in capsys.readouterr().err

@@ -64,7 +64,7 @@ def tiny_params(seed=0):
 
 
 def test_tiny_quantized_llama_equals_its_dequantized_copy():
-    """Logits (prefill of 20 rows: the panel-by-panel product on NumPy; decode steps: the kernels) and 12
+    """Logits (a prefill of 20 rows: two chunks of the kernels on NumPy; then decode steps) and 12
     greedy tokens of the model in blocks equal those of the same weights dequantized at load."""
     blocks, dense = tiny_params()
     q, ref = Llama(TINY, blocks), Llama(TINY, dense)

@@ -19,13 +19,27 @@ Then, per format and n = 1, 2, 4, 8, 16 token rows, in the order printed:
 
 ``--json OUT`` also writes every number. The numbers are only as quiet as the machine: the first
 line printed says the load.
+
+``--decode``: SmolLM2-135M itself, greedy, one thread per engine: "fp32" (every matrix dequantized at
+load, the reference), "q" (the file's Q8_0 / Q4_1 blocks, the default load) and, when ``llama_cpp`` is
+importable, llama.cpp on the same file. Each engine runs in a fresh process of its own (its memory is
+its own: VmRSS after loading, and VmRSS / VmHWM after answering, from /proc/self/status). After a
+warm-up answer each, every chat prompt is answered by every engine in turn, the order alternating from
+one prompt to the next, ``--rounds`` times; the table has the medians: decode ms per new token (after
+the first), tokens/s, and prefill tokens/s (prompt tokens over the time to the first new token). The
+header names the CPU and the load average before and after.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
+import multiprocessing
 import os
+import platform
+import statistics
+import subprocess
 import time
 from pathlib import Path
 
@@ -122,19 +136,228 @@ def format_rows(fmt: str, nbytes: int, times: dict, bandwidth: float, fma_rate: 
     return rows
 
 
+# ---- --decode: the model itself, side by side with llama.cpp ------------------------------------------
+
+ENGINES = ("fp32", "q", "llama.cpp")  # minillm's two loads of the same file, and llama.cpp when importable
+CHAT_PROMPTS = ("What is the capital of France?", "Give me three tips for sleeping better.",
+                "Write a haiku about the sea.", "Explain what a CPU cache is in two sentences.",
+                "How do I boil an egg?")
+NEW_TOKENS = 64
+LLAMA_CPP_CONTEXT = 512  # tokens: a chat prompt and its answer fit
+
+
+def memory_mb() -> dict:
+    """This process's resident memory now and at its peak (VmRSS, VmHWM in /proc/self/status), in MB."""
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            name, _, value = line.partition(":")
+            if name in ("VmRSS", "VmHWM"):
+                fields[name] = int(value.split()[0]) / 1024
+    return {"rss_mb": fields.get("VmRSS"), "peak_mb": fields.get("VmHWM")}
+
+
+def cpu_name() -> str:
+    """lscpu's model name (platform.processor() where there is no lscpu)."""
+    try:
+        out = subprocess.run(["lscpu"], capture_output=True, text=True, timeout=10).stdout
+    except (OSError, subprocess.SubprocessError):
+        out = ""
+    names = [line.split(":", 1)[1].strip() for line in out.splitlines() if line.startswith("Model name")]
+    return names[0] if names else platform.processor() or "unknown CPU"
+
+
+def llama_cpp_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("llama_cpp") is not None
+
+
+class MinillmEngine:
+    """SmolLM2 through minillm's own forward, greedy (``generate`` with a cache of prompt + answer)."""
+
+    def __init__(self, weights: str):
+        from ...registry import SMOLLM2, load_model
+
+        self.model, _ = load_model(SMOLLM2, weights=weights)
+
+    def answer(self, prompt: list[int], new_tokens: int) -> tuple[list[int], float, float]:
+        """-> (new tokens, seconds to the first new token (the prefill), seconds per later token)."""
+        from ...generate import generate
+        from ...kv_cache import KVCache
+
+        cache = KVCache(self.model.config, max_len=len(prompt) + new_tokens)
+        result = generate(self.model, prompt, new_tokens, temperature=0, cache=cache)
+        return result.tokens, result.stats.ttft_s, result.stats.tpot_s
+
+
+class LlamaCppEngine:
+    """The same file through llama.cpp (llama-cpp-python), one thread, greedy: argmax of its logits."""
+
+    def __init__(self):
+        import llama_cpp
+
+        from ...registry import smollm2_path
+
+        options = {"n_threads": 1, "n_threads_batch": 1, "n_ctx": LLAMA_CPP_CONTEXT, "verbose": False}
+        if "use_extra_bufts" in inspect.signature(llama_cpp.Llama.__init__).parameters:
+            options["use_extra_bufts"] = False  # on a CPU with AMX the extra buffers repack weights
+        self.llm = llama_cpp.Llama(model_path=str(smollm2_path()), **options)
+
+    def next_token(self) -> int:
+        """argmax of the last evaluated token's logits (llama.cpp's own buffer, read in place)."""
+        logits = np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.llm.n_vocab(),))
+        return int(np.argmax(logits))
+
+    def answer(self, prompt: list[int], new_tokens: int) -> tuple[list[int], float, float]:
+        self.llm.reset()
+        start = time.perf_counter()
+        self.llm.eval(prompt)
+        tokens = [self.next_token()]
+        first = time.perf_counter()
+        for _ in range(new_tokens - 1):
+            self.llm.eval(tokens[-1:])
+            tokens.append(self.next_token())
+        end = time.perf_counter()
+        return tokens, first - start, (end - first) / max(1, new_tokens - 1)
+
+
+def engine_worker(engine: str, conn) -> None:
+    """A fresh process for one engine: load, say the memory, then answer ("answer", prompt, n) requests
+    until ("stop",); every reply is a dict (an "error" key when something failed)."""
+    try:
+        runner = LlamaCppEngine() if engine == "llama.cpp" else MinillmEngine(engine)
+        conn.send({"loaded": memory_mb()})
+        while (request := conn.recv())[0] == "answer":
+            tokens, prefill_s, decode_s = runner.answer(request[1], request[2])
+            conn.send({"tokens": tokens, "prefill_s": prefill_s, "decode_s": decode_s})
+        conn.send({"answered": memory_mb()})
+    except Exception as exc:  # reported by the parent as one line
+        conn.send({"error": f"{type(exc).__name__}: {exc}"})
+
+
+class Worker:
+    """The parent's handle on one engine's process."""
+
+    def __init__(self, engine: str):
+        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no memory of the parent's
+        self.engine, (self.conn, child) = engine, context.Pipe()
+        self.process = context.Process(target=engine_worker, args=(engine, child), daemon=True)
+        self.process.start()
+        self.loaded = self.reply()["loaded"]
+
+    def reply(self) -> dict:
+        message = self.conn.recv()
+        if "error" in message:
+            raise BenchmarkError(f"engine {self.engine}: {message['error']}")
+        return message
+
+    def answer(self, prompt: list[int], new_tokens: int) -> dict:
+        self.conn.send(("answer", prompt, new_tokens))
+        return self.reply()
+
+    def stop(self) -> dict:
+        self.conn.send(("stop",))
+        answered = self.reply()["answered"]
+        self.process.join(timeout=30)
+        return answered
+
+
+def chat_prompt_ids() -> list[list[int]]:
+    """The chat prompts as SmolLM2's ChatML token ids (a user turn, then the assistant's header)."""
+    from ...registry import SMOLLM2, load_tokenizer
+
+    tok = load_tokenizer(SMOLLM2)
+    return [tok.encode_pieces(tok.chat_pieces([{"role": "user", "content": text}])) for text in CHAT_PROMPTS]
+
+
+def decode_runs(engines: list[str], prompts: list[list[int]], rounds: int, new_tokens: int) -> tuple[dict, dict]:
+    """Answer every prompt by every engine, ``rounds`` times, the engines' order alternating prompt by
+    prompt, after one warm-up answer each -> ({engine: [run dicts]}, {engine: memory})."""
+    workers = {engine: Worker(engine) for engine in engines}
+    try:
+        for worker in workers.values():
+            worker.answer(prompts[0], new_tokens)  # warm-up: compiles or loads the kernels, touches every page
+        runs = {engine: [] for engine in engines}
+        for turn in range(rounds * len(prompts)):
+            order = engines if turn % 2 == 0 else engines[::-1]
+            for engine in order:
+                runs[engine].append(workers[engine].answer(prompts[turn % len(prompts)], new_tokens))
+        memory = {engine: {"after load": w.loaded, "after answering": w.stop()} for engine, w in workers.items()}
+    finally:
+        for worker in workers.values():
+            worker.process.kill() if worker.process.is_alive() else None
+    return runs, memory
+
+
+def decode_rows(runs: dict, memory: dict, prompts: list[list[int]]) -> list[dict]:
+    """The medians per engine, beside llama.cpp's decode time when it ran, and how many of its greedy
+    tokens agree with the fp32 reference's (on the same prompt, counted up to the first difference)."""
+    reference = runs.get("fp32")
+    base = statistics.median(r["decode_s"] for r in runs["llama.cpp"]) if "llama.cpp" in runs else None
+    rows = []
+    for engine, engine_runs in runs.items():
+        decode = statistics.median(r["decode_s"] for r in engine_runs)
+        prefill = statistics.median(len(prompts[i % len(prompts)]) / r["prefill_s"] for i, r in enumerate(engine_runs))
+        row = {"engine": engine, "decode ms/token": 1e3 * decode, "tokens/s": 1 / decode,
+               "prefill tokens/s": prefill, "x llama.cpp": decode / base if base else None,
+               "RSS loaded MB": memory[engine]["after load"]["rss_mb"],
+               "RSS answered MB": memory[engine]["after answering"]["rss_mb"],
+               "peak MB": memory[engine]["after answering"]["peak_mb"]}
+        if reference is not None:
+            row["same tokens as fp32"] = sum(agreeing(r["tokens"], f["tokens"]) for r, f in zip(engine_runs, reference))
+        rows.append(row)
+    return rows
+
+
+def agreeing(a: list[int], b: list[int]) -> int:
+    """How many leading tokens of a and b are equal.  [1, 2, 3], [1, 2, 4] -> 2"""
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def decode_main(args, engines: list[str]) -> int:
+    load_before = os.getloadavg()[0]
+    prompts = chat_prompt_ids()
+    runs, memory = decode_runs(engines, prompts, args.rounds, args.new_tokens)
+    rows = decode_rows(runs, memory, prompts)
+    load_after = os.getloadavg()[0]
+    print(f"SmolLM2-135M greedy decode, {len(prompts)} chat prompts x {args.rounds} rounds, {args.new_tokens} new "
+          f"tokens, one thread each; {cpu_name()}, {os.cpu_count()} cores, load average {load_before:.2f} "
+          f"before, {load_after:.2f} after")
+    print(format_table(rows))
+    if args.json:
+        write_json(Path(args.json), {"cpu": cpu_name(), "load_before": load_before, "load_after": load_after,
+                                     "prompts": prompts, "new_tokens": args.new_tokens, "rows": rows})
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="minillm bench quantized", description=__doc__.split("\n")[0])
+    p.add_argument("--decode", action="store_true",
+                   help="SmolLM2 greedy decode per weight format beside llama.cpp (when importable), not the pass")
+    p.add_argument("--engines", type=list_of(str), default=None,
+                   help=f"with --decode, comma-separated from {', '.join(ENGINES)} (default: all available)")
+    p.add_argument("--rounds", type=int_in(1, 20), default=2, help="with --decode, answers per prompt and engine")
+    p.add_argument("--new-tokens", type=int_in(2, 512), default=NEW_TOKENS, help="with --decode, tokens per answer")
     p.add_argument("--formats", type=list_of(str), default=list(FORMATS),
                    help=f"comma-separated, from {', '.join(FORMATS)}")
     p.add_argument("--rows", type=list_of(int_in(1, 16)), default=list(ROWS), help="token rows n per pass (1..16)")
     p.add_argument("--repeat", type=int_in(1, 100), default=5, help="timed passes per (format, n); the best counts")
     p.add_argument("--json", default=None, metavar="OUT", help="also write the table and the floors as JSON")
     args = common_parse_args(p, argv)
+    if args.json and Path(args.json).exists():
+        p.error(f"--json {args.json} exists: name a new file (a benchmark never overwrites one)")
+    if args.decode:
+        engines = args.engines or [e for e in ENGINES if e != "llama.cpp" or llama_cpp_available()]
+        unknown = sorted(set(engines) - set(ENGINES))
+        if unknown:
+            p.error(f"unknown engine(s) {', '.join(unknown)}: choose from {', '.join(ENGINES)}")
+        if "llama.cpp" in engines and not llama_cpp_available():
+            p.error("engine llama.cpp needs llama-cpp-python (pip install llama-cpp-python)")
+        return decode_main(args, engines)
     unknown = sorted(set(args.formats) - set(FORMATS))
     if unknown:
         p.error(f"unknown format(s) {', '.join(unknown)}: choose from {', '.join(FORMATS)}")
-    if args.json and Path(args.json).exists():
-        p.error(f"--json {args.json} exists: name a new file (a benchmark never overwrites one)")
     rows_n = sorted(set(args.rows) | {1})  # v(n) needs t(1)
     rng = np.random.default_rng(0)
     for fmt in args.formats:
