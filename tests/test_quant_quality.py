@@ -31,7 +31,7 @@ def test_quick_run_on_tiny_models(monkeypatch, tmp_path):
     models = tiny_char_models()
     from minillm.data import corpus_tokenizer
 
-    monkeypatch.setattr(qq, "load_model", lambda name: (models[name], corpus_tokenizer()))
+    monkeypatch.setattr(qq, "load_model", lambda name, weights="fp32": (models[name], corpus_tokenizer()))
     out = tmp_path / "q.json"
     assert qq.main(["--model", "target", "--quick", "--json", str(out), "--out", str(tmp_path)]) == 0
     report = json.loads(out.read_text())["models"]["target"]

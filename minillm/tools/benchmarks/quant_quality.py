@@ -393,6 +393,9 @@ def plot(report: dict, out_dir) -> Path:
         ax.set(xscale="log", yscale="log", xlabel="bits per quantized weight (scales included)",
                ylabel="mean KL(float32 || format), nats/token", title=f"{name}: fake-quantized weights")
         ax.set_xticks([3, 4, 5, 6, 8, 12, 16], labels=["3", "4", "5", "6", "8", "12", "16"])
+        zero = [r["format"] for r in result["weights"] if r.get("KL") == 0]
+        ax.text(0.98, 0.98, "KL = 0 (off the log axis): " + ", ".join(zero), transform=ax.transAxes,
+                ha="right", va="top", fontsize=8)
     fig.tight_layout()
     return save_figure(fig, "quant_quality", out_dir)
 
@@ -411,7 +414,7 @@ def main(argv=None) -> int:
     report = {"machine": runtime_summary(), "tokens": args.tokens, "quick": args.quick, "models": {}}
     for name in MODELS if args.model == "all" else (args.model,):
         try:
-            model, tok = load_model(name)
+            model, tok = load_model(name, weights="fp32")  # SmolLM2: the file's blocks dequantized, the reference
         except GGUFError as exc:
             if args.model != "all":
                 print(f"error: {exc}", file=sys.stderr)
