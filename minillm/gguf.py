@@ -11,9 +11,11 @@ A Q4_1 block stores its 32 nibbles in 16 bytes: byte j holds element j in its lo
 element j + 16 in its high nibble. Q4_1 keeps 5 bits per weight (4 + 32 bits of d, m per 32), a
 6.4x smaller file than float32; each weight is rounded to the nearest of 16 levels d apart.
 
-``read_llama(path)`` maps a Llama-architecture file onto ``LlamaConfig`` and parameters named like
-Hugging Face's ``LlamaForCausalLM`` (undoing llama.cpp's RoPE row permutation of q and k, see
-``unpermute_rope_rows``). Anything else (another architecture or tensor type, a truncated file)
+``read_llama(path, weights)`` maps a Llama-architecture file onto ``LlamaConfig`` and parameters named like
+Hugging Face's ``LlamaForCausalLM``, each Q8_0 / Q4_1 matrix kept in its blocks (``weights="q"``, a
+``minillm.quantize`` weight) or dequantized to float32 (``"fp32"``), after undoing llama.cpp's RoPE row
+permutation of q and k (``unpermute_rope_rows``). The formats and their dequantizers are
+``minillm.quantize``'s. Anything else (another architecture or tensor type, a truncated file)
 raises ``GGUFError`` naming the problem; the architecture, names, types and shapes are checked
 before any weight is dequantized.
 """
@@ -217,12 +219,12 @@ def read_llama(path, weights: str = "fp32") -> tuple[LlamaConfig, dict, dict]:
     missing = sorted(expected.keys() - {name for _, name, _, _ in plan})
     if missing:
         raise GGUFError(f"{path}: tensors missing for {missing[:3]}{' ...' if len(missing) > 3 else ''}")
-    heads = {"q_proj.weight": config.n_head, "k_proj.weight": config.n_kv_head}  # k uses its own head count
+    heads = {"q_proj": config.n_head, "k_proj": config.n_kv_head}  # k uses its own head count
     params = {}
     for tensor, name, type_name, shape in plan:  # pass 2
         try:
             stored = tensor.data
-            n_head = heads.get(name.rsplit(".", 2)[-2] + ".weight")
+            n_head = heads.get(name.split(".")[-2])  # "layers.3.self_attn.q_proj.weight" -> "q_proj"
             if n_head is not None:
                 stored = unpermute_rope_rows(stored, n_head)  # (rows, values or block bytes): rows reordered
             w = stored_weight(stored, type_name, shape)
