@@ -107,7 +107,7 @@ def smollm2_pair():
 
 
 def test_smollm2_keeps_its_blocks(smollm2_pair):
-    """Every matrix of the default load stays in blocks: no float32 matrix, the file's bytes (98 MB, not 538)."""
+    """Every matrix of the "q" load stays in blocks: no float32 matrix, the file's bytes (98 MB, not 538)."""
     q, ref = smollm2_pair
     matrices = [*q.stacked.values(), *(w for n, w in q.params.items() if n.endswith(("o_proj.weight",
                                                                                      "down_proj.weight")))]
