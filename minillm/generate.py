@@ -16,6 +16,9 @@ until the context first passes the window; after that they condition on differen
 longer than the window loses its first tokens the same way: every loop's stats count them
 (``dropped_prompt_tokens``), so that a caller can say so.
 
+``greedy_generate`` is chapter 12's loop: greedy decoding on the static steps of ``minillm.fused`` (fused
+kernels, a CUDA graph per step), the same tokens as ``generate`` at temperature 0, within one block_size.
+
 Every loop returns a ``GenerationResult`` (tokens, stats); the batched loops one per row plus the
 batch's stats (``minillm.batch_speculative.BatchResult``). ``Throughput`` gives every stats class
 its ``tokens_per_s``.
@@ -30,6 +33,7 @@ import numpy as np
 
 from .backend import synchronize, xp
 from .cache_contract import DecodeCache
+from .fused import next_id, start_decoding
 from .kv_cache import KVCache
 from .sampling import SamplingSettings
 
@@ -215,3 +219,23 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top
         dropped_prompt_tokens=counters["dropped"],
     )
     return GenerationResult(tokens, stats)
+
+
+def greedy_generate(model, prompt_ids, max_new_tokens: int, graph: bool = False) -> list:
+    """Greedy decoding on static steps (``minillm.fused``, chapter 12): the prompt but its last token in one
+    eager step, then one T = 1 step per token, replayed from a CUDA graph with ``graph=True``. The host waits
+    once per token, for its id.
+
+    The same tokens as ``generate(model, prompt_ids, max_new_tokens, temperature=0).tokens`` (the reference);
+    prompt and new tokens must fit in the model's block_size (the static cache does not slide a window).
+    """
+    prompt = check_prompt(prompt_ids, max_new_tokens)
+    if max_new_tokens == 0:
+        return []
+    decode = start_decoding(model, prompt, len(prompt) + max_new_tokens - 1, graph)
+    tokens = []
+    while len(tokens) < max_new_tokens:
+        decode.step()
+        tokens.append(next_id(decode))
+    decode.cache.check_status()
+    return tokens

@@ -77,7 +77,7 @@ class GPTOps:
         act(h)                    gelu(h)
         attend(layer, qkv, cache) split q | k | v into heads, attend (over the cache), merge the heads
 
-    The static decode step swaps in a table of fused kernels (``minillm.decode_step.FusedOps``) and training
+    The static decode step swaps in a table of fused kernels (``minillm.fused.FusedOps``) and training
     one that keeps the activations (``minillm.train.Recording``); the block is the same. The ops call their
     building blocks through the table (``self.linear``, ``self.layer_norm``, ``self.gelu``,
     ``self.attention``), so an experiment can swap one on a model instance (chapter 3 times a decode step

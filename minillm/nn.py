@@ -17,12 +17,12 @@ GELU_C = math.sqrt(2.0 / math.pi)  # a Python float: a NumPy float64 scalar woul
 GELU_A = 0.044715  # the cubic coefficient of the tanh approximation
 
 
-def layer_norm(x, w, b):
+def layer_norm(x, w, b, eps: float = LN_EPS):
     """(x - mean) / sqrt(var + eps) * w + b over the last axis.  [..., C] -> [..., C]"""
     n = x.shape[-1]  # sum / n, not .mean(): NumPy's mean wrapper costs more than a decode step's math
     xc = x - x.sum(axis=-1, keepdims=True) / n
     var = (xc * xc).sum(axis=-1, keepdims=True) / n  # what x.var computes, without centering x twice
-    return xc / xp.sqrt(var + LN_EPS) * w + b
+    return xc / xp.sqrt(var + eps) * w + b
 
 
 def gelu(x):

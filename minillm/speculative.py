@@ -37,6 +37,9 @@ prefilled again; near the limit a round proposes fewer drafts so that verificati
 it. Because the window moves exactly when ``generate`` moves it, greedy speculative decoding equals
 ``generate`` token for token even past the context length (with caches of the same size). The
 draft's window is its own business (any draft is lossless).
+
+``greedy_speculative_generate`` is chapter 12's version: both models on the static steps of ``minillm.fused``,
+the target's verify of k drafts one captured step, rollback one copy of the lengths.
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from .backend import synchronize, to_numpy, xp
+from .fused import StaticStep, next_id, start_decoding, static_prefill
 from .generate import GenerationResult, Throughput, check_prompt, fit_context
 from .kv_cache import KVCache
 from .sampling import SamplingSettings, sample
@@ -489,3 +493,46 @@ def speculative_generate_naive(
         stats.round_times_s.append(t1 - t0)
         t0 = t1
     return stats.finish(seq[len(prompt_ids) :])
+
+
+def greedy_speculative_generate(target, draft, prompt_ids, max_new_tokens: int, k: int = 4,
+                                graph: bool = False) -> list:
+    """Greedy speculative decoding on static steps (``minillm.fused``, chapter 12): per round the draft's T = 1
+    step proposes k tokens and the target's T = k + 1 step verifies them in one forward; with ``graph`` both steps
+    are replayed from their graphs (one per model, per fixed k). Same tokens as ``generate(target, ...,
+    temperature=0)``.
+
+    Both caches hold every token but the last one emitted (``last``). A round feeds the target [last, d_1..d_k];
+    its argmaxes g_0..g_k accept the drafts while d_i == g_(i-1); the first mismatch, or g_k after k matches, is
+    the new ``last``. Rollback is one copy of each cache's lengths to the device (``StaticCache.set_lengths``).
+    """
+    prompt = check_prompt(prompt_ids, max_new_tokens)
+    if not isinstance(k, int) or k < 1:
+        raise ValueError(f"k (drafts per round) must be an int >= 1, got {k!r}")
+    max_len = len(prompt) + max_new_tokens + k  # the last round may verify k + 1 tokens past the emitted ones
+    propose = start_decoding(draft, prompt, max_len, graph)
+    verify = StaticStep(target, static_prefill(target, prompt[:-1], max_len), T=k + 1)
+    if graph:
+        verify.capture()
+    tokens, last = [], prompt[-1]
+    while len(tokens) < max_new_tokens:
+        length = int(verify.cache.host_lengths[0])  # tokens both caches hold: everything before `last`
+        propose.set_ids([[last]])
+        drafts = []
+        for _ in range(k):
+            propose.step()
+            drafts.append(next_id(propose))
+        verify.set_ids([[last, *drafts]])
+        verify.step()
+        greedy = to_numpy(verify.next_ids)[0].tolist()  # (k + 1,) the target's argmax after each fed token
+        accepted = next((i for i, d in enumerate(drafts) if d != greedy[i]), k)
+        tokens += drafts[:accepted] + [greedy[accepted]]
+        verify.cache.set_lengths(length + 1 + accepted)  # last and the accepted drafts
+        if accepted == k:  # the draft has not seen d_k yet: feed it
+            propose.set_ids([[drafts[-1]]])
+            propose.step()
+        else:
+            propose.cache.set_lengths(length + 1 + accepted)
+        last = greedy[accepted]
+    verify.cache.check_status()
+    return tokens[:max_new_tokens]

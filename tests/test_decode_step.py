@@ -8,15 +8,10 @@ import pytest
 
 from minillm import GPT, CacheFullError, GPTConfig, KVCache, Llama, LlamaConfig, generate, strict, to_numpy
 from minillm.backend import is_gpu, xp
-from minillm.decode_step import (
-    CaptureUnavailable,
-    StaticCache,
-    StaticStep,
-    greedy_generate,
-    greedy_speculative_generate,
-    launch_budget,
-    static_per_token,
-)
+from minillm.decode_step import launch_budget, static_per_token
+from minillm.fused import CaptureUnavailable, FusedGPTOps, StaticCache, StaticStep
+from minillm.generate import greedy_generate
+from minillm.speculative import greedy_speculative_generate
 
 on_the_stand_in = pytest.mark.skipif(xp is not strict, reason="the capture, the counts: MINILLM_BACKEND=strict")
 PROMPT = [1, 2, 3, 4, 5]
@@ -223,14 +218,16 @@ def test_a_position_passed_from_the_host_is_replayed_stale(monkeypatch):
     model.params["wpe.weight"] *= 30.0  # tokens that depend on their positions
     want = generate(model, PROMPT, 8, temperature=0).tokens
     assert len(set(want)) > 2, want
-    real_embed = StaticStep.embed
+    real_embed = FusedGPTOps.embed
 
-    def embed_from_host(self):
-        real_embed(self)
-        self.pos[...] = xp.arange(self.T, dtype=xp.int32) + int(self.cache.host_lengths[0])  # baked in
-        self.x[...] = self.model.params["wte.weight"][self.ids.reshape(-1)] + self.model.params["wpe.weight"][self.pos]
+    def embed_from_host(self, ids, cache):
+        real_embed(self, ids, cache)
+        self.pos[...] = xp.arange(self.T, dtype=xp.int32) + int(cache.host_lengths[0])  # baked in
+        p = self.model.params
+        self.x[...] = p["wte.weight"][ids] + p["wpe.weight"][self.pos]  # (1, T, C)
+        return self.x
 
-    monkeypatch.setattr(StaticStep, "embed", embed_from_host)
+    monkeypatch.setattr(FusedGPTOps, "embed", embed_from_host)
     assert greedy_generate(model, PROMPT, 8, graph=False) == want
     assert greedy_generate(model, PROMPT, 8, graph=True) != want
 
@@ -243,7 +240,7 @@ def test_the_real_model_decodes_on_the_static_step():
     from minillm.registry import load_model
 
     try:
-        model, _ = load_model("smollm2-135m")
+        model, _ = load_model("smollm2-135m", weights="fp32")
     except GGUFError as exc:
         pytest.skip(str(exc))
     prompt = [1, 504, 3575, 282, 4649, 314]

@@ -8,8 +8,12 @@ The kernels run through the chapter-4 emulation (g++ and cuda_emu.h) on host arr
 run in the NumPy run only (host_only); the strict run drives the same kernels through the stand-in's RawKernel
 in tests/test_decode_step.py."""
 
+import ast
+import ctypes
+import inspect
 import shutil
 import tempfile
+import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -23,23 +27,25 @@ from minillm.kernels.mutants import FUSED_MUTANTS, mutate_kernel, write_kernel_m
 pytestmark = [pytest.mark.host_only,
               pytest.mark.skipif(shutil.which("g++") is None, reason="the emulation compiles fused.cu with g++")]
 ATOL = 2e-5  # float32 arithmetic in another order (the kernel's sums run lane by lane)
-i32, f32 = np.int32, np.float32
+
+
+def copies(args: dict) -> dict:
+    return {k: a.copy() if isinstance(a, np.ndarray) else a for k, a in args.items()}
 
 
 def run_both(name, grid, args, shared_mem=0, source=build.FUSED_SOURCE):
-    """Kernel ``name`` (emulated, from ``source``) and its reference on copies of the same arguments -> the two
-    argument lists after the run, so a test compares every buffer either one wrote."""
-    kernel_args = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
-    reference_args = [a.copy() if isinstance(a, np.ndarray) else a for a in args]
-    fused.launch(name, grid, tuple(kernel_args), shared_mem, emulated=True, source=source)
-    fused.REFERENCES[name](*reference_args)
+    """Kernel ``name`` (emulated, from ``source``) and its reference (``fused.launch`` on NumPy) on copies of the
+    same arguments -> the two argument dicts after the run, so a test compares every buffer either one wrote."""
+    kernel_args, reference_args = copies(args), copies(args)
+    fused.launch(name, grid, shared_mem, emulated=True, source=source, **kernel_args)
+    fused.REFERENCES[name](**{p: reference_args[p] for p in fused.REFERENCE_PARAMS[name]})
     return kernel_args, reference_args
 
 
 def assert_same(kernel_args, reference_args, atol=ATOL):
-    for i, (got, want) in enumerate(zip(kernel_args, reference_args)):
+    for key, got in kernel_args.items():
         if isinstance(got, np.ndarray):
-            np.testing.assert_allclose(got, want, atol=atol, rtol=1e-5, err_msg=f"argument {i}")
+            np.testing.assert_allclose(got, reference_args[key], atol=atol, rtol=1e-5, err_msg=f"argument {key}")
 
 
 def rand(rng, *shape, scale=1.0, shift=0.0):
@@ -52,10 +58,8 @@ def rand(rng, *shape, scale=1.0, shift=0.0):
 def norm_case(name, rows, C, rng, scale=1.0, shift=0.0):
     x, y, bias = rand(rng, rows, C, scale=scale, shift=shift), rand(rng, rows, C), rand(rng, C)
     w, b, out = rand(rng, C, shift=1.0), rand(rng, C), np.full((rows, C), np.nan, np.float32)
-    args = {"layer_norm_rows": (x, w, b), "rms_norm_rows": (x, w), "add_layer_norm_rows": (x, y, bias, w, b),
-            "add_rms_norm_rows": (x, y, w)}[name]
-    eps = f32(1e-5)
-    return (rows,), (*args, out, i32(C), eps), fused.NORM_SMEM_BYTES
+    args = {"x": x, "y": y, "bias": bias, "w": w, "b": b, "out": out, "C": C, "eps": 1e-5}
+    return (rows,), {p: args[p] for p in build.FUSED_PARAMS[name]}, fused.NORM_SMEM_BYTES
 
 
 def qkv_case(name, B, T, nh, nkv, hs, rng, start=0, max_len=None):
@@ -66,10 +70,9 @@ def qkv_case(name, B, T, nh, nkv, hs, rng, start=0, max_len=None):
     qkv, bias = rand(rng, B * T, width), rand(rng, width)
     q = np.full((B, nh, T, hs), np.nan, np.float32)
     kc, vc = rand(rng, B, nkv, max_len, hs), rand(rng, B, nkv, max_len, hs)  # old entries must survive
-    status, dims = np.zeros(1, np.int32), (i32(T), i32(nh), i32(nkv), i32(hs), i32(max_len))
-    if name == "qkv_rope_to_cache":
-        return (B * T,), (qkv, pos, q, kc, vc, status, *dims, f32(10000.0)), 0
-    return (B * T,), (qkv, bias, pos, q, kc, vc, status, *dims), 0
+    args = {"qkv": qkv, "bias": bias, "pos": pos, "q": q, "kc": kc, "vc": vc, "status": np.zeros(1, np.int32),
+            "T": T, "nh": nh, "nkv": nkv, "hs": hs, "max_len": max_len, "theta": 10000.0}
+    return (B * T,), {p: args[p] for p in build.FUSED_PARAMS[name]}, 0
 
 
 def attention_case(B, T, nh, nkv, hs, last_pos, rng, score_scale=1.0):
@@ -81,8 +84,9 @@ def attention_case(B, T, nh, nkv, hs, last_pos, rng, score_scale=1.0):
     kc, vc = rand(rng, B, nkv, max_len, hs), rand(rng, B, nkv, max_len, hs)
     kc[..., -1, :] = vc[..., -1, :] = 1e30  # the last slot lies past every query's position
     kc[..., :, 0] += np.linspace(0, 8, max_len, dtype=np.float32)  # scores that grow along the sequence
-    out, status = np.full((B * T, nh * hs), np.nan, np.float32), np.zeros(1, np.int32)
-    args = (q, kc, vc, pos, out, status, i32(T), i32(nh), i32(nkv), i32(hs), i32(max_len), fused.attention_scale(hs))
+    args = {"q": q, "kc": kc, "vc": vc, "pos": pos, "out": np.full((B * T, nh * hs), np.nan, np.float32),
+            "status": np.zeros(1, np.int32), "T": T, "nh": nh, "nkv": nkv, "hs": hs, "max_len": max_len,
+            "scale": fused.attention_scale(hs)}
     return (T, nh, B), args, fused.attention_smem_bytes(hs)
 
 
@@ -90,11 +94,10 @@ def embed_case(name, B, T, rng, V=11, C=40, max_len=12):
     ids = rng.integers(0, V, (B, T)).astype(np.int32)
     lengths = np.array([0, 3, 5][:B], np.int32)
     wte, wpe = rand(rng, V, C), rand(rng, max_len, C)
-    x, pos = np.full((B * T, C), np.nan, np.float32), np.full(B * T, -1, np.int32)
-    status, dims = np.zeros(1, np.int32), (i32(T), i32(C), i32(V), i32(max_len))
-    if name == "embed_pos_rows":
-        return (B * T,), (ids, lengths, wte, wpe, x, pos, status, *dims), 0
-    return (B * T,), (ids, lengths, wte, x, pos, status, *dims), 0
+    args = {"ids": ids, "lengths": lengths, "wte": wte, "wpe": wpe, "x": np.full((B * T, C), np.nan, np.float32),
+            "pos": np.full(B * T, -1, np.int32), "status": np.zeros(1, np.int32), "T": T, "C": C, "V": V,
+            "max_len": max_len}
+    return (B * T,), {p: args[p] for p in build.FUSED_PARAMS[name]}, 0
 
 
 # ---- every kernel equals its reference ----------------------------------------------------------------------
@@ -117,10 +120,9 @@ def test_norms_equal_the_array_code(name, rows, C):
 def test_activations_equal_the_array_code(H):
     """GPT-2's bias + GELU in place; Llama's silu(gate) * up from the stacked product's row."""
     rng = np.random.default_rng(H)
-    h, bias = rand(rng, 2, H, scale=3.0), rand(rng, H)
-    assert_same(*run_both("bias_gelu", (2,), (h, bias, i32(H))))
+    assert_same(*run_both("bias_gelu", (2,), {"h": rand(rng, 2, H, scale=3.0), "bias": rand(rng, H), "H": H}))
     gu, a = rand(rng, 2, 2 * H, scale=3.0), np.full((2, H), np.nan, np.float32)
-    assert_same(*run_both("silu_mul", (2,), (gu, a, i32(H))))
+    assert_same(*run_both("silu_mul", (2,), {"gu": gu, "a": a, "H": H}))
 
 
 @pytest.mark.uses_exercise("12.2")
@@ -160,7 +162,7 @@ def test_decode_attention_takes_scores_that_overflow_exp():
     """Scores in the hundreds: without the running max exp() overflows to inf and the output is NaN."""
     kernel, reference = run_both("decode_attention", *attention_case(1, 1, 2, 2, 16, 40, np.random.default_rng(1),
                                                                      score_scale=60.0))
-    assert np.isfinite(kernel[4]).all()
+    assert np.isfinite(kernel["out"]).all()
     assert_same(kernel, reference, atol=1e-4)
 
 
@@ -169,7 +171,7 @@ def test_embedding_writes_positions_from_the_lengths(name):
     """pos = lengths[b] + t on the device; x = wte[ids] (+ wpe[pos])."""
     kernel, reference = run_both(name, *embed_case(name, 3, 2, np.random.default_rng(5)))
     assert_same(kernel, reference)
-    np.testing.assert_array_equal(kernel[4 if name == "embed_rows" else 5], [0, 1, 3, 4, 5, 6])
+    np.testing.assert_array_equal(kernel["pos"], [0, 1, 3, 4, 5, 6])
 
 
 # ---- limits: refused through the status word ---------------------------------------------------------------
@@ -180,21 +182,20 @@ def test_kernels_refuse_what_they_cannot_take():
     FUSED_* code and nothing else; fused.raise_status names it."""
     rng = np.random.default_rng(0)
     grid, args, _ = embed_case("embed_rows", 1, 1, rng)
-    args[0][...] = 11  # V = 11: one past the last id
-    x_before = args[3].copy()
-    fused.launch("embed_rows", grid, args, emulated=True)
-    assert args[5][0] == build.FUSED_DEFINES["FUSED_BAD_TOKEN"][0]
-    np.testing.assert_array_equal(args[3], x_before)  # nothing written
+    args["ids"][...] = 11  # V = 11: one past the last id
+    x_before = args["x"].copy()
+    fused.launch("embed_rows", grid, emulated=True, **args)
+    assert args["status"][0] == build.FUSED_DEFINES["FUSED_BAD_TOKEN"][0]
+    np.testing.assert_array_equal(args["x"], x_before)  # nothing written
     with pytest.raises(KernelError, match="token id outside"):
-        fused.raise_status(int(args[5][0]))
+        fused.raise_status(int(args["status"][0]))
     grid, args, _ = qkv_case("qkv_to_cache", 1, 1, 2, 2, 8, rng, max_len=4)
-    args[2][...] = 4  # position 4 of a 4-slot cache
-    fused.launch("qkv_to_cache", grid, args, emulated=True)
-    assert args[6][0] == build.FUSED_DEFINES["FUSED_PAST_CACHE"][0]
+    args["pos"][...] = 4  # position 4 of a 4-slot cache
+    fused.launch("qkv_to_cache", grid, emulated=True, **args)
+    assert args["status"][0] == build.FUSED_DEFINES["FUSED_PAST_CACHE"][0]
     grid, args, smem = attention_case(1, 1, 1, 1, 8, 3, rng)
-    args = args[:9] + (i32(fused.HS_MAX + 1),) + args[10:]
-    fused.launch("decode_attention", grid, args, smem, emulated=True)
-    assert args[5][0] == build.FUSED_DEFINES["FUSED_HEAD_TOO_LARGE"][0]
+    fused.launch("decode_attention", grid, smem, emulated=True, **args | {"hs": fused.HS_MAX + 1})
+    assert args["status"][0] == build.FUSED_DEFINES["FUSED_HEAD_TOO_LARGE"][0]
 
 
 # ---- the bug zoo: every classic mistake fails the same checks ------------------------------------------------
@@ -240,3 +241,41 @@ def test_the_checks_catch_each_mutant(name):
     assert_same(*run_both(kernel_name, grid, args, smem))
     with pytest.raises(AssertionError):
         assert_same(*run_both(kernel_name, grid, args, smem, source=mutant(name)))
+
+
+# ---- each kernel's arguments declared once: its extern "C" line --------------------------------------------------
+
+
+def test_each_kernels_parameters_are_read_from_its_declaration(tmp_path):
+    """fused.cu's extern "C" lines give every kernel's parameters, names and types, in order: what the emulated
+    launcher, CuPy's call and the references follow. A parameter of another type is refused."""
+    assert set(build.FUSED_PARAMS) == set(fused.REFERENCES) == set(build.FUSED.names)
+    assert build.FUSED_PARAMS["bias_gelu"] == {"h": build.FLOAT_P, "bias": build.FLOAT_P, "H": ctypes.c_int}
+    assert list(build.FUSED_PARAMS["qkv_rope_to_cache"])[-2:] == ["max_len", "theta"]
+    source = tmp_path / "k.cu"
+    source.write_text('extern "C" __global__ void f(const int* ids,\n    float* out, float eps) {}\n'
+                      'extern "C" __global__ void g(double d) {}\n')
+    with pytest.raises(KernelError, match="'double d'"):
+        build.read_entry_points(source)
+    source.write_text('extern "C" __global__ void f(const int* ids,\n    float* out, float eps) {}\n')
+    assert build.read_entry_points(source) == {"f": {"ids": build.INT_P, "out": build.FLOAT_P, "eps": ctypes.c_float}}
+
+
+def test_a_launch_takes_its_arguments_by_name():
+    """Every parameter named once, none other: a missing or unknown name is refused before anything runs;
+    scalars become the numpy.int32 / numpy.float32 the kernel takes."""
+    grid, args, _ = embed_case("embed_rows", 1, 2, np.random.default_rng(0))
+    assert fused.kernel_args("embed_rows", args)["T"].dtype == np.int32
+    with pytest.raises(TypeError, match=r"missing \['max_len'\], unknown \['maxlen'\]"):
+        fused.launch("embed_rows", grid, emulated=True, **{k: v for k, v in args.items() if k != "max_len"},
+                     maxlen=12)
+
+
+@pytest.mark.parametrize("name", sorted(build.FUSED.names))
+def test_each_reference_takes_only_what_it_uses(name):
+    """A reference's parameters are some of its kernel's, in the kernel's order, and its body reads each one."""
+    params = fused.REFERENCE_PARAMS[name]
+    assert [p for p in build.FUSED_PARAMS[name] if p in params] == list(params)
+    tree = ast.parse(textwrap.dedent(inspect.getsource(fused.REFERENCES[name])))
+    read = {node.id for node in ast.walk(tree.body[0]) if isinstance(node, ast.Name)}
+    assert set(params) <= read, set(params) - read

@@ -77,6 +77,31 @@ DEFAULT_SMEM_BYTES = read_defines(EMU_HEADER)["CUDA_EMU_SHARED_BYTES"][0]
 EMULATED_SMEM_OPTIN = 232_448  # what a block may opt in to on an H100/H200 (227 KiB): the emulated GPU's
 
 FLOAT_P, INT_P = ctypes.POINTER(ctypes.c_float), ctypes.POINTER(ctypes.c_int)
+# `extern "C" __global__ void name(const float* x, int C)`: a kernel's entry point, its parameters up to ")"
+ENTRY_POINT = re.compile(r'^extern "C" __global__ void (\w+)\(([^)]*)\)', re.M)
+C_PARAMETER = re.compile(r"^(?:const\s+)?(float|int)\s*(\*?)\s*(\w+)$")  # `const float* x`, `int C`
+C_PARAMETER_TYPES = {("float", "*"): FLOAT_P, ("int", "*"): INT_P, ("float", ""): ctypes.c_float,
+                     ("int", ""): ctypes.c_int}
+
+
+def read_entry_points(path: Path) -> dict[str, dict[str, type]]:
+    """The extern "C" kernels of a C source -> {kernel: {parameter name: ctypes type}}, parameters in order: the
+    one declaration of each kernel's arguments, which the ctypes launcher, CuPy's call and the references follow.
+
+    Example: ``extern "C" __global__ void bias_gelu(float* h, const float* bias, int H)`` ->
+    {"bias_gelu": {"h": FLOAT_P, "bias": FLOAT_P, "H": c_int}}. Raises KernelError on a parameter that is not
+    a float, an int or a pointer to one.
+    """
+    entries = {}
+    for name, params in ENTRY_POINT.findall(Path(path).read_text()):
+        entries[name] = {}
+        for param in params.split(","):
+            found = C_PARAMETER.match(" ".join(param.split()))
+            if found is None:
+                raise KernelError(f"{Path(path).name}: kernel {name}'s parameter {param.strip()!r} is not a float, "
+                                  "an int or a pointer to one")
+            entries[name][found.group(3)] = C_PARAMETER_TYPES[found.group(1), found.group(2)]
+    return entries
 
 
 @dataclass(frozen=True)
@@ -108,25 +133,11 @@ FUSED_DEFINES = read_defines(FUSED_SOURCE)
 FUSED_THREADS, FUSED_HS_MAX, NORM_SMEM_FLOATS = (FUSED_DEFINES[n][0] for n in ("FUSED_THREADS", "HS_MAX",
                                                                                   "NORM_SMEM_FLOATS"))
 I, F = ctypes.c_int, ctypes.c_float
-FUSED = KernelFile(FUSED_SOURCE, (
-    "embed_rows", "embed_pos_rows", "layer_norm_rows", "rms_norm_rows", "add_layer_norm_rows", "add_rms_norm_rows",
-    "bias_gelu", "silu_mul", "qkv_to_cache", "qkv_rope_to_cache", "decode_attention"), {
-    # ids, lengths, wte, (wpe,) x, pos, status, T, C, V, max_len
-    "embed_rows": (INT_P, INT_P, FLOAT_P, FLOAT_P, INT_P, INT_P, I, I, I, I),
-    "embed_pos_rows": (INT_P, INT_P, FLOAT_P, FLOAT_P, FLOAT_P, INT_P, INT_P, I, I, I, I),
-    # x, (y, bias,) w, (b,) out, C, eps
-    "layer_norm_rows": (FLOAT_P,) * 4 + (I, F),
-    "rms_norm_rows": (FLOAT_P,) * 3 + (I, F),
-    "add_layer_norm_rows": (FLOAT_P,) * 6 + (I, F),
-    "add_rms_norm_rows": (FLOAT_P,) * 4 + (I, F),
-    "bias_gelu": (FLOAT_P, FLOAT_P, I),  # h, bias, H
-    "silu_mul": (FLOAT_P, FLOAT_P, I),  # gu, a, H
-    # qkv, (bias,) pos, q, k cache, v cache, status, T, nh, nkv, hs, max_len (, theta)
-    "qkv_to_cache": (FLOAT_P, FLOAT_P, INT_P, FLOAT_P, FLOAT_P, FLOAT_P, INT_P) + (I,) * 5,
-    "qkv_rope_to_cache": (FLOAT_P, INT_P, FLOAT_P, FLOAT_P, FLOAT_P, INT_P) + (I,) * 5 + (F,),
-    # q, k cache, v cache, pos, out, status, T, nh, nkv, hs, max_len, scale
-    "decode_attention": (FLOAT_P, FLOAT_P, FLOAT_P, INT_P, FLOAT_P, INT_P) + (I,) * 5 + (F,),
-}, status_codes(FUSED_DEFINES, "FUSED_"))
+# each kernel's parameters, read from its `extern "C" __global__ void name(...)` line: {name: {parameter: type}}
+FUSED_PARAMS = read_entry_points(FUSED_SOURCE)
+FUSED = KernelFile(FUSED_SOURCE, tuple(FUSED_PARAMS), {name: tuple(params.values())
+                                                       for name, params in FUSED_PARAMS.items()},
+                   status_codes(FUSED_DEFINES, "FUSED_"))
 # quant.cu: y = x @ W.T from Q8_0 / Q4_1 blocks (minillm.qcuda); both kernels take W's bytes as int32 words, x, y,
 # status, n, m, k
 QUANT_SOURCE = KERNEL_DIR / "quant.cu"

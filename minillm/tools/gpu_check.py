@@ -192,8 +192,8 @@ def decode_paths(model, model_name: str, draft=None, attentions=DECODE_ATTENTION
     """{path: decode(n) -> the n greedy tokens}: the array code with each attention, the static step eager and
     replayed from its graph, and speculative decoding (a draft model on static steps, or the shipped EAGLE
     draft for SmolLM2)."""
-    from ..decode_step import greedy_generate, greedy_speculative_generate
-    from ..generate import generate
+    from ..generate import generate, greedy_generate
+    from ..speculative import greedy_speculative_generate
 
     prompt = DECODE_PROMPTS[model_name]
 
