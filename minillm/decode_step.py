@@ -1,7 +1,7 @@
 """What a decoded token costs the device, counted: the launch floor of chapter 12.
 
-    model.forward(ids, KVCache), array code     300-430 kernel launches per token (character model)
-    fused.StaticStep.run(), fused kernels       9 launches per layer + 6 around them
+    model.forward(ids, KVCache), array code     317-443 kernel launches per token (character model)
+    fused.StaticStep.run(), fused kernels       9 launches per layer + 6 around them (60)
     StaticStep.step() after capture()           1 graph launch per token
 
 A small model's decode step on a GPU costs what its launches cost the CPU, a few microseconds each, not what

@@ -1,19 +1,21 @@
 """Fused kernels and the static decode step: one block of either model, a few launches, one CUDA graph per step.
 
-On a GPU every array operation is a kernel launch, and a launch costs the CPU a few microseconds however little
-it computes. Written as array code, one LayerNorm is LN_LAUNCHES launches, a decode step of the character model
-300-430: its few million multiply-adds take less time than the launches. A fused kernel does one whole group of
-operations in one launch, reading its inputs once (``kernels/fused.cu``):
+On a GPU every array operation is a kernel launch, and a launch costs the CPU a few microseconds however little it
+computes. Written as array code, one LayerNorm is eleven launches (``nn.layer_norm``: a sum, a divide, a subtract,
+...), and a decode step of the character model 317-443 (cuda, naive, flash attention): its few million multiply-adds
+take less time than the launches. A fused kernel does one whole group of operations in one launch, reading its
+inputs once (``kernels/fused.cu``). The launches each group costs as array code, counted on the strict stand-in (one
+decode token, naive attention over a 6-token cache):
 
-    kernel                  replaces (the reference, here)                         array-code launches
-    add_layer_norm_rows     x = x + y + b;  nn.layer_norm(x, w, b)                   LAUNCHES_TABLE
-    add_rms_norm_rows       x = x + y;      nn.rms_norm(x, w, eps)
-    bias_gelu               nn.gelu(h + b)
-    silu_mul                nn.silu(gate) * up
-    qkv_to_cache            split q | k | v, + bias, write k, v into the cache
-    qkv_rope_to_cache       split, nn.apply_rope on q and k, write the cache
-    decode_attention        softmax(q k^T / sqrt(hs) + mask) v over the cache
-    embed_(pos_)rows        positions from the lengths; wte[ids] (+ wpe[pos])
+    kernel                  replaces (the reference, here)                          array code -> fused
+    add_layer_norm_rows     x = x + y + b;  nn.layer_norm(x, w, b)                     13 -> 1
+    add_rms_norm_rows       x = x + y;      nn.rms_norm(x, w, eps)                      8 -> 1
+    bias_gelu               nn.gelu(h + b)                                             10 -> 1
+    silu_mul                nn.silu(gate) * up                                          6 -> 1
+    qkv_to_cache            + bias, split q | k | v, write k, v into the cache          3 -> 1
+    qkv_rope_to_cache       split, nn.apply_rope on q and k, write the cache           12 -> 1
+    decode_attention        softmax(q k^T / sqrt(hs) + mask) v over the cache      12 (GQA 14) -> 1
+    embed_(pos_)rows        positions from the lengths; wte[ids] (+ wpe[pos])            4 -> 1
 
 ``launch(name, grid, **args)`` runs kernel ``name`` with its arguments by name: the names and types are read
 once, from each kernel's ``extern "C"`` line in fused.cu (``kernels.build.FUSED_PARAMS``). It runs by CuPy on a
@@ -32,10 +34,10 @@ The static step runs the model's own block over a table of these kernels:
                add_norm = (add_)layer_norm_rows | (add_)rms_norm_rows;  act = bias_gelu | silu_mul
                attend = qkv_to_cache | qkv_rope_to_cache, then decode_attention over the StaticCache
 
-9 launches per layer and 6 around the layers (the embedding, the final norm, the LM head, the argmax and its
-copy, the lengths' advance): ``decode_step.static_per_token`` counts them. A graph replays exactly the kernels it
-recorded, with the same arguments and the same memory addresses, so a step can be recorded only if nothing in
-it changes from one token to the next except the *contents* of device memory:
+9 launches per layer and 6 around the layers (the embedding, the final norm, the LM head, the argmax and its copy,
+the lengths' advance): ``decode_step.static_per_token`` counts them (60 for the 6-layer character model). A graph
+replays exactly the kernels it recorded, with the same arguments and the same memory addresses, so a step can be
+recorded only if nothing in it changes from one token to the next except the *contents* of device memory:
 
 - shapes are fixed: the cache is a (B, n_kv_head, max_len, hs) buffer per layer that attention reads up to
   each row's position, never sliced to a length the host knows (``StaticCache``);

@@ -7,7 +7,8 @@ What chapter 4 uses but does not teach, in one place:
 - the kernels' limits (``HS_MAX``, the ``FLASH_*`` / ``FLASH2_*`` status codes, v2's tile sizes and
   head sizes) and the shared memory a block gets without opting in (48 KiB, ``CUDA_EMU_SHARED_BYTES``),
   read from the ``#define`` lines of the .cu files and cuda_emu.h, so each number is written once, in
-  the C source that uses it;
+  the C source that uses it; fused.cu's kernels' parameters, names and types, likewise from their
+  ``extern "C"`` lines (``read_entry_points``), the one declaration the launchers and references follow;
 - ``build_emulator``: a .cu compiled by g++ against cuda_emu.h into a shared library, cached by the
   hash of its sources, flags and compiler in ``kernel_cache_dir()`` (a user cache folder, never
   inside the installed package); ``load_emulator``: a kernel's launch entry point with ctypes types;
