@@ -61,10 +61,21 @@ def layer(module: str) -> int:
 GRAPH = {module_name(p): imports(p) for p in sorted(PACKAGE.rglob("*.py"))}
 
 
+def upward(graph: dict) -> list:
+    """Each import of ``graph`` that goes up a layer, as "m (layer i) imports d (layer j)"."""
+    return [f"{m} (layer {layer(m)}) imports {d} (layer {layer(d)})"
+            for m, deps in graph.items() for d in deps if layer(d) > layer(m)]
+
+
 def test_every_import_goes_down_or_sideways():
-    upward = [f"{m} (layer {layer(m)}) imports {d} (layer {layer(d)})"
-              for m, deps in GRAPH.items() for d in deps if layer(d) > layer(m)]
-    assert not upward, "\n".join(upward)
+    assert not upward(GRAPH), "\n".join(upward(GRAPH))
+
+
+def test_an_upward_import_is_caught():
+    """The check can fail: the layer functions importing a model, or the static step a decoding loop."""
+    planted = GRAPH | {"fused": GRAPH["fused"] | {"generate"}, "nn": GRAPH["nn"] | {"model"}}
+    assert sorted(upward(planted)) == ["fused (layer 4) imports generate (layer 5)",
+                                       "nn (layer 2) imports model (layer 3)"]
 
 
 def test_no_chapter_module_imports_the_tools():
@@ -106,3 +117,48 @@ def test_the_checker_sees_imports():
     assert "backend" in GRAPH["attention"] and "kv_cache" in GRAPH["generate"]
     assert "kernels.build" in GRAPH["kernels.launch"] and "tools.cli" in GRAPH["__main__"]
     assert "medusa" in GRAPH["medusa_train"] and "tools.options" in GRAPH["tools.cli"]
+
+
+# Names of a block's own parameters (GPT-2's second norm and MLP, Llama's norms and projections): where the block
+# is written. config.py declares every parameter's name and shape; gguf.py maps a file's names onto them.
+BLOCK_NAMES = {"model": ("ln_1", "ln_2", "attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj"),
+               "llama": ("input_layernorm", "post_attention_layernorm", "self_attn.o_proj", "mlp.down_proj")}
+NAME_TABLES = {"config", "gguf"}
+
+
+def functions_naming(source: str, names) -> dict:
+    """{name: the functions of ``source`` whose code (not docstrings) holds a string with ``name`` in it}."""
+    tree, found = ast.parse(source), {name: set() for name in names}
+    docstrings = {id(node.body[0].value) for node in ast.walk(tree)
+                  if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef)) and node.body
+                  and isinstance(node.body[0], ast.Expr) and isinstance(node.body[0].value, ast.Constant)}
+    for fn in (node for node in ast.walk(tree) if isinstance(node, ast.FunctionDef)):
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings:
+                for name in names:
+                    if name in node.value:
+                        found[name].add(fn.name)
+    return found
+
+
+def test_each_familys_block_is_written_once():
+    """The forward pass, training, the static step and the fused path run one block per family (``gpt_block``,
+    ``llama_block``): a block's parameter names appear in the code of that one function, in no other chapter
+    module (the name tables aside)."""
+    names = [name for family in BLOCK_NAMES.values() for name in family]
+    where = {name: set() for name in names}
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = module_name(path)
+        if module.split(".")[0] != "tools" and module not in NAME_TABLES:
+            for name, functions in functions_naming(path.read_text(), names).items():
+                where[name] |= {f"{module}.{f}" for f in functions}
+    for name in BLOCK_NAMES["model"]:
+        assert where[name] == {"model.gpt_block"}, (name, where[name])
+    for name in BLOCK_NAMES["llama"]:
+        assert where[name] == {"llama.llama_block"}, (name, where[name])
+
+
+def test_a_second_copy_of_a_block_is_caught():
+    """The check can fail: a second function (a per-family branch of a decode step) naming a block's weights."""
+    copy = 'def step(p, i):\n    """ln_2 is named in a docstring: not code."""\n    return p[f"h.{i}.ln_2.weight"]\n'
+    assert functions_naming(copy, ["ln_2", "ln_1"]) == {"ln_2": {"step"}, "ln_1": set()}
