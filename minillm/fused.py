@@ -256,7 +256,8 @@ class Product(NamedTuple):
 
 class FusedOps:
     """The operations of a block as fused kernels on fixed buffers: the table the static step runs
-    ``model.gpt_block`` / ``llama.llama_block`` over (the forward pass runs them over the model's array code).
+    ``model.gpt_block`` / ``llama.llama_block`` over (the forward pass runs the same blocks over the model's own
+    table of array code, ``model.GPTOps`` / ``llama.LlamaOps``).
 
         product(x, name)          x @ W into that product's buffer (cuBLAS, out=) -> Product(y, bias)   1 launch
         add_norm(x, h, name)      x += h.y + h.bias; normed = norm(x) (no add when h is None)            1 launch
@@ -312,6 +313,7 @@ class FusedOps:
         return self.attn
 
     def embed_args(self, ids, cache) -> dict:
+        """What both embedding kernels take besides the tables: the ids, the lengths, the outputs, the sizes."""
         cfg = self.config
         return {"ids": ids, "lengths": cache.lengths, "x": self.x, "pos": self.pos, "status": cache.status,
                 "T": self.T, "C": cfg.n_embd, "V": cfg.vocab_size, "max_len": cache.max_len}
@@ -436,10 +438,10 @@ class StaticStep:
 
     def __init__(self, model, cache: StaticCache, T: int = 1):
         cfg = model.config
-        if cache.config != cfg:
-            raise ValueError("the cache was made for another model config")
         if type(cfg) not in FUSED_OPS:
             raise TypeError(f"the static decode step runs a GPT or a Llama, not a {type(model).__name__}")
+        if cache.config != cfg:
+            raise ValueError("the cache was made for another model config")
         if cfg.head_size > HS_MAX:
             raise ValueError(f"the fused attention kernel takes head sizes up to {HS_MAX}, got {cfg.head_size}")
         if any(kept_in_blocks(w) for w in model.params.values()):

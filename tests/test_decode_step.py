@@ -118,6 +118,17 @@ def test_the_cache_refuses_to_overflow_before_launching():
         cache.set_lengths(7)
 
 
+def test_the_step_refuses_what_its_kernels_cannot_run():
+    """Another kind of model, and weights kept in quantized blocks (the fused products take float32 matrices):
+    each refused with one line before any buffer is made."""
+    model = tiny_llama()
+    with pytest.raises(TypeError, match="runs a GPT or a Llama, not a Medusa"):
+        StaticStep(type("Medusa", (), {"config": object()})(), StaticCache(model.config, 1, 8))
+    model.params["layers.0.mlp.down_proj.weight"] = type("Blocks", (), {"product": None})()
+    with pytest.raises(ValueError, match="weights='fp32'"):
+        StaticStep(model, StaticCache(model.config, 1, 8))
+
+
 @pytest.mark.skipif(is_gpu(), reason="on NumPy")
 def test_numpy_has_no_graph():
     step = StaticStep(tiny_gpt(), StaticCache(tiny_gpt().config, 1, 8), T=1)
