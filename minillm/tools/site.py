@@ -71,7 +71,7 @@ MARKER = ".minillm-site.json"  # written by build into the site: the files it wr
 MAX_MARKER_BYTES = 16_000_000  # a larger marker is not one build wrote: refused before it is read
 DOCS_ORDER = ("architecture", "attention", "kv_cache", "flash_attention", "speculative_decoding", "paged_attention",
               "batch_speculative", "real_model", "speculation_zoo", "medusa", "lookahead", "verify_cost", "serving",
-              "eagle", "launch_floor", "gpu", "training", "threads", "production", "instructors")
+              "eagle", "launch_floor", "quantization", "gpu", "training", "threads", "production", "instructors")
 # the docs in the sidebar: the architecture, the measured pages in chapter order, running it, teaching it;
 # a page not named here follows them, by file name
 CHAPTER_PREFIX = re.compile(r"^(?:(?:Chapter|Appendix)\s+)?[A-Z]?\d+\s*[—·:.-]\s*")  # "Chapter 1 — ", "02 · "
