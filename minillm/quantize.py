@@ -278,11 +278,13 @@ class Q4_1(Blocks):
         check_fp16_range(w, FP16_MAX, "Q4_1 weight")  # m = min w is stored as fp16; then d = range/15 fits too
         m, k = w.shape
         blocks = w.reshape(m, k // QK, QK)  # (m, nb, 32)
+        # EXERCISE 13.1 BEGIN: per block lo, d, q = trunc((w - lo) / d + 0.5) <= 15; nibbles = q[j] | q[j + 16] << 4
         lo, hi = blocks.min(axis=-1, keepdims=True), blocks.max(axis=-1, keepdims=True)  # (m, nb, 1)
         d = (hi - lo) / np.float32(NIBBLE_MAX)
         inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)  # a constant block: q = 0
         q = np.minimum(np.trunc((blocks - lo) * inv + np.float32(0.5)), NIBBLE_MAX).astype(np.uint8)  # (m, nb, 32)
         nibbles = q[:, :, :QK // 2] | (q[:, :, QK // 2:] << np.uint8(4))  # (m, nb, 16): weights j and j + 16
+        # EXERCISE 13.1 END
         head = np.concatenate([d.astype(np.float16), lo.astype(np.float16)], axis=-1).view(np.uint8)  # (m, nb, 4)
         return cls(np.concatenate([head, nibbles], axis=-1).reshape(m, -1), k)
 
@@ -339,8 +341,11 @@ class Int8PerChannel:
 class Int4PerGroup:
     """int4 with a float32 scale per group of g weights of a row, symmetric or with a minimum.
 
-    symmetric (minimum is None):  s = max |w| / 7,           w = s * (n - 8), n = q + 8 in 1..15
-    with a minimum:                s = (max w - min w) / 15,  w = s * n + min, n in 0..15
+    symmetric (minimum is None):  s = max |w| / 7,           q = rint(w / s) in -7..7,     n = q + 8 in 1..15
+    with a minimum:                s = (max w - min w) / 15,  n = rint((w - min) / s) in 0..15
+    dequantized as w = s * (n - 8) or w = s * n + min (rint: NumPy's round half to even; a group of
+    zeros, or a constant group, has s = 0 and stores n = 8, or n = 0, not NaN).
+    Example, symmetric, g = 4: w = [-7, 0, 3.5, 7] -> s = 1, n = [1, 8, 12, 15] -> packed [0xC1, 0xF8].
     packed (m, k/2) uint8: within each group, byte j holds weight j (low nibble) and weight j + g/2
     (high nibble), the order of a Q4_1 block; scale and minimum (m, k/g) float32. With g = 32 and a
     minimum this is Q4_1 with float32 instead of fp16 scales."""
@@ -357,6 +362,7 @@ class Int4PerGroup:
         w = check_matrix(w, group, f"Int4PerGroup(group={group}) weight")
         m, k = w.shape
         groups = w.reshape(m, k // group, group)  # (m, ng, g)
+        # EXERCISE 13.2 BEGIN: per group: scale s, minimum lo (None if symmetric), levels n in 0..15 (symmetric: q + 8)
         if minimum:
             lo = groups.min(axis=-1, keepdims=True)  # (m, ng, 1)
             s = (groups.max(axis=-1, keepdims=True) - lo) / np.float32(NIBBLE_MAX)
@@ -367,6 +373,7 @@ class Int4PerGroup:
             s = np.max(np.abs(groups), axis=-1, keepdims=True) / np.float32(INT4_SYMMETRIC_MAX)
             inv = np.divide(np.float32(1), s, out=np.zeros_like(s), where=s != 0)
             n = np.clip(np.rint(groups * inv), -INT4_SYMMETRIC_MAX, INT4_SYMMETRIC_MAX) + 8
+        # EXERCISE 13.2 END
         n = n.astype(np.uint8)  # (m, ng, g)
         packed = n[:, :, :group // 2] | (n[:, :, group // 2:] << np.uint8(4))  # (m, ng, g/2)
         return cls(packed.reshape(m, k // 2), s[:, :, 0], None if lo is None else lo[:, :, 0], group)

@@ -5,6 +5,9 @@ keep the cache contract (positions, attend, advance, truncate, reset, bytes), ho
 a float32 cache's bytes, give logits close to the float32 cache's and the same greedy tokens on the
 shipped target, and roll back for speculative decoding. The per-position scale is not a detail: a
 cache with one scale per head (the classic shortcut) is measurably worse.
+
+Exercise 13.3 (``quantize_rows``) is graded by the tests marked ``exercise("13.3")``: the vectors'
+exact int8 values and scales against ``Int8PerChannel``, and the cache's bytes.
 """
 
 import numpy as np
@@ -43,6 +46,7 @@ def mean_kl(ref_logits, logits) -> float:
     return float((np.exp(lp) * (lp - lq)).sum(axis=-1).mean())
 
 
+@pytest.mark.exercise("13.3")
 def test_each_vector_is_quantized_like_an_int8_per_channel_row():
     """quantize_rows over (B, nh, T, hs) is Int8PerChannel applied to every (head, position) vector:
     the same int8 values and scales (vectors of very different sizes and an all-zero one included),
@@ -60,6 +64,7 @@ def test_each_vector_is_quantized_like_an_int8_per_channel_row():
     assert (err <= to_numpy(s) / 2 * (1 + 1e-6)).all() and not to_numpy(q)[1, 2, 4].any()
 
 
+@pytest.mark.exercise("13.3")
 def test_a_decode_cache_of_a_quarter_of_the_bytes():
     """The contract's protocol; nbytes counts the int8 K, V and their float32 scales: per token
     2 * n_layer * n_kv_head * (hs + 4) bytes, (hs + 4) / (4 hs) of a float32 KVCache (0.266 at hs = 64);
@@ -76,7 +81,7 @@ def test_a_decode_cache_of_a_quarter_of_the_bytes():
     assert 0 < used < cache.bytes_used <= cache.nbytes
 
 
-@pytest.mark.uses_exercise("3.1")
+@pytest.mark.uses_exercise("3.1", "8.1", "8.2", "8.3", "13.3")
 def test_grouped_query_heads_are_stored_as_kv_heads():
     """A Llama with 4 query heads and 2 KV heads: the cache stores 2 heads, and prefill-then-decode
     through it gives logits within int8 rounding of the float32 cache's."""
@@ -91,6 +96,7 @@ def test_grouped_query_heads_are_stored_as_kv_heads():
     assert not np.array_equal(got, want)  # the int8 rounding is there
 
 
+@pytest.mark.uses_exercise("3.1", "13.3")
 def test_logits_close_to_the_float_cache_on_the_shipped_target(target, window):
     """A full 256-token context of held-out text through each cache: every logit within 0.2 of the
     float32 cache's (measured: 0.067) and a mean KL below 1e-4 nats (measured: 1.1e-5)."""
@@ -112,7 +118,7 @@ class PerHeadInt8KVCache(Int8KVCache):
     quantize = staticmethod(per_head_scale)
 
 
-@pytest.mark.uses_exercise("8.2")
+@pytest.mark.uses_exercise("3.1", "13.3")
 def test_a_scale_per_position_matters(target, window):
     """The bug-zoo shortcut, one scale per head instead of one per (head, position), costs measurably
     more: on the shipped target's full context its KL from the float32 cache is more than 1.5 times
@@ -124,6 +130,7 @@ def test_a_scale_per_position_matters(target, window):
     assert per_head > 1.5 * per_position
 
 
+@pytest.mark.uses_exercise("3.1", "3.3", "13.3")
 def test_greedy_tokens_over_64_steps_on_the_shipped_target(target):
     """Greedy decoding of 64 tokens from a held-out prompt: at least 58 of the 64 positions give the
     float32 cache's token (measured on four prompts: all 64, the first divergence never reached)."""
@@ -134,6 +141,7 @@ def test_greedy_tokens_over_64_steps_on_the_shipped_target(target):
     assert sum(a == b for a, b in zip(want, got)) >= 58
 
 
+@pytest.mark.uses_exercise("3.2", "13.3")
 def test_truncate_rolls_back_like_the_float_cache(tiny_model):
     """truncate(n) keeps n tokens (refusing n outside 0..length or not an int, unchanged); feeding the
     rest again gives the logits of one forward through a fresh int8 cache, since each position's
@@ -158,6 +166,7 @@ def test_truncate_rolls_back_like_the_float_cache(tiny_model):
     assert cache.length == 0
 
 
+@pytest.mark.uses_exercise("3.2", "3.3", "5.3", "13.3")
 def test_speculative_decoding_rolls_back_through_it(target):
     """Greedy speculative decoding with int8 caches for the target and the draft gives exactly the
     target's greedy tokens through an int8 cache: every rollback (truncate) kept the right positions."""

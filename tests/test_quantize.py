@@ -5,6 +5,10 @@ The oracle for the GGUF formats is the ``gguf`` package's ``gguf.quants`` (a por
 ``ggml-quants.c``): our quantizers must write the same bytes, our dequantizers read any bytes the same
 way, on random blocks and on every block of SmolLM2's file. Bad input (odd shapes, NaN, inf, scales past
 fp16, corrupt bytes) must be refused with a QuantError that names it.
+
+Exercise 13.1 (``Q4_1.quantize``) is graded by the tests marked ``exercise("13.1")``: llama.cpp's bytes,
+its rounding of halves and the error bound; exercise 13.2 (``Int4PerGroup.quantize``) by its error bound
+and its worked example's bytes.
 """
 
 import numpy as np
@@ -48,7 +52,7 @@ def block_error_bound(w, fmt):
     return np.broadcast_to(bound, blocks.shape).reshape(m, k) * (1 + 1e-5) + 1e-30
 
 
-@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("fmt", ["Q8_0", pytest.param("Q4_1", marks=pytest.mark.exercise("13.1"))])
 def test_block_round_trip_within_half_a_level(fmt):
     """Every weight comes back within half a quantization level (plus the fp16 scale's rounding)."""
     w = random_weight(np.random.default_rng(0))
@@ -59,7 +63,7 @@ def test_block_round_trip_within_half_a_level(fmt):
 
 
 def test_other_round_trips_within_their_bounds():
-    """BF16: relative 2**-8; int8 per channel: s / 2 per row; int4 per group: s / 2 per group."""
+    """F32: exact; BF16: relative 2**-8; int8 per channel: s / 2 per row."""
     w = random_weight(np.random.default_rng(1), (5, 96))
     assert np.array_equal(F32.quantize(w).dequantize(), w)
     bf = BF16.quantize(w).dequantize()
@@ -67,6 +71,14 @@ def test_other_round_trips_within_their_bounds():
     i8 = Int8PerChannel.quantize(w)
     s = np.abs(w).max(1, keepdims=True) / 127
     assert np.all(np.abs(i8.dequantize() - w) <= s / 2 * (1 + 1e-5) + 1e-30)
+
+
+@pytest.mark.exercise("13.2")
+def test_int4_per_group_round_trips_within_half_a_level():
+    """int4 per group, symmetric or with a minimum, groups of 8 to a whole row: every weight within s / 2
+    of its group's scale (a minimum dropped, the symmetric levels not shifted by 8, a scale from the
+    wrong range all break it), an all-zero row stays zero, and the bits per weight count the scales."""
+    w = random_weight(np.random.default_rng(1), (5, 96))
     for group, minimum in ((32, True), (32, False), (8, True), (96, False)):
         q4 = Int4PerGroup.quantize(w, group=group, minimum=minimum)
         g = w.reshape(5, -1, group).astype(np.float64)
@@ -76,9 +88,29 @@ def test_other_round_trips_within_their_bounds():
             s = np.abs(g).max(-1, keepdims=True) / 7
         bound = np.broadcast_to(s / 2, g.shape).reshape(w.shape) * (1 + 1e-5) + 1e-30
         assert np.all(np.abs(q4.dequantize() - w) <= bound), (group, minimum)
+        assert np.all(q4.dequantize()[2] == 0.0), (group, minimum)
         assert q4.bits_per_weight == 4 + 32 * (2 if minimum else 1) / group
 
 
+@pytest.mark.exercise("13.2")
+def test_int4_per_group_docstring_example_and_its_bytes():
+    """Int4PerGroup's worked example, byte for byte: symmetric, g = 4, w = [-7, 0, 3.5, 7] -> s = 1,
+    n = [1, 8, 12, 15] (3.5 rounds half to even: q = 4), packed [0xC1, 0xF8] (byte j holds weight j low,
+    j + 2 high); with a minimum the same group gives lo = -7, s = 14/15 and n = rint((w + 7) / s)."""
+    w = np.array([[-7.0, 0.0, 3.5, 7.0]], dtype=np.float32)
+    sym = Int4PerGroup.quantize(w, group=4, minimum=False)
+    assert sym.minimum is None and sym.scale.shape == (1, 1) and sym.scale[0, 0] == 1.0
+    assert sym.packed.tolist() == [[0xC1, 0xF8]]
+    with_min = Int4PerGroup.quantize(w, group=4, minimum=True)
+    s = np.float32(14) / np.float32(15)
+    n = np.rint((w[0] + np.float32(7)) * (np.float32(1) / s)).astype(int)  # [0, 8, 11, 15]
+    assert with_min.minimum.tolist() == [[-7.0]] and with_min.scale[0, 0] == s
+    assert with_min.packed.tolist() == [[n[0] | n[2] << 4, n[1] | n[3] << 4]]
+    two = Int4PerGroup.quantize(np.concatenate([w, 2 * w], axis=1), group=4, minimum=False)  # two groups of a row
+    assert two.scale.tolist() == [[1.0, 2.0]] and two.packed.tolist() == [[0xC1, 0xF8, 0xC1, 0xF8]]
+
+
+@pytest.mark.uses_exercise("13.1", "13.2")
 def test_int4_with_minimum_at_group_32_is_q4_1_up_to_fp16_scales():
     """Int4PerGroup(group=32, minimum) is Q4_1's arithmetic with float32 scales: same weights to fp16 error."""
     w = random_weight(np.random.default_rng(2))
@@ -87,7 +119,7 @@ def test_int4_with_minimum_at_group_32_is_q4_1_up_to_fp16_scales():
     assert np.allclose(a, b, atol=2e-3 * np.abs(w).max())
 
 
-@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1", "BF16"])
+@pytest.mark.parametrize("fmt", ["Q8_0", pytest.param("Q4_1", marks=pytest.mark.exercise("13.1")), "BF16"])
 def test_quantizers_write_llama_cpp_bytes(fmt):
     """Our quantize writes exactly the bytes of gguf.quants.quantize (llama.cpp's reference)."""
     w = random_weight(np.random.default_rng(3), (7, 8 * QK))
@@ -109,6 +141,24 @@ def test_dequantize_random_bytes_like_gguf(fmt):
     raw = raw.reshape(m, nb * block)
     ours = cls.from_raw(raw, (m, nb * QK)).dequantize()
     assert np.array_equal(ours, gq.dequantize(raw, GGML[fmt]))
+
+
+@pytest.mark.exercise("13.1")
+def test_q4_1_rounds_halves_up_and_clamps_like_llama_cpp():
+    """A block from 0 to 15 has d = 1 and m = 0, so w = q + 0.5 lies exactly halfway between two levels:
+    llama.cpp rounds it up (trunc(x + 0.5)), not to the even level (np.rint) nor down (trunc). Each byte
+    holds weight j in its low nibble and j + 16 in its high one; a constant block stores q = 0."""
+    ramp = np.concatenate([[0.0, 15.0], np.arange(14) + 0.5, np.arange(16)]).astype(np.float32)  # (32,)
+    w = np.stack([ramp, ramp[::-1], np.full(QK, 3.25, np.float32)])  # (3, 32)
+    ours = Q4_1.quantize(w)
+    np.testing.assert_array_equal(ours.raw, gq.quantize(w, GGML["Q4_1"]).view(np.uint8))
+    d, lo = ours.scales()
+    assert d[:2].tolist() == [[1.0], [1.0]] and lo.tolist() == [[0.0], [0.0], [3.25]] and d[2, 0] == 0.0
+    q = ours.quants()[:, 0]  # (3, 32)
+    assert q[0].tolist() == [0, 15, *range(1, 15), *range(16)]
+    assert not q[2].any()
+    nibbles = ours.raw[0, 4:]  # byte j: q[j] | q[j + 16] << 4
+    assert nibbles[1] == 15 | 1 << 4 and nibbles[15] == 14 | 15 << 4
 
 
 def test_q4_1_docstring_example():
@@ -165,7 +215,7 @@ def test_bad_weights_are_refused(fmt, bad, message):
 
 def test_bad_bytes_and_settings_are_refused():
     w = random_weight(np.random.default_rng(5))
-    raw = Q4_1.quantize(w).raw
+    raw = gq.quantize(w, GGML["Q4_1"]).view(np.uint8)  # llama.cpp's bytes (exercise 13.1 writes the same)
     with pytest.raises(QuantError, match="is stored as uint8"):
         Q4_1.from_raw(raw[:, :-1], w.shape)  # a truncated row
     with pytest.raises(QuantError, match="multiple of 32"):
@@ -182,6 +232,7 @@ def test_bad_bytes_and_settings_are_refused():
         BF16.quantize(np.full((2, 3), np.nan, np.float32))
 
 
+@pytest.mark.uses_exercise("13.1")  # both: a Q8_0 weight is concatenated with a Q4_1 one
 @pytest.mark.parametrize("fmt", [Q8_0, Q4_1])
 def test_blocks_as_a_model_weight(fmt):
     """rows(ids) is dequantize()[ids] in the ids' shape; row_slice and concat_rows move whole rows of blocks
