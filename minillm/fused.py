@@ -30,14 +30,16 @@ The static step runs the model's own block over a table of these kernels:
     StaticStep.run:  embed -> model.blocks(x, pos, cache, ops=FusedOps) -> LM head -> argmax
                                   |  gpt_block / llama_block (model.py, llama.py), once per layer
                                   v
-    FusedOps:  product = one cuBLAS matmul into a fixed buffer (its bias left to the next kernel)
+    FusedOps:  product = one cuBLAS matmul into a fixed buffer (its bias left to the next kernel); a weight kept in
+                          quantized blocks (weights="q") runs its own product (backend.weight_product) into it
                add_norm = (add_)layer_norm_rows | (add_)rms_norm_rows;  act = bias_gelu | silu_mul
                attend = qkv_to_cache | qkv_rope_to_cache, then decode_attention over the StaticCache
 
 9 launches per layer and 6 around the layers (the embedding, the final norm, the LM head, the argmax and its copy,
-the lengths' advance): ``decode_step.static_per_token`` counts them (60 for the 6-layer character model). A graph
-replays exactly the kernels it recorded, with the same arguments and the same memory addresses, so a step can be
-recorded only if nothing in it changes from one token to the next except the *contents* of device memory:
+the lengths' advance): ``decode_step.static_per_token`` counts them (60 for the 6-layer character model), for
+float32 weights; weights kept in blocks on a device dequantize in each product (``quantize.Blocks.product``), more.
+A graph replays exactly the kernels it recorded, with the same arguments and the same memory addresses, so a step
+can be recorded only if nothing in it changes from one token to the next except the *contents* of device memory:
 
 - shapes are fixed: the cache is a (B, n_kv_head, max_len, hs) buffer per layer that attention reads up to
   each row's position, never sliced to a length the host knows (``StaticCache``);
@@ -63,7 +65,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .attention import softmax
-from .backend import is_gpu, to_numpy, xp
+from .backend import is_gpu, to_numpy, weight_product, xp
 from .cache_contract import CacheFullError
 from .config import GPTConfig, LlamaConfig
 from .kernels.build import (
@@ -354,9 +356,25 @@ class FusedLlamaOps(FusedOps):
         return self.config.norm_eps
 
     def embed(self, ids, cache):
-        """pos = lengths + t; x = embed_tokens[ids]: one launch -> x (B, T, C)."""
-        launch("embed_rows", self.rows, wte=self.model.params["embed_tokens.weight"], **self.embed_args(ids, cache))
+        """pos = lengths + t; x = embed_tokens[ids]: one launch -> x (B, T, C). The kernel reads a float32 table; a
+        table kept in blocks is looked up by the kernel's reference, which dequantizes only the rows it picks."""
+        wte = self.model.params["embed_tokens.weight"]
+        if kept_in_blocks(wte):
+            embed_rows(ids, cache.lengths, wte, self.x, self.pos)  # (the host checked the ids: StaticStep.set_ids)
+        else:
+            launch("embed_rows", self.rows, wte=wte, **self.embed_args(ids, cache))
         return self.x
+
+    def product(self, x, name: str) -> Product:
+        """x @ W^T into the product's buffer; W [out, in] kept in quantized blocks runs its own product (the model's
+        ``weight_product``: minillm.qkernels on NumPy, the blocks dequantized on a device), copied into the buffer.
+        (B, T, in) -> (B, T, out)"""
+        w = self.model.matrix(name)
+        if not kept_in_blocks(w):
+            return super().product(x, name)
+        y = self.buffer(name.split(".", 2)[-1], w.shape[0])  # "layers.3.gate_up" -> "gate_up"
+        y[...] = weight_product(x, w)
+        return Product(y, None)
 
     def add_norm(self, x, h, name: str):
         (w,) = self.model.norm_weights(name)
@@ -444,14 +462,12 @@ class StaticStep:
             raise ValueError("the cache was made for another model config")
         if cfg.head_size > HS_MAX:
             raise ValueError(f"the fused attention kernel takes head sizes up to {HS_MAX}, got {cfg.head_size}")
-        if any(kept_in_blocks(w) for w in model.params.values()):
-            raise ValueError("the static decode step multiplies float32 weights: load the model with weights='fp32'")
         self.model, self.cache, self.T, self.B = model, cache, int(T), cache.batch_size
         self.ops = FUSED_OPS[type(cfg)](model, self.B, self.T)
         self.ids = xp.zeros((self.B, self.T), dtype=xp.int32)
         self.next_ids = self.ids if self.T == 1 else xp.zeros((self.B, self.T), dtype=xp.int32)
         self.logits = xp.zeros((self.B * self.T, cfg.vocab_size), dtype=xp.float32)
-        self.lm_head_t = model.lm_head.T  # (C, V), a view
+        self.lm_head_t = None if kept_in_blocks(model.lm_head) else model.lm_head.T  # (C, V), a view
         self.graph = self.pool = self.stream = None
 
     def run(self) -> None:
@@ -459,7 +475,11 @@ class StaticStep:
         waits for the device."""
         x = self.ops.embed(self.ids, self.cache)  # pos = lengths + t; x = wte[ids] (+ wpe[pos])
         h = self.model.blocks(x, self.ops.pos, self.cache, ops=self.ops)  # the blocks, the final norm; advance(T)
-        xp.matmul(h.reshape(self.B * self.T, -1), self.lm_head_t, out=self.logits)  # (rows, C) @ (C, V)
+        h = h.reshape(self.B * self.T, -1)  # (rows, C)
+        if self.lm_head_t is None:  # an LM head kept in blocks: its own product
+            self.logits[...] = weight_product(h, self.model.lm_head)
+        else:
+            xp.matmul(h, self.lm_head_t, out=self.logits)  # (rows, C) @ (C, V)
         self.next_ids[...] = self.logits.reshape(self.B, self.T, -1).argmax(axis=-1)  # two launches: argmax, copy
 
     def set_ids(self, ids) -> None:

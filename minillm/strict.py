@@ -113,8 +113,9 @@ def record_call(fn, args, kwargs, found):
         mutate(lambda: fn(*args, **kwargs))
         return ndarray(kwargs["out"])
     result = fn(*args, **kwargs)
-    if isinstance(result, (tuple, list)):
-        return type(result)(wrap(r, found) if is_view(r, found) else recorded(r, lambda i=i: fn(*args, **kwargs)[i])
+    if isinstance(result, (tuple, list)):  # arrays (xp.split) are recorded; numbers (numpy.shape's) are what they are
+        return type(result)(r if not isinstance(r, (numpy.ndarray, numpy.generic)) else wrap(r, found)
+                            if is_view(r, found) else recorded(r, lambda i=i: fn(*args, **kwargs)[i])
                             for i, r in enumerate(result))
     return wrap(result, found) if is_view(result, found) else recorded(result, lambda: fn(*args, **kwargs))
 

@@ -118,15 +118,26 @@ def test_the_cache_refuses_to_overflow_before_launching():
         cache.set_lengths(7)
 
 
-def test_the_step_refuses_what_its_kernels_cannot_run():
-    """Another kind of model, and weights kept in quantized blocks (the fused products take float32 matrices):
-    each refused with one line before any buffer is made."""
+def test_the_step_refuses_another_kind_of_model():
+    """A model that is neither a GPT nor a Llama: refused with one line before any buffer is made."""
     model = tiny_llama()
     with pytest.raises(TypeError, match="runs a GPT or a Llama, not a Medusa"):
         StaticStep(type("Medusa", (), {"config": object()})(), StaticCache(model.config, 1, 8))
-    model.params["layers.0.mlp.down_proj.weight"] = type("Blocks", (), {"product": None})()
-    with pytest.raises(ValueError, match="weights='fp32'"):
-        StaticStep(model, StaticCache(model.config, 1, 8))
+
+
+@pytest.mark.uses_exercise("13.1")  # Q4_1.quantize
+@pytest.mark.parametrize("graph", [pytest.param(False, marks=REFERENCES), pytest.param(True, marks=ON_A_DEVICE)])
+def test_weights_kept_in_blocks_decode_on_the_static_step(graph):
+    """A Llama whose matrices stay in Q8_0 / Q4_1 blocks (weights="q", the default load): the step's products,
+    embedding and LM head are the blocks' own, and its greedy tokens (and a speculative run's, with a float32 draft
+    of the same weights) equal generate's. Fails for a step that multiplies a float32 copy it does not have."""
+    from test_quantized_model import TINY, tiny_params
+
+    blocks, dense = tiny_params()
+    model = Llama(TINY, blocks)
+    want = generate(model, PROMPT, 12, temperature=0).tokens
+    assert greedy_generate(model, PROMPT, 12, graph=graph) == want
+    assert greedy_speculative_generate(model, Llama(TINY, dense), PROMPT, 12, k=3, graph=graph) == want
 
 
 @pytest.mark.skipif(is_gpu(), reason="on NumPy")
@@ -245,13 +256,14 @@ def test_a_position_passed_from_the_host_is_replayed_stale(monkeypatch):
 
 @REFERENCES
 def test_the_real_model_decodes_on_the_static_step():
-    """SmolLM2-135M (30 layers, GQA 9/3, RoPE at theta 1e5): the static step's greedy tokens equal generate's,
-    through the fused kernels and a captured graph under the stand-in (the array references on NumPy)."""
+    """SmolLM2-135M (30 layers, GQA 9/3, RoPE at theta 1e5), loaded as by default (its matrices in the file's
+    blocks): the static step's greedy tokens equal generate's, through the fused kernels and a captured graph under
+    the stand-in (the array references on NumPy)."""
     from minillm import GGUFError
     from minillm.registry import load_model
 
     try:
-        model, _ = load_model("smollm2-135m", weights="fp32")
+        model, _ = load_model("smollm2-135m")
     except GGUFError as exc:
         pytest.skip(str(exc))
     prompt = [1, 504, 3575, 282, 4649, 314]
