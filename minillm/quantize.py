@@ -41,7 +41,6 @@ Q8_0_BYTES = 2 + QK  # fp16 d, 32 int8
 Q4_1_BYTES = 2 + 2 + QK // 2  # fp16 d, fp16 m, 32 nibbles
 FP16_MAX = 65504.0  # the largest finite half: a block scale past it would be stored as inf
 INT8_MAX = 127  # int8 levels used: -127..127 (symmetric, so -w quantizes to -q)
-INT4_SYMMETRIC_MAX = 7  # symmetric int4 levels used: -7..7, stored as q + 8 in 1..15
 NIBBLE_MAX = 15  # 4-bit levels 0..15 (with a minimum)
 
 
@@ -105,6 +104,18 @@ def fp16_bits_to_f32(raw, offset: int, block_bytes: int) -> np.ndarray:
 def check_scales(scales, what: str) -> None:
     if not np.isfinite(scales).all():
         raise QuantError(f"{what}: a block scale is NaN or inf (corrupt data)")
+
+
+def symmetric_top(bits: int) -> int:
+    """The highest symmetric level of a b-bit format: levels -top..top (so -w quantizes to -q), stored as
+    q + top + 1. 4 bits: -7..7 stored as 1..15."""
+    return 2 ** (bits - 1) - 1
+
+
+def reciprocal_or_zero(s):
+    """1 / s, and 0 where s == 0: an all-zero or constant block (or group, or row) stores level 0 (or its
+    offset), never NaN."""
+    return np.divide(np.float32(1), s, out=np.zeros_like(s), where=s != 0)
 
 
 def round_half_away(v):
@@ -230,8 +241,7 @@ class Q8_0(Blocks):
         m, k = w.shape
         blocks = w.reshape(m, k // QK, QK)  # (m, nb, 32)
         d = np.max(np.abs(blocks), axis=-1, keepdims=True) / np.float32(INT8_MAX)  # (m, nb, 1)
-        inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)  # an all-zero block: q = 0
-        q = round_half_away(blocks * inv).astype(np.int8)  # (m, nb, 32)
+        q = round_half_away(blocks * reciprocal_or_zero(d)).astype(np.int8)  # an all-zero block: q = 0  # (m, nb, 32)
         raw = np.concatenate([d.astype(np.float16).view(np.uint8), q.view(np.uint8)], axis=-1)  # (m, nb, 34)
         return cls(raw.reshape(m, -1), k)
 
@@ -281,7 +291,7 @@ class Q4_1(Blocks):
         # EXERCISE 13.1 BEGIN: per block lo, d, q = trunc((w - lo) / d + 0.5) <= 15; nibbles = q[j] | q[j + 16] << 4
         lo, hi = blocks.min(axis=-1, keepdims=True), blocks.max(axis=-1, keepdims=True)  # (m, nb, 1)
         d = (hi - lo) / np.float32(NIBBLE_MAX)
-        inv = np.divide(np.float32(1), d, out=np.zeros_like(d), where=d != 0)  # a constant block: q = 0
+        inv = reciprocal_or_zero(d)  # a constant block: q = 0
         q = np.minimum(np.trunc((blocks - lo) * inv + np.float32(0.5)), NIBBLE_MAX).astype(np.uint8)  # (m, nb, 32)
         nibbles = q[:, :, :QK // 2] | (q[:, :, QK // 2:] << np.uint8(4))  # (m, nb, 16): weights j and j + 16
         # EXERCISE 13.1 END
@@ -322,8 +332,7 @@ class Int8PerChannel:
     def quantize(cls, w) -> Int8PerChannel:
         w = check_matrix(w)
         s = np.max(np.abs(w), axis=1) / np.float32(INT8_MAX)  # (m,)
-        inv = np.divide(np.float32(1), s, out=np.zeros_like(s), where=s != 0)
-        return cls(np.clip(np.rint(w * inv[:, None]), -INT8_MAX, INT8_MAX).astype(np.int8), s)
+        return cls(np.clip(np.rint(w * reciprocal_or_zero(s)[:, None]), -INT8_MAX, INT8_MAX).astype(np.int8), s)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -339,12 +348,14 @@ class Int8PerChannel:
 
 @dataclass(frozen=True)
 class Int4PerGroup:
-    """int4 with a float32 scale per group of g weights of a row, symmetric or with a minimum.
+    """int4 (or 3-bit) with a float32 scale per group of g weights of a row, symmetric or with a minimum.
 
-    symmetric (minimum is None):  s = max |w| / 7,           q = rint(w / s) in -7..7,     n = q + 8 in 1..15
-    with a minimum:                s = (max w - min w) / 15,  n = rint((w - min) / s) in 0..15
-    dequantized as w = s * (n - 8) or w = s * n + min (rint: NumPy's round half to even; a group of
-    zeros, or a constant group, has s = 0 and stores n = 8, or n = 0, not NaN).
+    With b bits (4, or 3) and top = 2^b - 1 with a minimum, 2^(b-1) - 1 symmetric (15 and 7 for 4 bits):
+    symmetric (minimum is None):  s = max |w| / top,          q = rint(w / s) in -top..top,  n = q + top + 1
+    with a minimum:                s = (max w - min w) / top,  n = rint((w - min) / s) in 0..top
+    dequantized as w = s * (n - top - 1) or w = s * n + min (rint: NumPy's round half to even; a group of
+    zeros, or a constant group, has s = 0 and stores n = top + 1, or n = 0, not NaN). 3-bit levels are
+    kept in nibbles here (what they cost in quality is the point); ``bits_per_weight`` counts b bits.
     Example, symmetric, g = 4: w = [-7, 0, 3.5, 7] -> s = 1, n = [1, 8, 12, 15] -> packed [0xC1, 0xF8].
     packed (m, k/2) uint8: within each group, byte j holds weight j (low nibble) and weight j + g/2
     (high nibble), the order of a Q4_1 block; scale and minimum (m, k/g) float32. With g = 32 and a
@@ -354,29 +365,33 @@ class Int4PerGroup:
     scale: np.ndarray
     minimum: np.ndarray | None
     group: int
+    bits: int = 4
 
     @classmethod
-    def quantize(cls, w, group: int = QK, minimum: bool = True) -> Int4PerGroup:
+    def quantize(cls, w, group: int = QK, minimum: bool = True, bits: int = 4) -> Int4PerGroup:
         if not isinstance(group, int) or group < 2 or group % 2:
             raise QuantError(f"Int4PerGroup: the group size must be an even integer >= 2, got {group!r}")
+        if bits not in (3, 4):
+            raise QuantError(f"Int4PerGroup: bits must be 3 or 4, got {bits!r}")
+        top = symmetric_top(bits) if not minimum else 2**bits - 1  # the highest level: 7 or 15 for 4 bits
         w = check_matrix(w, group, f"Int4PerGroup(group={group}) weight")
         m, k = w.shape
         groups = w.reshape(m, k // group, group)  # (m, ng, g)
-        # EXERCISE 13.2 BEGIN: per group: scale s, minimum lo (None if symmetric), levels n in 0..15 (symmetric: q + 8)
+        # EXERCISE 13.2 BEGIN: per group: scale s, minimum lo (None if symmetric), levels n: 0..top, or q + top + 1
         if minimum:
             lo = groups.min(axis=-1, keepdims=True)  # (m, ng, 1)
-            s = (groups.max(axis=-1, keepdims=True) - lo) / np.float32(NIBBLE_MAX)
-            inv = np.divide(np.float32(1), s, out=np.zeros_like(s), where=s != 0)
-            n = np.clip(np.rint((groups - lo) * inv), 0, NIBBLE_MAX)
+            s = (groups.max(axis=-1, keepdims=True) - lo) / np.float32(top)
+            inv = reciprocal_or_zero(s)
+            n = np.clip(np.rint((groups - lo) * inv), 0, top)
         else:
             lo = None
-            s = np.max(np.abs(groups), axis=-1, keepdims=True) / np.float32(INT4_SYMMETRIC_MAX)
-            inv = np.divide(np.float32(1), s, out=np.zeros_like(s), where=s != 0)
-            n = np.clip(np.rint(groups * inv), -INT4_SYMMETRIC_MAX, INT4_SYMMETRIC_MAX) + 8
+            s = np.max(np.abs(groups), axis=-1, keepdims=True) / np.float32(top)
+            inv = reciprocal_or_zero(s)
+            n = np.clip(np.rint(groups * inv), -top, top) + (top + 1)
         # EXERCISE 13.2 END
         n = n.astype(np.uint8)  # (m, ng, g)
         packed = n[:, :, :group // 2] | (n[:, :, group // 2:] << np.uint8(4))  # (m, ng, g/2)
-        return cls(packed.reshape(m, k // 2), s[:, :, 0], None if lo is None else lo[:, :, 0], group)
+        return cls(packed.reshape(m, k // 2), s[:, :, 0], None if lo is None else lo[:, :, 0], group, bits)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -384,14 +399,14 @@ class Int4PerGroup:
 
     @property
     def bits_per_weight(self) -> float:
-        return 4.0 + 32.0 * (1 if self.minimum is None else 2) / self.group
+        return self.bits + 32.0 * (1 if self.minimum is None else 2) / self.group
 
     def dequantize(self) -> np.ndarray:
         m, k = self.shape
         packed = self.packed.reshape(m, k // self.group, self.group // 2)  # (m, ng, g/2)
         n = np.concatenate([packed & np.uint8(0x0F), packed >> np.uint8(4)], axis=-1).astype(np.float32)
         if self.minimum is None:
-            w = self.scale[:, :, None] * (n - np.float32(8))
+            w = self.scale[:, :, None] * (n - np.float32(symmetric_top(self.bits) + 1))
         else:
             w = self.scale[:, :, None] * n + self.minimum[:, :, None]
         return w.reshape(m, k)

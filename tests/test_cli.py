@@ -102,7 +102,7 @@ def test_generate_uses_the_shipped_target_by_default():
         (["bench", "paged", "--out", "x", "--update-docs"], 2, "not allowed with argument --out"),
         (["bench", "speculative", "--ks", "0,2"], 2, "argument --ks: must be >= 1, got 0"),
         (["bench", "paged", "--no-ttft", "--requests", "0"], 2, "argument --requests: must be >= 1, got 0"),
-        (["course", "student-edition", "/nonexistent/edition", "--chapters", "13"], 1, "no exercises in chapter(s) 13"),
+        (["course", "student-edition", "/nonexistent/edition", "--chapters", "14"], 1, "no exercises in chapter(s) 14"),
         (["serve", "--port", "70000"], 2, "argument --port: must be <= 65535"),
         (["serve", "--model", "gpt-4"], 2, "argument --model: invalid choice"),
     ],

@@ -27,6 +27,14 @@ needs_gxx = pytest.mark.skipif(shutil.which("g++") is None, reason="the emulatio
 needs_nvcc = pytest.mark.skipif(shutil.which("nvcc") is None, reason="nvcc (CUDA toolkit) not installed")
 EMULATED = [pytest.mark.host_only, needs_gxx]
 FORMATS = {"Q8_0": Q8_0, "Q4_1": Q4_1}
+
+
+def marked(value, fmt: str):
+    """A parameter whose case quantizes with Q4_1.quantize, exercise 13.1, carries that exercise's mark."""
+    return pytest.param(value, marks=pytest.mark.uses_exercise("13.1")) if fmt == "Q4_1" else value
+
+
+FORMAT_PARAMS = [marked(fmt, fmt) for fmt in FORMATS]
 TERM_TOL = 1e-6  # float32 sums of k terms in another order: within a millionth of the sum of the |terms|
 
 
@@ -52,7 +60,7 @@ def assert_equals_reference(y, x, w):
 # ---- the emulated kernel equals the reference ------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMAT_PARAMS)
 @pytest.mark.parametrize("n", range(1, 17))
 @pytest.mark.host_only
 @needs_gxx
@@ -62,7 +70,7 @@ def test_every_row_count_equals_the_reference(fmt, n):
     assert_equals_reference(qcuda.quant_product(x, w, emulated=True), x, w)
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMAT_PARAMS)
 @pytest.mark.parametrize("n, m, k", [(1, 13, 576), (16, 13, 576), (2, 3, 1536)])
 @pytest.mark.host_only
 @needs_gxx
@@ -129,7 +137,7 @@ def test_every_kernel_of_the_file_has_a_format():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not is_gpu(), reason="the kernel on a device: CuPy, or MINILLM_BACKEND=strict")
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMAT_PARAMS)
 def test_the_kernel_runs_from_the_backends_arrays(fmt):
     """quant_product on device arrays, the weight uploaded once: the reference's result; under the strict stand-in
     (the same emulation behind its RawKernel) bit for bit the emulated kernel's."""
@@ -165,7 +173,7 @@ def test_every_mutant_has_a_case_and_edits_the_current_kernel_once():
         mutate_kernel(name, build.QUANT_SOURCE.read_text(), QUANT_MUTANTS)
 
 
-@pytest.mark.parametrize("name", sorted(QUANT_MUTANTS))
+@pytest.mark.parametrize("name", [marked(name, MUTANT_CASES[name][0]) for name in sorted(QUANT_MUTANTS)])
 @pytest.mark.host_only
 @needs_gxx
 def test_the_checks_catch_each_mutant(name):

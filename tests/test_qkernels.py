@@ -34,7 +34,8 @@ def check_product(fmt, w, x):
     assert np.all(np.abs(y - ref) <= TOL * scale + 1e-30), f"{fmt} n={x.shape[0]}: {np.abs(y - ref).max()}"
 
 
-@pytest.mark.parametrize("fmt", list(FORMATS))
+@pytest.mark.parametrize("fmt", [pytest.param(f, marks=pytest.mark.uses_exercise("13.1")) if f == "Q4_1" else f
+                                 for f in FORMATS])  # Q4_1.quantize is exercise 13.1
 def test_every_format_matches_the_reference_for_1_to_17_rows(fmt):
     """n = 1..17 (tiles 1, 2, 4, 8, 16, padded tiles, 17 = 16 + 1), m = 37 (three panels, the last
     padded), k = 96 (three blocks; the F32 and BF16 tails need k % 8 != 0, below)."""
@@ -53,6 +54,7 @@ def test_float_formats_take_any_inner_size(fmt, n):
     check_product(fmt, w, x)
 
 
+@pytest.mark.uses_exercise("13.1")
 def test_pack_layout_example():
     """A Q4_1 (1536, 576) weight -> dm (96, 18, 2, 16) and qs (96, 18, 16, 16): the file's 20 bytes per block."""
     w = np.random.default_rng(2).standard_normal((1536, 576)).astype(np.float32)
@@ -122,7 +124,7 @@ def test_benchmark_pass_and_table(tmp_path, capsys):
     assert existing.read_text() == "keep me" and "exists" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("fmt", ["Q8_0", "Q4_1"])
+@pytest.mark.parametrize("fmt", ["Q8_0", pytest.param("Q4_1", marks=pytest.mark.uses_exercise("13.1"))])
 def test_packed_weight_gives_back_its_blocks(fmt):
     """unpack is pack's inverse (the file's bytes, row by row); rows() dequantizes only the looked-up rows;
     row_slice is a view of whole panels (or the rows packed anew); a prefill's product (more rows than

@@ -23,6 +23,7 @@ def tiny_char_models():
     return {"target": target, "draft": draft}
 
 
+@pytest.mark.uses_exercise("13.1", "13.2", "13.3")  # every format, and the int8 KV cache
 def test_quick_run_on_tiny_models(monkeypatch, tmp_path):
     """--model target --quick on tiny random models: float32 is the reference (KL 0, every greedy token
     the same), int4 costs something (KL > 0), a group of 128 does not split 64 inputs (n/a), the int8
@@ -69,6 +70,7 @@ def test_gpt_weights_are_rounded_along_their_inputs():
     assert 8 < bits < 8.5
 
 
+@pytest.mark.uses_exercise("13.2")
 def test_llama_weights_quantized_in_place_of_out_in():
     """A Llama's weights are [out, in] already: the copy's q_proj is Int4PerGroup's round trip of it as
     stored; float32 gives KL 0 and identical greedy tokens, int4 a positive KL."""
@@ -86,17 +88,19 @@ def test_llama_weights_quantized_in_place_of_out_in():
 
 
 @pytest.mark.host_only
+@pytest.mark.uses_exercise("13.2")
 def test_three_bit_and_per_tensor_quantizers():
     """3-bit with a minimum: at most 8 levels per group of 32, error at most half a step, the docstring's
     example; int4 per tensor: one scale for the whole matrix (at most 15 distinct values)."""
     rng = np.random.default_rng(0)
     w = rng.normal(size=(4, 64)).astype(np.float32)
-    w_hat, bits = qq.int3_per_group(w)
+    three_bit = qq.stored(Int4PerGroup, group=32, bits=3)
+    w_hat, bits = three_bit(w)
     groups, rounded = w.reshape(4, 2, 32), w_hat.reshape(4, 2, 32)
     step = (groups.max(-1) - groups.min(-1)) / 7
     assert all(len(np.unique(g)) <= 8 for g in rounded.reshape(-1, 32)) and bits == 5.0
     assert (np.abs(rounded - groups).max(-1) <= step / 2 * (1 + 1e-5)).all()
-    example, _ = qq.int3_per_group(np.array([[0, 0.65, 1.4] + [0.0] * 29], dtype=np.float32))
+    example, _ = three_bit(np.array([[0, 0.65, 1.4] + [0.0] * 29], dtype=np.float32))
     np.testing.assert_allclose(example[0, :3], [0, 0.6, 1.4], atol=1e-6)
     tensor_hat, tensor_bits = qq.int4_per_tensor(w)
     assert len(np.unique(tensor_hat)) <= 15 and tensor_bits == 4 + 32 / w.size

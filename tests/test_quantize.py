@@ -79,17 +79,20 @@ def test_int4_per_group_round_trips_within_half_a_level():
     of its group's scale (a minimum dropped, the symmetric levels not shifted by 8, a scale from the
     wrong range all break it), an all-zero row stays zero, and the bits per weight count the scales."""
     w = random_weight(np.random.default_rng(1), (5, 96))
-    for group, minimum in ((32, True), (32, False), (8, True), (96, False)):
-        q4 = Int4PerGroup.quantize(w, group=group, minimum=minimum)
+    cases = ((32, True, 4), (32, False, 4), (8, True, 4), (96, False, 4), (32, True, 3), (8, False, 3))
+    for group, minimum, bits in cases:
+        q4 = Int4PerGroup.quantize(w, group=group, minimum=minimum, bits=bits)
         g = w.reshape(5, -1, group).astype(np.float64)
         if minimum:
-            s = (g.max(-1, keepdims=True) - g.min(-1, keepdims=True)) / 15
+            s = (g.max(-1, keepdims=True) - g.min(-1, keepdims=True)) / (2**bits - 1)
         else:
-            s = np.abs(g).max(-1, keepdims=True) / 7
+            s = np.abs(g).max(-1, keepdims=True) / (2 ** (bits - 1) - 1)
         bound = np.broadcast_to(s / 2, g.shape).reshape(w.shape) * (1 + 1e-5) + 1e-30
-        assert np.all(np.abs(q4.dequantize() - w) <= bound), (group, minimum)
-        assert np.all(q4.dequantize()[2] == 0.0), (group, minimum)
-        assert q4.bits_per_weight == 4 + 32 * (2 if minimum else 1) / group
+        case = (group, minimum, bits)
+        assert np.all(np.abs(q4.dequantize() - w) <= bound), case
+        assert np.all(q4.dequantize()[2] == 0.0), case
+        assert len(np.unique(q4.dequantize()[0, :group])) <= 2**bits, case  # at most 2^b levels per group
+        assert q4.bits_per_weight == bits + 32 * (2 if minimum else 1) / group
 
 
 @pytest.mark.exercise("13.2")
@@ -226,6 +229,8 @@ def test_bad_bytes_and_settings_are_refused():
         Q4_1.from_raw(corrupt, w.shape)
     with pytest.raises(QuantError, match="even integer"):
         Int4PerGroup.quantize(w, group=3)
+    with pytest.raises(QuantError, match="bits must be 3 or 4, got 2"):
+        Int4PerGroup.quantize(w, bits=2)
     with pytest.raises(QuantError, match="block of 48"):
         Int4PerGroup.quantize(w, group=48)
     with pytest.raises(QuantError, match="NaN or inf"):

@@ -62,6 +62,7 @@ def tiny_params(seed=0):
     return blocks, dense
 
 
+@pytest.mark.uses_exercise("13.1")  # Q4_1.quantize
 def test_tiny_quantized_llama_equals_its_dequantized_copy():
     """Logits (a prefill of 20 rows: two chunks of the kernels on NumPy; then decode steps) and 12
     greedy tokens of the model in blocks equal those of the same weights dequantized at load."""
@@ -74,6 +75,7 @@ def test_tiny_quantized_llama_equals_its_dequantized_copy():
     assert greedy(q, prompt, 12) == greedy(ref, prompt, 12)
 
 
+@pytest.mark.uses_exercise("13.1")  # Q4_1.quantize
 def test_tiny_quantized_embedding_looks_up_rows():
     """The tied Q8_0 table: a lookup dequantizes only the rows asked for, in the ids' shape, on either backend."""
     blocks, dense = tiny_params(1)
@@ -83,6 +85,7 @@ def test_tiny_quantized_embedding_looks_up_rows():
     np.testing.assert_array_equal(to_numpy(rows), dense["embed_tokens.weight"][ids])
 
 
+@pytest.mark.uses_exercise("13.1")  # Q4_1.quantize
 def test_mixed_formats_cannot_share_a_product():
     """q in Q4_1 and k in Q8_0 cannot be stacked into one product: a clear error, nothing half-built."""
     blocks, _ = tiny_params(2)

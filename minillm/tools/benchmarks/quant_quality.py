@@ -31,8 +31,8 @@ agreement over ``--tokens`` tokens from a held-out prompt (prefix = tokens befor
 quantized weight (scales included) and the bytes of all weights. Formats: BF16, GGUF's Q8_0 and Q4_1,
 int8 per channel, int4 per group of 32, 64, 128 (symmetric, or with a minimum "+min"), int4 per tensor
 (``Int4PerGroup`` over the whole matrix as one group: one scale), and 3-bit per group of 32 with a
-minimum (written here: s = (max - min) / 7, n = rint((w - min) / s) in 0..7; a 3-bit format stores it
-packed; its bits per weight count 3 + two float32 per group). A group size that does not divide a
+minimum (``Int4PerGroup(bits=3)``: s = (max - min) / 7, n = rint((w - min) / s) in 0..7; its bits per
+weight count 3 + two float32 per group). A group size that does not divide a
 model's rows is reported as n/a (SmolLM2's 576 inputs and 128).
 
 Then the int8 KV cache (``minillm.kv_quant``) against the float32 ``KVCache`` at long context: the
@@ -70,7 +70,7 @@ from ...kv_quant import Int8KVCache
 from ...measure import time_paired
 from ...model import GPT
 from ...notebook import format_table
-from ...quantize import BF16, F32, Q4_1, Q8_0, Int4PerGroup, Int8PerChannel, check_matrix
+from ...quantize import BF16, F32, Q4_1, Q8_0, Int4PerGroup, Int8PerChannel
 from ...registry import SMOLLM2, load_model
 from ..options import int_in
 from .common import BenchmarkError, add_output_args, figure_dir, new_tokens_in_context, save_figure
@@ -79,7 +79,6 @@ from .speculative import run_speculative
 
 MODELS = ("target", SMOLLM2)
 EMBEDDINGS = ("wte.weight", "wpe.weight", "embed_tokens.weight")  # kept float32 (and the tied LM head)
-INT3_MAX = 7  # 3-bit levels 0..7 (with a minimum)
 PROMPT_TOKENS = 32  # the greedy runs' prompt (at most half a context)
 CHUNK_ROWS = 64  # positions per float64 log-softmax (SmolLM2: 64 x 49152 x 8 bytes = 25 MB)
 K_DRAFT = 4  # draft tokens per round (chapter 5's default)
@@ -112,21 +111,6 @@ def int4_per_tensor(w):
     return q.dequantize().reshape(m, k), float(q.bits_per_weight)
 
 
-def int3_per_group(w, group: int = 32):
-    """3-bit with a minimum per group of a row: s = (max - min) / 7, n = rint((w - min) / s) in 0..7, w = s n + min.
-
-    (m, k) -> (m, k) rounded, 3 + 64 / group bits per weight (a float32 scale and minimum per group).
-    Example: a group [0, 0.65, 1.4] -> s = 0.2, n = [0, 3, 7] -> [0, 0.6, 1.4]."""
-    w = check_matrix(w, group, f"3-bit (group={group}) weight")
-    m, k = w.shape
-    groups = w.reshape(m, k // group, group)  # (m, ng, g)
-    lo = groups.min(axis=-1, keepdims=True)  # (m, ng, 1)
-    s = (groups.max(axis=-1, keepdims=True) - lo) / np.float32(INT3_MAX)
-    inv = np.divide(np.float32(1), s, out=np.zeros_like(s), where=s != 0)  # a constant group: n = 0
-    n = np.clip(np.rint((groups - lo) * inv), 0, INT3_MAX)
-    return (s * n + lo).reshape(m, k), 3.0 + 64.0 / group
-
-
 FORMATS = [
     Format("float32", stored(F32)),
     Format("BF16", stored(BF16)),
@@ -136,7 +120,7 @@ FORMATS = [
     *(Format(f"int4 g{g}{' +min' if with_min else ''}", stored(Int4PerGroup, group=g, minimum=with_min), g)
       for g in (32, 64, 128) for with_min in (True, False)),
     Format("int4/tensor", int4_per_tensor),
-    Format("3-bit g32 +min", int3_per_group, 32),
+    Format("3-bit g32 +min", stored(Int4PerGroup, group=32, bits=3), 32),
 ]
 BY_NAME = {f.name: f for f in FORMATS}
 
