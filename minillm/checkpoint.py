@@ -26,6 +26,7 @@ import numpy as np
 from .backend import to_numpy
 from .config import GPTConfig
 from .model import DEFAULT_ATTENTION, GPT
+from .quantize import as_blocks, kept_in_blocks
 from .tokenizer import CharTokenizer
 
 HEADER_KEY = "__header__.json"
@@ -203,9 +204,19 @@ def header_section(header: dict, key: str, path) -> dict:
 # trained add-ons (Medusa heads, an EAGLE draft): files that belong to one model
 
 
+def host_float32(w) -> np.ndarray:
+    """A model's weight as a float32 NumPy array of its own (a copy): an array brought to the host, a weight kept
+    in quantized blocks (``weights="q"``) dequantized by the reference, the very values the float32 load
+    (``weights="fp32"``) holds."""
+    return np.array(to_numpy(as_blocks(w).dequantize() if kept_in_blocks(w) else w), dtype=np.float32)
+
+
 def model_identity(model) -> dict:
-    """What ties a trained add-on to one model: its architecture, config and a sha256 of its LM head's float32 bytes."""
-    lm = np.ascontiguousarray(to_numpy(model.lm_head), dtype=np.float32)
+    """What ties a trained add-on to one model: its architecture, config and a sha256 of its LM head's float32 values.
+
+    The values, not the storage: a GGUF model loaded with weights "q" (blocks) or "fp32" (dequantized at load) is
+    one model within float32 rounding, so an add-on trained on either serves both and both get one identity."""
+    lm = host_float32(model.lm_head)
     return {"architecture": type(model).__name__, "config": model.config.to_dict(),
             "lm_head_sha256": hashlib.sha256(lm.tobytes()).hexdigest()}
 

@@ -45,6 +45,7 @@ from .checkpoint import (
     check_not_shipped,
     check_trained_for,
     encode_header,
+    host_float32,
     model_identity,
     read_npz,
     trained_file,
@@ -141,14 +142,15 @@ class EagleDraft:
 
     @classmethod
     def init(cls, target, subset, seed: int = 0) -> EagleDraft:
-        """A fresh draft: the layer starts as a copy of the target's last block, fc as [small noise | identity]."""
+        """A fresh draft: the layer starts as a float32 copy of the target's last block (its blocks dequantized when
+        the target keeps them: the same start from either load), fc as [small noise | identity]."""
         cfg, p = target.config, target.params
         C = cfg.n_embd
         rng = np.random.default_rng(seed)
         last = f"layers.{cfg.n_layer - 1}."
-        params = {name: to_numpy(p[last + name.removeprefix("layers.0.")]).copy()
+        params = {name: host_float32(p[last + name.removeprefix("layers.0.")])
                   for name in draft_param_shapes(cfg, len(subset)) if name.startswith("layers.0.")}
-        params["norm.weight"] = to_numpy(p["norm.weight"]).copy()
+        params["norm.weight"] = host_float32(p["norm.weight"])
         fc = np.concatenate([rng.normal(0.0, 0.02, (C, C)), np.eye(C)], axis=1)  # u = f at first
         params["fc.weight"] = fc.astype(np.float32)
         return cls(target, params, subset)

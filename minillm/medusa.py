@@ -43,6 +43,7 @@ from .checkpoint import (
     check_not_shipped,
     check_trained_for,
     encode_header,
+    host_float32,
     model_identity,
     read_npz,
     trained_file,
@@ -116,7 +117,7 @@ class MedusaHeads:
         for k in range(n_heads):
             params |= {f"{k}.w": np.zeros((C, C), np.float32), f"{k}.b": np.zeros(C, np.float32)}
             if not share:
-                params[f"{k}.lm"] = to_numpy(model.lm_head).astype(np.float32)
+                params[f"{k}.lm"] = host_float32(model.lm_head)  # a float32 copy (blocks dequantized)
         return cls(model, params)
 
     def logits(self, h, n_heads: int | None = None):

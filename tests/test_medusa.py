@@ -52,6 +52,23 @@ def trained():
 # the heads: data, backward, training
 
 
+@pytest.mark.uses_exercise("13.1", "A1.3", "3.1", "3.3", "8.1", "8.2", "8.3")
+def test_heads_train_on_a_model_kept_in_blocks():
+    """Heads sharing the LM head of a Llama whose matrices stay in Q8_0 / Q4_1 blocks (weights="q") train as on
+    the same weights in float32: the backward multiplies by the LM head both ways, so its blocks are dequantized
+    once, and the loss curve is the float32 model's within float32 rounding (the hidden states differ by it)."""
+    from test_quantized_model import TINY, tiny_params
+
+    from minillm.llama import Llama
+
+    blocks, dense = tiny_params()
+    q, ref = Llama(TINY, blocks), Llama(TINY, dense)
+    text = own_text(ref, 8, 24)
+    tc = TINY_TRAIN.__class__(**{**TINY_TRAIN.__dict__, "max_steps": 10})
+    losses = [[r["loss"] for r in train_heads(m, text, 2, tc=tc, progress=False)[1]] for m in (q, ref)]
+    np.testing.assert_allclose(losses[0], losses[1], rtol=1e-3)
+
+
 def test_head_data_aligns_head_k_with_token_t_plus_k_plus_2():
     """Row t pairs the hidden state at t with tokens t+1 (the LM head's) .. t+K+1 (head K-1's)."""
     model = peaked_model(13, 32)

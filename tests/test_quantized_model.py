@@ -17,7 +17,7 @@ from minillm.backend import is_gpu, xp
 from minillm.config import LlamaConfig
 from minillm.kv_cache import KVCache
 from minillm.llama import Llama
-from minillm.quantize import Q4_1, Q8_0, Blocks, QuantError
+from minillm.quantize import Q4_1, Q8_0, Blocks, QuantError, kept_in_blocks
 
 # |logits_q - logits_fp32| <= LOGIT_TOL * max |logits_fp32|. Each product differs from BLAS's by float32
 # rounding of a reordered sum (the kernels' own test: 2e-6 of sum |x w|); through 30 blocks the difference
@@ -103,15 +103,19 @@ def smollm2_pair():
     from minillm import GGUFError
     from minillm.registry import load_model
 
-    try:
-        return load_model("smollm2-135m", weights="q")[0], load_model("smollm2-135m", weights="fp32")[0]
+    try:  # the default load ("q"), and the float32 reference one option away
+        return load_model("smollm2-135m")[0], load_model("smollm2-135m", weights="fp32")[0]
     except GGUFError as exc:
         pytest.skip(str(exc))
 
 
 def test_smollm2_keeps_its_blocks(smollm2_pair):
-    """Every matrix of the "q" load stays in blocks: no float32 matrix, the file's bytes (98 MB, not 538)."""
+    """Every matrix of the default ("q") load stays in blocks: no float32 matrix, the file's bytes (98 MB, not 538)."""
+    from minillm.registry import DEFAULT_WEIGHTS
+
+    assert DEFAULT_WEIGHTS == "q"
     q, ref = smollm2_pair
+    assert all(kept_in_blocks(w) for w in [*q.stacked.values(), q.lm_head])
     matrices = [*q.stacked.values(), *(w for n, w in q.params.items() if n.endswith(("o_proj.weight",
                                                                                      "down_proj.weight")))]
     assert not any(isinstance(w, np.ndarray) for w in [*matrices, q.lm_head, q.params["embed_tokens.weight"]])
@@ -138,3 +142,31 @@ def test_smollm2_quantized_greedy_equals_the_float32_reference(smollm2_pair):
     q, ref = smollm2_pair
     for prompt in PROMPTS:
         assert greedy(q, prompt) == greedy(ref, prompt), prompt
+
+
+def test_smollm2_fp32_load_holds_float32_arrays(smollm2_pair):
+    """weights="fp32": every matrix a float32 array (the reference), none kept in blocks."""
+    _, ref = smollm2_pair
+    matrices = [*ref.stacked.values(), ref.lm_head, ref.params["layers.0.mlp.down_proj.weight"]]
+    assert all(isinstance(to_numpy(w), np.ndarray) and w.dtype == np.float32 for w in matrices)
+    assert not any(kept_in_blocks(w) for w in ref.params.values())
+
+
+def test_smollm2_add_ons_are_trained_for_both_loads(smollm2_pair):
+    """A trained add-on names its model by the LM head's float32 values, not by how they are stored: the "q" and
+    "fp32" loads of one file have one identity, the shipped EAGLE draft and Medusa heads load onto both, and a
+    fresh draft starts from the same float32 copy of the last block (the blocks dequantized). Fails for an identity
+    hashed from the storage (the packed bytes), or one that cannot read a weight kept in blocks."""
+    from minillm.checkpoint import model_identity
+    from minillm.eagle import EagleDraft, load_draft
+    from minillm.medusa import load_heads
+
+    q, ref = smollm2_pair
+    assert model_identity(q) == model_identity(ref)
+    for model in (q, ref):
+        load_draft(model, "smollm2-135m")
+        load_heads(model, "smollm2-135m")
+    subset = np.arange(0, 49152, 97)  # 507 token ids
+    fresh_q, fresh_ref = EagleDraft.init(q, subset), EagleDraft.init(ref, subset)
+    for name, p in fresh_ref.params.items():
+        np.testing.assert_array_equal(to_numpy(fresh_q.params[name]), to_numpy(p), err_msg=name)
