@@ -118,3 +118,25 @@ def test_update_docs_outside_a_checkout_names_the_problem(tmp_path, monkeypatch)
     common.add_output_args(parser)
     with pytest.raises(project.ProjectRootError, match="no minillm project found"):
         common.figure_dir(parser.parse_args(["--update-docs"]))
+
+
+def test_json_output_is_a_new_file_written_whole(tmp_path):
+    """--json OUT refuses a path that exists (argparse's usage error, the file unchanged); write_json writes
+    all or nothing and never replaces a file that appeared after the options were checked."""
+    import json
+
+    p = argparse.ArgumentParser()
+    common.add_json_arg(p, "the numbers")
+    kept = tmp_path / "kept.json"
+    kept.write_text("a user's file")
+    with pytest.raises(SystemExit):
+        p.parse_args(["--json", str(kept)])
+    out = p.parse_args(["--json", str(tmp_path / "new.json")]).json
+    common.write_json(out, {"ms": 1.5})
+    assert json.loads(out.read_text()) == {"ms": 1.5}
+    with pytest.raises(FileExistsError):
+        common.write_json(kept, {"ms": 2})
+    with pytest.raises(TypeError):
+        common.write_json(tmp_path / "half.json", {"ms": object()})  # not JSON: nothing is left behind
+    assert kept.read_text() == "a user's file"
+    assert sorted(f.name for f in tmp_path.iterdir()) == ["kept.json", "new.json"]

@@ -577,8 +577,9 @@ def test_serve_load_fault_run_leaves_no_block_and_every_surviving_answer_right(s
     assert row["fault_hung_up"] > 0 and row["fault_survivors"] > 0 and row["completed"] == row["fault_survivors"]
     assert row["fault_survivors_wrong"] == 0 and row["fault_blocks_held_after"] == 0 and row["errors"] == "-"
     assert "KV blocks held afterwards: 0" in capsys.readouterr().out
-    with pytest.raises(ValueError, match="refusing to overwrite"):
+    with pytest.raises(SystemExit):  # argparse's usage error, before any request
         serve_load.main(args)
+    assert "row.json exists: name a new file" in capsys.readouterr().err and json.loads(out.read_text()) == row
     pool_is_clean(served[0])
 
 

@@ -13,6 +13,9 @@ A benchmark never writes into the package or the checkout unless asked to.
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
 import tempfile
 from pathlib import Path
 
@@ -25,6 +28,31 @@ DOCS_FIG_DIR = Path("docs") / "figures"  # relative to the project root
 
 class BenchmarkError(RuntimeError):
     """A benchmark's validation failed: a fast path disagrees with its reference, so nothing is timed."""
+
+
+def add_json_arg(parser, help: str) -> None:
+    """``--json OUT``: a file that must not exist yet (argparse's usage error otherwise; a benchmark never
+    overwrites a file), written by ``write_json``."""
+    def new_file(text: str) -> Path:
+        if Path(text).exists():
+            raise argparse.ArgumentTypeError(f"{text} exists: name a new file (a benchmark never overwrites one)")
+        return Path(text)
+
+    parser.add_argument("--json", type=new_file, default=None, metavar="OUT", help=help)
+
+
+def write_json(path: Path, report) -> None:
+    """Write ``report`` as JSON to the new file ``path``, all or nothing: a temporary file beside it, then a
+    hard link to ``path``, which fails rather than replace a file that appeared meanwhile."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "x") as f:
+            json.dump(report, f, indent=1)
+        os.link(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+    print(f"\nwrote {path}")
 
 
 def new_tokens_in_context(requested: int, prompt_len: int, context: int) -> int:

@@ -51,8 +51,6 @@ float32 speed, so only its acceptance changes; on a busy machine the acceptance 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import textwrap
 from collections.abc import Callable
@@ -73,7 +71,15 @@ from ...notebook import format_table
 from ...quantize import BF16, F32, Q4_1, Q8_0, Int4PerGroup, Int8PerChannel
 from ...registry import SMOLLM2, load_model
 from ..options import int_in
-from .common import BenchmarkError, add_output_args, figure_dir, new_tokens_in_context, save_figure
+from .common import (
+    BenchmarkError,
+    add_json_arg,
+    add_output_args,
+    figure_dir,
+    new_tokens_in_context,
+    save_figure,
+    write_json,
+)
 from .common import parse_args as common_parse_args
 from .speculative import run_speculative
 
@@ -324,11 +330,9 @@ def parse_args(argv):
     p.add_argument("--model", choices=(*MODELS, "all"), default="all", help="which model(s) to measure")
     p.add_argument("--tokens", type=int_in(1, 2048), default=256, help="greedy tokens per agreement run")
     p.add_argument("--quick", action="store_true", help="fewer windows, tokens (at most 32) and prompts")
-    p.add_argument("--json", default=None, metavar="OUT", help="also write every number to this new file")
+    add_json_arg(p, "also write every number to this new file")
     add_output_args(p)
     args = common_parse_args(p, argv)
-    if args.json and Path(args.json).exists():
-        p.error(f"--json {args.json} exists: name a new file (a benchmark never overwrites one)")
     if args.quick:
         args.tokens = min(args.tokens, 32)
     return args
@@ -384,15 +388,6 @@ def plot(report: dict, out_dir) -> Path:
     return save_figure(fig, "quant_quality", out_dir)
 
 
-def write_json(path: Path, report: dict) -> None:
-    """Write ``report`` to a new file at ``path`` atomically (a temporary file beside it, then a rename)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "x") as f:
-        json.dump(report, f, indent=1)
-    os.replace(tmp, path)
-    print(f"\nwrote {path}")
-
-
 def main(argv=None) -> int:
     args = parse_args(argv)
     report = {"machine": runtime_summary(), "tokens": args.tokens, "quick": args.quick, "models": {}}
@@ -420,7 +415,7 @@ def main(argv=None) -> int:
     if report["models"]:
         print(f"\nfigure: {plot(report, figure_dir(args))}")
     if args.json:
-        write_json(Path(args.json), report)
+        write_json(args.json, report)
     return 0
 
 

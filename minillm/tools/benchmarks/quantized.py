@@ -34,21 +34,19 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import multiprocessing
 import os
 import platform
 import statistics
 import subprocess
 import time
-from pathlib import Path
 
 import numpy as np
 
 from ... import quantize
 from ...notebook import format_table
 from ..options import int_in, list_of
-from .common import BenchmarkError
+from .common import BenchmarkError, add_json_arg, write_json
 from .common import parse_args as common_parse_args
 from .verify_cost import copy_bandwidth, gemm_peak, read_bandwidth
 
@@ -326,7 +324,7 @@ def decode_main(args, engines: list[str]) -> int:
           f"before, {load_after:.2f} after")
     print(format_table(rows))
     if args.json:
-        write_json(Path(args.json), {"cpu": cpu_name(), "load_before": load_before, "load_after": load_after,
+        write_json(args.json, {"cpu": cpu_name(), "load_before": load_before, "load_after": load_after,
                                      "prompts": prompts, "new_tokens": args.new_tokens, "rows": rows})
     return 0
 
@@ -343,10 +341,8 @@ def main(argv=None) -> int:
                    help=f"comma-separated, from {', '.join(FORMATS)}")
     p.add_argument("--rows", type=list_of(int_in(1, 16)), default=list(ROWS), help="token rows n per pass (1..16)")
     p.add_argument("--repeat", type=int_in(1, 100), default=5, help="timed passes per (format, n); the best counts")
-    p.add_argument("--json", default=None, metavar="OUT", help="also write the table and the floors as JSON")
+    add_json_arg(p, "also write the table and the floors as JSON")
     args = common_parse_args(p, argv)
-    if args.json and Path(args.json).exists():
-        p.error(f"--json {args.json} exists: name a new file (a benchmark never overwrites one)")
     if args.decode:
         engines = args.engines or [e for e in ENGINES if e != "llama.cpp" or llama_cpp_available()]
         unknown = sorted(set(engines) - set(ENGINES))
@@ -373,14 +369,7 @@ def main(argv=None) -> int:
         del packed
     print(format_table(table))
     if args.json:
-        write_json(Path(args.json), {"bandwidth": bandwidth, "fma_rate": fma_rate, "rows": table})
+        write_json(args.json, {"bandwidth": bandwidth, "fma_rate": fma_rate, "rows": table})
     return 0
 
 
-def write_json(path: Path, report: dict) -> None:
-    """Write ``report`` to a new file at ``path`` atomically (a temporary file beside it, then a rename)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "x") as f:
-        json.dump(report, f, indent=1)
-    os.replace(tmp, path)
-    print(f"\nwrote {path}")

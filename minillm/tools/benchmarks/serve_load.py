@@ -32,7 +32,7 @@ import numpy as np
 
 from ...notebook import format_table
 from ..options import count, float_in, list_of, nonnegative_int, positive_float
-from .common import add_output_args, figure_dir, parse_args, save_figure
+from .common import add_json_arg, add_output_args, figure_dir, parse_args, save_figure, write_json
 
 PROMPTS = ["ROMEO:", "JULIET:\nO", "First Citizen:\nWe", "KING HENRY:", "To be, or", "HAMLET:\nAy",
            "Tell me about the sea.", "What is a prime number?", "Write a short poem about rain.",
@@ -219,12 +219,10 @@ def main(argv=None) -> int:
                         help="goodput's bound on a request's p90 gap, ms (default 200)")
     parser.add_argument("--timeout", type=positive_float, default=120.0, help="seconds per request (default 120)")
     parser.add_argument("--seed", type=nonnegative_int, default=0, help="arrivals and prompts (default 0)")
-    parser.add_argument("--json", metavar="OUT", help="also write the row as JSON (a new file)")
+    add_json_arg(parser, "also write the row as JSON (a new file)")
     parser.add_argument("--plot", action="store_true", help="save serve_load.png: latency and goodput by rate")
     add_output_args(parser)
     args = parse_args(parser, argv)
-    if args.json and Path(args.json).exists():
-        raise ValueError(f"{args.json} exists: refusing to overwrite it")
     rows = []
     for rate in args.rate:
         try:
@@ -243,8 +241,7 @@ def main(argv=None) -> int:
     if args.plot:
         print(f"figure: {plot(rows, figure_dir(args))}")
     if args.json:
-        with open(args.json, "x") as f:
-            json.dump(rows if len(rows) > 1 else rows[0], f, indent=1)
+        write_json(args.json, rows if len(rows) > 1 else rows[0])
     return 0
 
 

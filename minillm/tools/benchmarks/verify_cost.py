@@ -32,7 +32,6 @@ sequence. Then, in the order printed:
 from __future__ import annotations
 
 import argparse
-import json
 
 import numpy as np
 
@@ -44,7 +43,16 @@ from ...model import GPT
 from ...notebook import format_table
 from ...registry import load_model
 from ..options import int_in, positive_int, positive_int_list
-from .common import BenchmarkError, add_output_args, figure_dir, parse_args, progress, save_figure
+from .common import (
+    BenchmarkError,
+    add_json_arg,
+    add_output_args,
+    figure_dir,
+    parse_args,
+    progress,
+    save_figure,
+    write_json,
+)
 from .threads import MAX_LOAD, background_load, stopped_by_sigterm
 
 NS = "1,2,3,4,6,8,12,16,24,32"
@@ -322,7 +330,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=positive_int, default=5, help="forwards per timing (default 5)")
     p.add_argument("--load", type=int_in(0, MAX_LOAD), default=0,
                    help="also run section 2 beside this many busy processes (default 0: idle only)")
-    p.add_argument("--json", default=None, metavar="OUT", help="also write the tables and the roofline as JSON")
+    add_json_arg(p, "also write the tables and the roofline as JSON")
     p.add_argument("--parts-ns", type=positive_int_list, default=PARTS_NS,
                    help=f"n at which the parts are ablated (default {PARTS_NS}; GPT models only)")
     p.add_argument("--parts-rounds", type=positive_int, default=20, help="rounds of the ablation (default 20)")
@@ -407,9 +415,7 @@ def run(args, model, tok, ns) -> int:
     print(format_table(mm_rows))
     report["block 0 products"] = mm_rows
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
-        print(f"\nwrote {args.json}")
+        write_json(args.json, report)
     return 0
 
 
