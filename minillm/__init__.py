@@ -16,6 +16,7 @@ from .config import GPTConfig, LlamaConfig
 from .generate import GenerationResult, GenerationStats, fit_context, generate, generate_naive
 from .gguf import GGUFError
 from .kv_cache import GrowingKVCache, KVCache, PrefixCache, kv_cache_bytes
+from .kv_quant import Int8KVCache
 from .llama import Llama
 from .measure import step_ratio, step_time, time_fn, time_paired, time_pairs, timed
 from .model import GPT
@@ -38,7 +39,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "GPT", "GPTConfig", "Llama", "LlamaConfig", "GGUFError", "CharTokenizer",
-    "KVCache", "GrowingKVCache", "PrefixCache", "PrefixBlockCache",
+    "KVCache", "GrowingKVCache", "PrefixCache", "PrefixBlockCache", "Int8KVCache",
     "ForwardCache", "DecodeCache", "PromptCache", "CacheFullError", "CheckpointError",
     "SamplingSettings", "GenerationResult", "GenerationStats", "fit_context", "generate",
     "generate_naive", "kv_cache_bytes", "load_model", "save_model", "is_gpu", "to_numpy", "xp",

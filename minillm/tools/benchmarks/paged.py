@@ -39,7 +39,7 @@ from ...kv_cache import KVCache
 from ...notebook import format_table
 from ...paged_kv import OutOfBlocksError, PagedKVCache, num_blocks_for
 from ...prefix_blocks import PrefixBlockCache
-from ..options import nonnegative_int, positive_float, positive_int, positive_int_list
+from ..options import positive_float, positive_int, positive_int_list, seed_int
 from .common import BenchmarkError, add_output_args, figure_dir, parse_args, progress, save_figure
 
 PAGE_SIZES = (1, 2, 4, 8, 16, 32, 64)  # tokens per KV block
@@ -293,7 +293,7 @@ def plot_ttft(rows, label, out_dir):
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="python -m minillm bench paged", description=__doc__.splitlines()[0])
     ap.add_argument("--requests", type=positive_int, default=200, help="requests in the workload")
-    ap.add_argument("--seed", type=nonnegative_int, default=0)
+    ap.add_argument("--seed", type=seed_int, default=0)
     ap.add_argument("--max-len", type=positive_int, default=256, help="context length (contiguous reservation)")
     ap.add_argument("--mean-prompt", type=positive_float, default=32.0, help="mean prompt length (tokens)")
     ap.add_argument("--mean-output", type=positive_float, default=64.0, help="mean output length (tokens)")

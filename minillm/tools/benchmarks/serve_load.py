@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from ...notebook import format_table
-from ..options import count, float_in, list_of, nonnegative_int, positive_float
+from ..options import count, float_in, list_of, nonnegative_int, positive_float, seed_int
 from .common import add_json_arg, add_output_args, figure_dir, parse_args, save_figure, write_json
 
 PROMPTS = ["ROMEO:", "JULIET:\nO", "First Citizen:\nWe", "KING HENRY:", "To be, or", "HAMLET:\nAy",
@@ -218,7 +218,7 @@ def main(argv=None) -> int:
     parser.add_argument("--slo-itl", type=positive_float, default=200.0,
                         help="goodput's bound on a request's p90 gap, ms (default 200)")
     parser.add_argument("--timeout", type=positive_float, default=120.0, help="seconds per request (default 120)")
-    parser.add_argument("--seed", type=nonnegative_int, default=0, help="arrivals and prompts (default 0)")
+    parser.add_argument("--seed", type=seed_int, default=0, help="arrivals and prompts (default 0)")
     add_json_arg(parser, "also write the row as JSON (a new file)")
     parser.add_argument("--plot", action="store_true", help="save serve_load.png: latency and goodput by rate")
     add_output_args(parser)

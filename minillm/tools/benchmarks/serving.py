@@ -49,7 +49,7 @@ from ...serving import (
     replay,
     save_trace,
 )
-from ..options import count, kv_blocks, nonnegative_count, nonnegative_float, nonnegative_int, positive_float
+from ..options import count, kv_blocks, nonnegative_count, nonnegative_float, positive_float, seed_int
 from .common import BenchmarkError, add_output_args, figure_dir, save_figure
 from .common import parse_args as common_parse_args
 
@@ -270,7 +270,7 @@ def parse_args(argv):
                    help="KV pool blocks (small pools force preemptions)")
     p.add_argument("--page-size", type=count, default=16, help="tokens per KV block")
     p.add_argument("--chunk", type=nonnegative_count, default=32, help="prefill chunk of the chunked mode")
-    p.add_argument("--seed", type=nonnegative_int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
     p.add_argument("--repeat", type=count, default=3, help="replays of the three modes; the table holds medians")
     add_output_args(p)
     return common_parse_args(p, argv)
@@ -347,7 +347,7 @@ def add_demo_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--chunk", type=nonnegative_count, default=32, help="prefill chunk (0: none)")
     p.add_argument("--num-blocks", type=kv_blocks, default=48)
     p.add_argument("--temperature", type=nonnegative_float, default=0.8)
-    p.add_argument("--seed", type=nonnegative_int, default=0)
+    p.add_argument("--seed", type=seed_int, default=0)
 
 
 def demo(argv=None, out=None) -> int:
