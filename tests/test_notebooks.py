@@ -182,6 +182,11 @@ QUICK_EDITS = {
     "10_serving.ipynb": (
         ('"--duration", "4"', '"--duration", "1"'),
     ),
+    "13_quantization.ipynb": (
+        ("N_BLOCKS, ROWS, ROUNDS = 16, (1, 2, 4, 8, 16), 4", "N_BLOCKS, ROWS, ROUNDS = 2, (1, 2, 4, 8, 16), 1"),
+        ("N_WINDOWS, N_GREEDY = 8, 200", "N_WINDOWS, N_GREEDY = 2, 48"),
+        ("N_PROMPTS, N_NEW = 4, 150", "N_PROMPTS, N_NEW = 2, 40"),
+    ),
     "A1_training.ipynb": (
         ("max_steps=300,", "max_steps=100,"),
     ),
