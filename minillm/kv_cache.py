@@ -281,9 +281,14 @@ class MaskedView:
     and the kept tokens' keys and values are appended in order (``append_kv``), so kept token j
     lands in slot base + j, which must be its position (offsets[indices[j]] == j: a root-to-node
     path). Everything else the forward wrote is dropped.
+
+    ``seen`` (T, P) bool: the last P cached tokens are a tree's earlier levels, not the prefix; token i
+    sees those with seen[i] (its ancestors), and offsets count from the first of them (base - P). A
+    tree drafted level by level feeds only each level's new nodes this way, their K/V left in the
+    cache for the next level (``advance``, no ``keep``); the caller truncates back when it is done.
     """
 
-    def __init__(self, cache: DecodeCache, offsets, mask):
+    def __init__(self, cache: DecodeCache, offsets, mask, seen=None):
         self.offsets = np.asarray(offsets, dtype=np.int64)  # (T,)
         mask = np.asarray(mask)
         T = len(self.offsets)
@@ -292,14 +297,21 @@ class MaskedView:
         if T and (self.offsets.min() < 0 or not mask[np.arange(T), np.arange(T)].all()):
             raise ValueError("MaskedView: offsets must be >= 0 and every token must see itself")
         self.cache, self.base = cache, cache.length
-        self.full_mask = xp.asarray(np.concatenate([np.ones((T, self.base), dtype=bool), mask], axis=1))
+        cached = np.ones((T, self.base), dtype=bool)  # the prefix: seen by every new token
+        seen = np.zeros((T, 0), dtype=bool) if seen is None else np.asarray(seen)
+        if seen.dtype != bool or seen.ndim != 2 or seen.shape[0] != T or seen.shape[1] > self.base:
+            raise ValueError(f"MaskedView: seen must be bool (T={T}, P <= {self.base} cached), got {seen.dtype} "
+                             f"{seen.shape}")
+        self.start = self.base - seen.shape[1]  # where the offsets count from
+        cached[:, self.start:] = seen
+        self.full_mask = xp.asarray(np.concatenate([cached, mask], axis=1))
         self.recorder = KVRecorder(cache)
 
     def positions(self, T: int):
         if T != len(self.offsets):
             raise ValueError(f"MaskedView made for {len(self.offsets)} tokens, forward got {T}")
         self.cache.positions(T)  # refuses an overflow before anything is written
-        return xp.asarray(self.base + self.offsets)
+        return xp.asarray(self.start + self.offsets)
 
     def attend(self, layer: int, q, k, v, attention):
         def masked(q, k, v, causal=True):
@@ -313,6 +325,8 @@ class MaskedView:
     def keep(self, indices) -> None:
         """Roll the cache back to base, then append the K/V of new tokens ``indices`` (in that order)."""
         indices = [int(i) for i in indices]
+        if self.start != self.base:
+            raise ValueError("MaskedView.keep: a view over a tree's earlier levels (seen) keeps them all (advance)")
         if [int(self.offsets[i]) for i in indices] != list(range(len(indices))):
             raise ValueError(f"MaskedView.keep: tokens {indices} do not sit at consecutive positions from base")
         self.cache.truncate(self.base)

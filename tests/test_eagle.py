@@ -23,10 +23,10 @@ from minillm.config import LlamaConfig
 from minillm.eagle import EagleDraft, EagleProposer, frequency_subset, subset_coverage, token_counts
 from minillm.eagle_train import draft_forward_backward, rms_norm_backward, rope_backward
 from minillm.generate import generate
-from minillm.kv_cache import KVCache
+from minillm.kv_cache import KVCache, MaskedView
 from minillm.llama import Llama, apply_rope, rms_norm, rope_cos_sin
 from minillm.sampling import SamplingSettings
-from minillm.token_tree import Round, tree_generate, verify_tree
+from minillm.token_tree import Round, TokenTree, tree_generate, verify_tree
 
 # The harness builds its inputs and mutants with NumPy arrays on the host, so it runs in the NumPy run
 # only; the proposer's device path runs under the strict stand-in in tests/test_real_speculation.py.
@@ -333,6 +333,110 @@ def test_each_round_drafts_what_a_recompute_drafts(target, draft):
 def test_the_recompute_check_catches_cache_bugs(target, draft, bug):
     rounds = drafted_rounds(target, draft, bug)
     assert any(chain != reference_chain(target, draft, seq, len(chain)) for seq, chain in rounds)
+
+
+def reference_tree(target, draft, seq, depth, top_k, width, max_nodes):
+    """EAGLE-2's tree after seq with no cache: every node's logits from one forward over the prefix's pairs and
+    the pairs along its path (the feature a node reads is its parent's f^). -> (the tree's tokens after the
+    root, each level's logits of its new nodes in the order they were drafted, the last level's left out)."""
+    prefix_f = list(to_numpy(target.hidden(np.array([seq[:-1]]))[0]))
+    def expand(path_f, path_x):  # -> (f^, logits) of the path's last node
+        f_hat, logits = draft.step(np.array(prefix_f + path_f), list(seq[1:]) + path_x)
+        return to_numpy(f_hat[-1]), to_numpy(logits[-1]).astype(np.float64)
+
+    f_root, logits_root = expand([], [])
+    nodes = [((), (), 0.0, f_root, logits_root)]  # (path tokens, path features, log p, f^, logits); 0 the root
+    open_nodes, levels = [0], []
+    for level in range(depth):
+        new = []
+        for n in sorted(open_nodes, key=lambda n: -nodes[n][2])[:width]:
+            path_x, path_f, lp, f_hat, lg = nodes[n]
+            logp = lg - lg.max() - np.log(np.exp(lg - lg.max()).sum())
+            for j in np.argsort(-logp, kind="stable")[:top_k]:
+                x, fs = (*path_x, int(draft.subset[j])), (*path_f, f_hat)
+                nodes.append((x, fs, lp + float(logp[j]), *(expand(list(fs), list(x)) if level + 1 < depth else
+                                                            (None, None))))
+                new.append(len(nodes) - 1)
+        if level + 1 < depth:
+            levels.append(np.stack([nodes[n][4] for n in new]))
+        open_nodes = new
+    best = sorted(sorted(range(1, len(nodes)), key=lambda n: (-nodes[n][2], n))[: max_nodes - 1])
+    return [nodes[n][0][-1] for n in best], levels
+
+
+class TreeRecording(EagleProposer):
+    """Records each round: the sequence, the tree's tokens after the root, its depth, and each draft forward's
+    logits (one row per token it was fed)."""
+
+    def propose(self, state):
+        calls, step = [], self.draft.step
+        def recorded(features, tokens, cache=None):
+            f_hat, logits = step(features, tokens, cache)
+            calls.append(to_numpy(logits))
+            return f_hat, logits
+        self.draft.step = recorded
+        try:
+            proposal = super().propose(state)
+        finally:
+            del self.draft.step
+        if proposal.tree.size > 1:
+            depth = min(self.max_depth, state.room)
+            self.rounds.append((list(state.seq), list(proposal.tree.tokens[1:]), depth, calls))
+        return proposal
+
+
+@USES
+def test_tree_grows_level_by_level_as_a_recompute_grows_it(target, draft):
+    """Each level of the EAGLE-2 tree feeds only its new nodes, its ancestors read from the draft's cache:
+    every round's tree, and every drafted node's logits, equal those recomputed from scratch, and a round's
+    forwards take the rows synced (one per kept position), then top_k x width per level (depth 4, top_k 3,
+    width 2: 3, 6, 6 rows), not every node drafted so far (3, 9, 15)."""
+    proposer = TreeRecording(draft, "tree", depth=4, top_k=3, width=2, max_nodes=10)
+    proposer.rounds = []
+    tree_generate(target, PROMPT, 12, proposer, temperature=0.0)
+    assert sum(depth == 4 for _, _, depth, _ in proposer.rounds) >= 2
+    for seq, drafted, depth, calls in proposer.rounds:
+        tokens, levels = reference_tree(target, draft, seq, depth, 3, 2, 10)
+        assert drafted == tokens
+        assert [len(c) for c in calls[1:]] == [3, 6, 6][: depth - 1]
+        for got, want in zip(calls[1:], levels, strict=True):
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+@USES
+def test_a_tree_fed_level_by_level_equals_one_forward_over_every_node(target, draft):
+    """The draft over a tree, each level's nodes fed alone with the earlier levels in its cache (MaskedView's
+    ``seen``: ancestors only), gives every node the f^ and logits of one masked forward over all nodes; a node
+    that sees a cousin, or sits one position late, does not."""
+    tree = TokenTree((3, 0, 2, 5, 3, 0, 2, 3), (-1, 0, 0, 1, 1, 2, 4, 6))  # depths 1, 1, 2, 2, 2, 3, 4
+    feats = np.random.default_rng(3).normal(size=(tree.size, CFG.n_embd)).astype(np.float32)
+    prefix = np.random.default_rng(4).normal(size=(5, CFG.n_embd)).astype(np.float32)
+
+    def synced():
+        cache = draft.new_cache(40)
+        draft.step(prefix, PROMPT, cache)
+        return cache
+
+    cache = synced()
+    view = MaskedView(cache, tree.depths[1:] - 1, tree.mask()[1:, 1:])
+    f_all, logits_all = (to_numpy(a) for a in draft.step(feats[1:], list(tree.tokens[1:]), view))
+
+    def by_level(seen_of=lambda anc: anc, offset=1):
+        cache, fed, out = synced(), [], {}
+        for d in range(1, int(tree.depths.max()) + 1):
+            new = [int(n) for n in np.flatnonzero(tree.depths == d)]
+            seen = seen_of(tree.mask()[np.ix_(new, fed)].reshape(len(new), len(fed)))
+            lv = MaskedView(cache, tree.depths[new] - offset, np.eye(len(new), dtype=bool), seen=seen)
+            f_hat, logits = draft.step(feats[new], [tree.tokens[n] for n in new], lv)
+            out |= {n: (to_numpy(f_hat[i]), to_numpy(logits[i])) for i, n in enumerate(new)}
+            fed += new
+        return np.stack([out[n][0] for n in range(1, tree.size)]), np.stack([out[n][1] for n in range(1, tree.size)])
+
+    f_lv, logits_lv = by_level()
+    np.testing.assert_allclose(f_lv, f_all, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(logits_lv, logits_all, rtol=1e-5, atol=1e-5)
+    for wrong in (by_level(seen_of=np.ones_like), by_level(offset=0)):
+        assert not np.allclose(wrong[1], logits_all, rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------

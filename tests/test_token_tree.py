@@ -160,6 +160,13 @@ def test_masked_view_bad_input(gpt):
     gpt.forward(np.array([tree.tokens]), view)
     with pytest.raises(ValueError, match="consecutive"):
         view.keep([0, 1, 2])  # two siblings are not a path
+    eye = np.eye(2, dtype=bool)
+    with pytest.raises(ValueError, match=r"seen must be bool \(T=2, P <= 3 cached\)"):
+        MaskedView(cache, [0, 1], eye, seen=np.ones((2, 4), dtype=bool))  # more earlier levels than cached
+    with pytest.raises(ValueError, match="seen must be bool"):
+        MaskedView(cache, [0, 1], eye, seen=np.ones((2, 1)))
+    with pytest.raises(ValueError, match="keeps them all"):
+        MaskedView(cache, [0, 1], eye, seen=np.ones((2, 1), dtype=bool)).keep([0])
 
 
 # ----------------------------------------------------------------------------------------------
