@@ -180,7 +180,8 @@ def test_answer_streams_and_reports_speed(model, tok):
 
 @pytest.mark.uses_exercise("3.1")
 def test_main_prompt_one_turn(model, tok, capsys):
-    code = main(["--prompt", "Say hi", "--max-new-tokens", "5", "--temperature", "0"], loader=lambda name: (model, tok))
+    code = main(["--prompt", "Say hi", "--max-new-tokens", "5", "--temperature", "0"],
+                loader=lambda name, weights: (model, tok))
     out, err = capsys.readouterr()
     assert code == 0 and out.strip() and "TTFT" in err and "tokens/s" in err
 
@@ -197,7 +198,7 @@ def test_main_interactive_loop(model, tok, capsys):
             raise EOFError from None
 
     argv = ["--max-new-tokens", "3", "--context", "128", "--temperature", "0"]
-    code = main(argv, loader=lambda name: (model, tok), read=read)
+    code = main(argv, loader=lambda name, weights: (model, tok), read=read)
     out, err = capsys.readouterr()
     assert code == 0
     assert err.count("error: empty message") == 1 and "(new conversation)" in err and err.count("TTFT") == 2
@@ -205,14 +206,14 @@ def test_main_interactive_loop(model, tok, capsys):
 
 def test_main_refuses_bad_arguments_and_long_prompts(model, tok, capsys):
     """One line each, exit 1; bad options are refused before the model is loaded."""
-    def refuse(name):
+    def refuse(name, weights):
         raise AssertionError("the model was loaded despite a bad option")
 
     for argv, message in ((["--prompt", " "], "--prompt is empty"), (["--temperature", "-1"], "temperature")):
         assert main(argv, loader=refuse) == 1
         err = capsys.readouterr().err
         assert err.count("\n") == 1 and err.startswith("error: ") and message in err
-    assert main(["--prompt", "word " * 40, "--context", "64"], loader=lambda name: (model, tok)) == 1
+    assert main(["--prompt", "word " * 40, "--context", "64"], loader=lambda name, weights: (model, tok)) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("error: the conversation needs")
 
@@ -277,7 +278,7 @@ def test_chatml_session_goes_on_after_an_invalid_utf8_byte(smollm2_tok, monkeypa
     model = GPT.init(GPTConfig(vocab_size=tok.vocab_size, block_size=256, n_layer=1, n_head=2, n_embd=16))
     stdin = io.TextIOWrapper(io.BytesIO(b"Hello\nbad \xff byte\nAgain\n"), encoding="utf-8", errors="strict")
     monkeypatch.setattr("sys.stdin", stdin)
-    code = main(["--max-new-tokens", "2", "--temperature", "0"], loader=lambda name: (model, tok))
+    code = main(["--max-new-tokens", "2", "--temperature", "0"], loader=lambda name, weights: (model, tok))
     err = capsys.readouterr().err
     assert code == 0 and err.count("TTFT") == 3 and "error" not in err, err
 

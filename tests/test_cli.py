@@ -104,6 +104,9 @@ def test_generate_uses_the_shipped_target_by_default():
         (["bench", "paged", "--no-ttft", "--requests", "0"], 2, "argument --requests: must be >= 1, got 0"),
         (["course", "student-edition", "/nonexistent/edition", "--chapters", "14"], 1, "no exercises in chapter(s) 14"),
         (["serve", "--port", "70000"], 2, "argument --port: must be <= 65535"),
+        (["serve", "--max-num-seqs", "1000000000"], 2, "argument --max-num-seqs: must be <= 1024, got 1000000000"),
+        (["serve", "--num-blocks", "1000000000000"], 2, "argument --num-blocks: must be <= 65536"),
+        (["serve", "--page-size", "1000000000"], 1, "is over the limit of 65,536 blocks and 16 GB"),  # before any pool
         (["serve", "--model", "gpt-4"], 2, "argument --model: invalid choice"),
     ],
 )
@@ -473,3 +476,81 @@ def test_serve_load_against_no_server_is_one_line_and_exit_2(extra, capsys):
     assert captured.err.startswith(f"error: argument --url: cannot reach {url}/v1/models: ConnectError")
     assert captured.err.count("\n") == 1
     assert all(line.startswith(("backend ", "WARNING: the load")) for line in captured.out.splitlines()), captured.out
+
+
+WEIGHTS_COMMANDS = ["generate", "chat", "serve", "demo", "medusa-train", "eagle-data", "eagle-train",
+                    "bench real-model", "bench real-speculation"]  # every command that loads a GGUF model by name
+
+
+@pytest.mark.host_only
+def test_every_command_that_loads_a_model_by_name_takes_weights(monkeypatch):
+    """--weights q|fp32 on each of them, one option (tools.options.add_weights_option), default q: SmolLM2 in its
+    file's blocks, the float32 reference one option away."""
+    parsers = {p.prog.removeprefix("python -m minillm").strip(): p for p in every_parser(monkeypatch)}
+    for command in WEIGHTS_COMMANDS:
+        (weights,) = [a for a in parsers[command]._actions if "--weights" in a.option_strings]
+        assert (tuple(weights.choices), weights.default) == (("q", "fp32"), "q"), command
+
+
+@pytest.mark.host_only
+@pytest.mark.parametrize("command", [["generate"], ["chat"], ["serve"], ["demo"], [], ["medusa-train", "--out", "x"],
+                                     ["bench", "real-model"], ["bench", "real-speculation"]],
+                         ids=lambda command: " ".join(command) or "(the demo, no command)")
+def test_a_bad_weights_value_is_a_usage_error(command, capsys, monkeypatch):
+    """`--weights int4`: argparse's usage error naming the option and the choices (exit 2), before anything runs."""
+    monkeypatch.setattr(common, "parse_args", lambda parser, argv: parser.parse_args(argv))  # no runtime line
+    with pytest.raises(SystemExit) as exit_:
+        cli.main([*command, "--weights", "int4"])
+    assert exit_.value.code == 2
+    captured = capsys.readouterr()
+    last = captured.err.strip().splitlines()[-1]
+    assert "argument --weights: invalid choice: 'int4'" in last and "fp32" in last and captured.out == ""
+
+
+class Loaded(Exception):
+    """Raised by a stand-in loader, once it has seen what it was asked for."""
+
+
+@pytest.mark.host_only
+@pytest.mark.parametrize("weights", [[], ["--weights", "fp32"]])
+def test_weights_reach_the_loader(weights, monkeypatch):
+    """generate, chat, serve and the demo load SmolLM2 as --weights says (q when not given)."""
+    from minillm import registry
+    from minillm.tools import chat_cli, demo, server
+
+    asked = []
+
+    def loader(name, attention=None, weights=None):
+        asked.append((name, weights))
+        raise Loaded
+
+    monkeypatch.setattr(registry, "load_model", loader)  # generate imports it when it runs
+    monkeypatch.setattr(demo, "load_any_model", loader)
+    for run in (lambda: cli.main(["generate", "--model", "smollm2-135m", *weights]),
+                lambda: chat_cli.run(chat_args(chat_cli, weights), loader=loader),
+                lambda: server.make_server(serve_args(server, weights), loader=loader),
+                lambda: demo.real_model_answer(demo_args(demo, weights))):
+        with pytest.raises(Loaded):
+            run()
+    want = "fp32" if weights else "q"
+    assert asked == [("smollm2-135m", want), ("smollm2-135m", want), ("smollm2-135m", want), ("smollm2-135m", want)]
+
+
+def parsed(module, argv):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    module.add_arguments(p)
+    return p.parse_args(argv)
+
+
+def chat_args(chat_cli, weights):
+    return parsed(chat_cli, ["--model", "smollm2-135m", *weights])
+
+
+def serve_args(server, weights):
+    return parsed(server, ["--model", "smollm2-135m", *weights])
+
+
+def demo_args(demo, weights):
+    return parsed(demo, weights)

@@ -9,12 +9,13 @@ from ..chat import COMMANDS, DEFAULT_MODEL, Chat, turn_summary
 from ..kv_cache import CacheFullError
 from ..registry import load_model
 from ..sampling import SamplingSettings
-from .options import MAX_NEW_TOKENS, finite_float, new_tokens, positive_int, seed_int
+from .options import MAX_NEW_TOKENS, add_weights_option, finite_float, new_tokens, positive_int, seed_int
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The chat options, for this module's parser and for a ``chat`` subcommand of the CLI."""
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"model name or .gguf path (default {DEFAULT_MODEL})")
+    add_weights_option(p)
     p.add_argument("--system", help="system prompt (default: the model's own)")
     p.add_argument("--temperature", type=finite_float, default=0.2, help="0 = greedy (default 0.2)")
     p.add_argument("--top-p", type=finite_float, default=0.9, help="nucleus sampling mass (default 0.9)")
@@ -45,13 +46,13 @@ def check_message(text: str, option: str) -> str:
 def run(args, loader=load_model, read=input) -> int:
     """Check the options (ValueError, before loading anything), load the model, chat.
 
-    ``loader(name) -> (model, tokenizer)`` and ``read(prompt) -> str`` can be swapped in tests;
+    ``loader(name, weights=...) -> (model, tokenizer)`` and ``read(prompt) -> str`` can be swapped in tests;
     reading with ``input``, stdin's undecodable bytes become U+FFFD (``replace_bad_bytes``).
     """
     SamplingSettings(args.temperature, None, args.top_p)  # refuses bad values before the model loads
     if args.prompt is not None:
         check_message(args.prompt, "--prompt")
-    model, tokenizer = loader(args.model)
+    model, tokenizer = loader(args.model, weights=args.weights)
     chat = Chat(model, tokenizer, system=args.system, max_len=args.context, seed=args.seed)
 
     def say(message: str) -> int:

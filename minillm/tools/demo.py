@@ -36,7 +36,7 @@ from ..sampling import SamplingSettings
 from ..speculative import speculative_generate
 from ..token_tree import tree_generate
 from .chat_cli import check_message
-from .options import MAX_NEW_TOKENS, finite_float, int_in, new_tokens, positive_int, seed_int
+from .options import MAX_NEW_TOKENS, add_weights_option, finite_float, int_in, new_tokens, positive_int, seed_int
 
 DEFAULT_PROMPT = "ROMEO:\nBut soft, what light"
 DEFAULT_QUESTION = "What is the capital of France?"
@@ -58,6 +58,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int_in(1, 20), default=2,
                    help="part 3: timed runs of each, plain and EAGLE, alternating (default 2)")
     p.add_argument("--no-real-model", action="store_true", help="skip parts 2 and 3 (SmolLM2)")
+    add_weights_option(p)  # parts 2 and 3: SmolLM2 in its file's blocks (q) or dequantized (fp32)
 
 
 def main(argv=None) -> int:
@@ -70,7 +71,7 @@ def real_model_answer(args) -> None:
     """Parts 2 and 3: SmolLM2 answers ``args.question``, greedy, streamed; a missing model is one line."""
     print(f"=== a real model: {SMOLLM2} (SmolLM2-135M-Instruct, Llama architecture, 4-bit GGUF) ===")
     try:
-        model, tok = load_any_model(SMOLLM2)
+        model, tok = load_any_model(SMOLLM2, weights=args.weights)
     except CheckpointError as exc:  # GGUFError: the model package is not installed, or its file is damaged
         print(f"(skipped: {exc})\n")
         return

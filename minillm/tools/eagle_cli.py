@@ -32,13 +32,14 @@ from ..eagle_train import (
 from ..registry import SMOLLM2, SMOLLM2_SHA256, load_model
 from ..train import check_run_files, run_file
 from ..workloads import WORKLOADS, check_held_out, training_prompts
-from .options import nonnegative_count, nonnegative_float
+from .options import add_weights_option, nonnegative_count, nonnegative_float
 
 COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
 
 
 def add_data_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=SMOLLM2, help=f"the target (default {SMOLLM2})")
+    add_weights_option(p)
     p.add_argument("--out", required=True, help="folder for the data parts")
     p.add_argument("--prompts", type=nonnegative_count, default=1200, help="training prompts (default 1200)")
     p.add_argument("--max-new-tokens", type=nonnegative_count, default=ANSWER_TOKENS,
@@ -53,7 +54,7 @@ def run_data(args) -> int:
         raise ValueError(f"--prompts and --max-new-tokens must be >= 1, got {args.prompts} and {args.max_new_tokens}")
     prompts = training_prompts(args.prompts, args.seed)
     check_held_out(WORKLOADS, prompts)
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, weights=args.weights)
     summary = write_answers(model, tokenizer, prompts, args.out, args.max_new_tokens, seed=args.seed,
                             resume=args.resume, progress=not args.quiet)
     print(json.dumps(summary))
@@ -62,6 +63,7 @@ def run_data(args) -> int:
 
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=SMOLLM2, help=f"the target (default {SMOLLM2})")
+    add_weights_option(p)  # either load: one model, one identity (checkpoint.model_identity)
     p.add_argument("--data", required=True, help="a folder written by eagle-data")
     p.add_argument("--out", required=True, help="draft file to write (.npz)")
     p.add_argument("--vocab", type=nonnegative_count, default=DEFAULT_SUBSET,
@@ -92,7 +94,7 @@ def run_train(args) -> int:
     check_destination(args.out, overwrite)  # the draft: replaced only when asked, --resume or not
     check_run_files([state_path, log_path], overwrite, args.resume)  # the run's own files: --resume continues them
     t_start = time.perf_counter()
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, weights=args.weights)
     data = read_answers(args.data, model, args.parts)
     n = len(data["sequences"])
     counts = token_counts(data["sequences"][: n - max(1, n // 20)], model.config.vocab_size)

@@ -17,12 +17,13 @@ from ..medusa import MAX_HEADS, MedusaHeads, check_n_heads
 from ..medusa_train import HEADS_TRAIN, head_data, load_text, save_text, train_heads, training_text
 from ..registry import SMOLLM2, SMOLLM2_SHA256, load_model
 from ..train import check_run_files, run_file
-from .options import nonnegative_count, nonnegative_float
+from .options import add_weights_option, nonnegative_count, nonnegative_float
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The medusa-train options (for a ``medusa-train`` subcommand of the CLI)."""
     p.add_argument("--model", default="target", help="'target', 'smollm2-135m' or a model path (default target)")
+    add_weights_option(p)
     p.add_argument("--out", required=True, help="heads file to write (.npz)")
     p.add_argument("--heads", type=nonnegative_count, default=4, help=f"number of heads, 1..{MAX_HEADS} (default 4)")
     p.add_argument("--steps", type=nonnegative_count, default=HEADS_TRAIN.max_steps, help="optimizer steps")
@@ -54,7 +55,7 @@ def run(args) -> int:
     check_destination(args.out, overwrite)  # the heads: replaced only when asked, --resume or not
     check_run_files([state_path, text_path, log_path], overwrite, args.resume)  # the run's own: --resume continues
     t_start = time.perf_counter()
-    model, tokenizer = load_model(args.model)
+    model, tokenizer = load_model(args.model, weights=args.weights)
     progress = not args.quiet
     tc = replace(HEADS_TRAIN, max_steps=args.steps, batch_size=args.batch_size, lr=args.lr, min_lr=args.lr / 10)
     if args.resume:

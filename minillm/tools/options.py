@@ -92,6 +92,17 @@ def check_kv_pool(config, num_blocks: int, page_size: int) -> int:
     return size
 
 
+def add_weights_option(p: argparse.ArgumentParser) -> None:
+    """``--weights q|fp32``, for every command that loads a model by name: how a GGUF model (smollm2-135m, a .gguf)
+    keeps its quantized matrices (``registry.load_model``); a .npz checkpoint is float32 either way."""
+    from ..gguf import WEIGHTS
+    from ..registry import DEFAULT_WEIGHTS
+
+    p.add_argument("--weights", choices=WEIGHTS, default=DEFAULT_WEIGHTS,
+                   help="a GGUF model's quantized matrices: q, kept in the file's blocks (the default), or fp32, "
+                   "dequantized at load (the float32 reference)")
+
+
 def list_of(item):
     """An argparse type: a comma-separated list, each value checked by the type ``item``."""
 

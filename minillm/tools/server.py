@@ -42,7 +42,7 @@ from ..registry import KNOWN_MODELS, load_model
 from ..sampling import SamplingSettings
 from ..serving import Engine, Request
 from ..tokenizer import TextStream
-from .options import int_in, nonnegative_int, positive_int
+from .options import add_weights_option, check_kv_pool, int_in, kv_blocks, nonnegative_int, num_seqs, positive_int
 
 ABORT, ADD, STOP = "abort", "add", "stop"
 FINISH = {"eos": "stop", "stop": "stop", "length": "length"}  # the engine's reasons -> OpenAI's
@@ -723,9 +723,10 @@ def uvicorn_config(server: Server, **options):
 
 
 def make_server(args, loader=load_model) -> Server:
-    model, tokenizer = loader(args.model)
+    model, tokenizer = loader(args.model, weights=args.weights)
     context = model.config.block_size if args.context is None else min(args.context, model.config.block_size)
     num_blocks = args.num_blocks or -(-context * args.max_num_seqs // args.page_size)
+    check_kv_pool(model.config, num_blocks, args.page_size)  # before the engine builds and zeroes the pool
     engine = Engine(model, num_blocks=num_blocks, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens, chunk_size=args.chunk_size,
                     prefix_caching=not args.no_prefix_caching)
@@ -735,15 +736,16 @@ def make_server(args, loader=load_model) -> Server:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="target", choices=KNOWN_MODELS, help="the model to serve (default target)")
+    add_weights_option(p)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int_in(0, 65535), default=8000, help="TCP port (default 8000; 0: any free one)")
     p.add_argument("--context", type=positive_int, help="tokens a request may hold (default: the model's context)")
-    p.add_argument("--max-num-seqs", type=positive_int, default=8, help="requests in the running batch (default 8)")
+    p.add_argument("--max-num-seqs", type=num_seqs, default=8, help="requests in the running batch (default 8)")
     p.add_argument("--max-num-batched-tokens", type=positive_int, default=256,
                    help="tokens in one engine step (default 256)")
     p.add_argument("--chunk-size", type=positive_int, default=64, help="prompt tokens per step (default 64)")
     p.add_argument("--page-size", type=positive_int, default=16, help="tokens per KV block (default 16)")
-    p.add_argument("--num-blocks", type=positive_int, help="KV blocks (default: the context for every running request)")
+    p.add_argument("--num-blocks", type=kv_blocks, help="KV blocks (default: the context for every running request)")
     p.add_argument("--max-queue", type=nonnegative_int, default=64,
                    help="requests waiting beyond --max-num-seqs before 429 (default 64)")
     p.add_argument("--default-max-tokens", type=positive_int, default=256,

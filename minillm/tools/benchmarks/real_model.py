@@ -1,8 +1,9 @@
 """python -m minillm bench real-model: SmolLM2-135M in minillm vs Hugging Face transformers, same weights.
 
-Both models come from the same 4-bit GGUF file, dequantized to float32 (transformers with its own
-loader, ``LlamaForCausalLM.from_pretrained(folder, gguf_file=...)``), and run with the same number of
-BLAS / torch threads. Sections:
+Both models come from the same 4-bit GGUF file: transformers dequantizes it to float32 with its own loader
+(``LlamaForCausalLM.from_pretrained(folder, gguf_file=...)``); minillm keeps its Q8_0 / Q4_1 blocks (the
+default) or, with ``--weights fp32``, dequantizes them to float32 as well, the same arithmetic as transformers.
+Both run with the same number of BLAS / torch threads. Sections:
 
 1. prefill tokens/s (one forward over the prompt into an empty cache) and decode tokens/s (greedy,
    one token per forward with the KV cache), minillm vs transformers, paired alternating runs;
@@ -27,7 +28,7 @@ from ...kv_cache import KVCache, kv_cache_bytes
 from ...measure import time_pairs
 from ...notebook import format_table
 from ...registry import SMOLLM2, SMOLLM2_FILE, load_model, smollm2_path
-from ..options import MAX_COUNT, count, int_in
+from ..options import MAX_COUNT, add_weights_option, count, int_in
 from .common import BenchmarkError, parse_args
 
 LOGIT_ATOL = 1e-3  # minillm vs transformers, float32 both
@@ -166,6 +167,7 @@ def main(argv=None) -> int:
     parser.add_argument("--new-tokens", type=int_in(2, MAX_COUNT), default=33)
     parser.add_argument("--repeat", type=count, default=3)
     parser.add_argument("--quick", action="store_true", help="one pair per measurement, shorter runs")
+    add_weights_option(parser)
     args = parse_args(parser, argv)
     repeat = 1 if args.quick else args.repeat
     from threadpoolctl import threadpool_limits
@@ -176,11 +178,11 @@ def main(argv=None) -> int:
 
 def run(args, repeat) -> int:
     print(f"threads: {args.threads} (BLAS and torch)")
-    model, tokenizer = load_model(SMOLLM2)
+    model, tokenizer = load_model(SMOLLM2, weights=args.weights)
     torch, hf = load_transformers(args.threads)
     cfg = model.config
     print(f"model {SMOLLM2}: {model.num_params():,} params, {cfg.n_layer} layers, {cfg.n_head} query / "
-          f"{cfg.n_kv_head} KV heads, float32 on both sides\n")
+          f"{cfg.n_kv_head} KV heads; minillm --weights {args.weights}, transformers float32\n")
     prompt = prompt_ids(args.prompt_tokens)
     ours = MinillmRunner(model, args.prompt_tokens + args.new_tokens)
     theirs = TransformersRunner(torch, hf)

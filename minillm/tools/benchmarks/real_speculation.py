@@ -10,11 +10,12 @@ Methods (all verified by the target in one forward per round, ``token_tree.tree_
     layer-skip    the target's first half of layers drafts (``draft_free.LayerSkip``)
     medusa        the shipped Medusa heads' sparse tree (``medusa.MedusaProposer``)
 
-Plain and speculative decoding both run on the fast weight products (``backend.weight_product``;
-``--products blas`` for the reference). Each prompt (default: ``workloads.WORKLOADS``; FILE: one
-{"prompt", "kind"} per line) is put in the chat template. Per prompt and temperature: plain
-decoding (``generate``) once, as a warm-up and, greedy, as the reference; per method a warm-up run
-that gives the counters and, greedy, must equal the reference token for token (``BenchmarkError``
+The model keeps its file's Q8_0 / Q4_1 blocks (``--weights q``, the default: every product is the blocks'
+kernel) or dequantizes them to float32 (``--weights fp32``); float32 products, plain and speculative alike, run
+on the fast weight products (``backend.weight_product``; ``--products blas`` for the reference). Each prompt
+(default: ``workloads.WORKLOADS``; FILE: one {"prompt", "kind"} per line) is put in the chat template. Per
+prompt and temperature: plain decoding (``generate``) once, as a warm-up and, greedy, as the reference; per
+method a warm-up run that gives the counters and, greedy, must equal the reference token for token (``BenchmarkError``
 otherwise: nothing wrong is timed); then ``--repeat`` alternating pairs (plain, method), timed. A
 method's speed-up for a kind is the median over its prompts of (plain seconds / method seconds).
 
@@ -41,7 +42,7 @@ from ...notebook import format_table
 from ...registry import SMOLLM2, load_model
 from ...token_tree import tree_generate
 from ...workloads import KINDS, WORKLOADS, read_prompts
-from ..options import count, float_in, int_in, list_of
+from ..options import add_weights_option, count, float_in, int_in, list_of
 from .common import BenchmarkError, parse_args
 
 METHODS = ("eagle-chain", "eagle-tree", "lookup", "layer-skip", "medusa")
@@ -157,13 +158,15 @@ def main(argv=None) -> int:
     parser.add_argument("--depth", type=int_in(1, 12), default=4, help="EAGLE: draft tokens per round (default 4)")
     parser.add_argument("--tree-nodes", type=int_in(2, 64), default=12, help="EAGLE tree: nodes verified (default 12)")
     parser.add_argument("--draft", default=None, help="an EAGLE draft file (default: the one shipped for SmolLM2)")
+    add_weights_option(parser)
     parser.add_argument("--products", choices=["fast", "blas"], default="fast",
                         help="weight products of plain and speculative decoding alike: fast (streaming where "
                         "measured faster, the default) or blas (the reference)")
     args = parse_args(parser, argv)
     set_fast_products(args.products == "fast")
-    print(f"weight products for this run: {'streaming where measured faster' if args.products == 'fast' else 'BLAS'} "
-          f"(--products {args.products})", flush=True)
+    products = "streaming where measured faster" if args.products == "fast" else "BLAS"
+    print(f"weights {args.weights}; float32 products for this run: {products} (--products {args.products})",
+          flush=True)
     unknown = sorted(set(args.methods) - set(METHODS)) + sorted(set(args.kinds) - set(KINDS))
     if unknown:
         raise ValueError(f"unknown method or kind {unknown[0]!r}: methods {', '.join(METHODS)}; "
@@ -172,7 +175,7 @@ def main(argv=None) -> int:
     prompts = [p for p in prompts if p["kind"] in args.kinds]
     if not prompts:
         raise ValueError(f"no prompt of the kinds {', '.join(args.kinds)}")
-    model, tok = load_model(SMOLLM2)
+    model, tok = load_model(SMOLLM2, weights=args.weights)
     proposers = {m: make_proposer(m, model, args) for m in args.methods}
     encoded = [(p["kind"], tok.encode(tok.apply_chat_template([{"role": "user", "content": p["prompt"]}])))
                for p in prompts]
