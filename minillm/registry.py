@@ -96,7 +96,7 @@ def load_gguf(path, attention: str = DEFAULT_ATTENTION, weights: str = DEFAULT_W
     try:
         return Llama(config, params, attention=attention), tokenizer
     except QuantError as exc:  # q, k, v (or gate, up) stored in different formats cannot share one product
-        raise GGUFError(f"{path}: {exc}; weights='fp32' loads every matrix as float32") from exc
+        raise GGUFError(f"{path}: {exc}; weights='fp32' (--weights fp32) loads every matrix as float32") from exc
 
 
 def load_model(name_or_path, attention: str = DEFAULT_ATTENTION, weights: str = DEFAULT_WEIGHTS):
