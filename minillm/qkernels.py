@@ -60,6 +60,8 @@ runs on the calling thread (no ``prange``).
 from __future__ import annotations
 
 import contextlib
+import functools
+import math
 import re
 from dataclasses import dataclass
 
@@ -300,6 +302,169 @@ def q4_1_kernel(xt, dm, qs, y, rows, chains):
 KERNELS = {"F32": f32_kernel, "BF16": bf16_kernel, "Q8_0": q8_0_kernel, "Q4_1": q4_1_kernel}
 
 
+# ---- an option, not exact: x quantized to int8 per block of 32 and integer products (llama.cpp's route) --
+#
+#     y[i, j] ~ sum_b  d_w[j, b] dx[i, b] sum_t q_w[j, t] q_x[i, t]  (+ m_w[j, b] dx[i, b] sum_t q_x[i, t] for Q4_1)
+#
+# x's block b of row i becomes dx q_x with dx = max |x| / 127 and q_x = round(x / dx) in -127..127 (llama.cpp's
+# q8_1 / q8_0 for activations), so the product is x_hat @ W.T, within sum_b (dx / 2) sum_t |w| of x @ W.T.
+# vpdpbusd (AVX512-VNNI) multiplies 64 unsigned weight bytes by 64 signed x bytes and adds each 4 products into
+# an int32 lane: one instruction per 64 weights, where the float kernels spend 5 to 6 per 16.
+
+INT8_TRANSPOSE = [16 * (lane % 4) + lane // 4 for lane in range(64)]  # 4 byte rows x 16 outputs -> 16 dwords of 4
+
+
+@intrinsic
+def int8_block_dot(typingctx, tile, row, weights, w_byte, signed, xq, x_byte):
+    """tile[0, row, :] = float32(sum over a block's 32 positions of weight byte x xq byte) for the 16 outputs
+    of a panel.  weights: the panel's block as packed (Q4_1: 16 byte rows of two nibbles, Q8_0 (signed=True):
+    32 rows of int8) from byte w_byte; xq: the row's 32 int8 values of x from byte x_byte.
+
+    Each 64-byte load holds 4 rows of 16 outputs; one vpermb puts each output's 4 bytes in one dword lane.
+    Q8_0's weights go in as q + 128 (unsigned); the kernel takes 128 sum(q_x) off again."""
+    if not isinstance(signed, types.BooleanLiteral):
+        return None
+    is_q8_0 = signed.literal_value
+
+    def codegen(context, builder, sig, args):
+        tile_a, row_v, w_a, w_off, _, x_a, x_off = args
+        i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+        bytes64, dwords16 = ir.VectorType(i8, 64), ir.VectorType(i32, 16)
+        dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(dwords16, [dwords16] * 3),
+                                             "llvm.x86.avx512.vpdpbusd.512")
+
+        def base(k, value, offset):
+            data = context.make_array(sig.args[k])(context, builder, value).data
+            return builder.gep(builder.bitcast(data, i8.as_pointer()), [offset])
+
+        wbase, xbase = base(2, w_a, w_off), base(5, x_a, x_off)
+
+        def weight_rows(g):  # rows 4g..4g+3 -> dword p holds output p's 4 bytes
+            rows4 = builder.gep(wbase, [ir.Constant(i64, 64 * g)])
+            v = builder.load(builder.bitcast(rows4, bytes64.as_pointer()), align=1)
+            transpose = ir.Constant(ir.VectorType(i32, 64), INT8_TRANSPOSE)
+            return builder.shuffle_vector(v, ir.Constant(bytes64, None), transpose)  # vpermb
+
+        def x_splat(t):  # x bytes t..t+3 in every dword lane
+            word = builder.load(builder.bitcast(builder.gep(xbase, [ir.Constant(i64, t)]), i32.as_pointer()), align=1)
+            one = builder.insert_element(ir.Constant(dwords16, None), word, ir.Constant(i32, 0))
+            return builder.shuffle_vector(one, ir.Constant(dwords16, None), ir.Constant(dwords16, [0] * 16))
+
+        sums = [ir.Constant(dwords16, 0), ir.Constant(dwords16, 0)]  # two chains of vpdpbusd
+        if is_q8_0:  # 8 groups of 4 positions
+            for g in range(QK // 4):
+                w = builder.xor(weight_rows(g), ir.Constant(bytes64, [0x80] * 64))  # q + 128 as an unsigned byte
+                sums[g % 2] = builder.call(dot, [sums[g % 2], builder.bitcast(w, dwords16), x_splat(4 * g)])
+        else:  # 4 groups of 4 byte rows: low nibbles are positions 4g.., high nibbles 16 + 4g..
+            for g in range(QK // 8):
+                v = weight_rows(g)
+                low = builder.and_(v, ir.Constant(bytes64, [0x0F] * 64))
+                high = builder.lshr(v, ir.Constant(bytes64, [4] * 64))
+                sums[0] = builder.call(dot, [sums[0], builder.bitcast(low, dwords16), x_splat(4 * g)])
+                sums[1] = builder.call(dot, [sums[1], builder.bitcast(high, dwords16), x_splat(QK // 2 + 4 * g)])
+        total = builder.sitofp(builder.add(sums[0], sums[1]), ir.VectorType(ir.FloatType(), P))
+        out = builder.gep(context.make_array(sig.args[0])(context, builder, tile_a).data,
+                          [builder.mul(row_v, ir.Constant(row_v.type, P))])
+        builder.store(total, builder.bitcast(out, total.type.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    return types.none(tile, types.intp, weights, types.intp, signed, xq, types.intp), codegen
+
+
+@jit
+def quantize_x(xt, rows):
+    """x (as xt (k, R)) -> int8 per block of 32: xq (R, k) int8, dx (nb, R) = max |x| / 127, sq (nb, R) = sum of
+    the block's xq.  x ~ dx * xq, each within dx / 2."""
+    k = xt.shape[0]
+    xq = np.empty((rows, k), dtype=np.int8)
+    dx = np.empty((k // QK, rows), dtype=np.float32)
+    sq = np.empty((k // QK, rows), dtype=np.float32)
+    block = stack_tile(1, 1, QK)
+    for r in range(rows):
+        for b in range(k // QK):
+            for t in range(QK):
+                block[0, 0, t] = xt[b * QK + t, r]
+            amax = np.float32(0.0)
+            for t in range(QK):
+                amax = max(amax, abs(block[0, 0, t]))
+            inv = np.float32(127.0) / amax if amax > 0 else np.float32(0.0)
+            total = 0
+            for t in range(QK):
+                q = np.int32(math.floor(block[0, 0, t] * inv + np.float32(0.5)))  # |q| <= 127
+                xq[r, b * QK + t] = q
+                total += q
+            dx[b, r] = amax / np.float32(127.0)
+            sq[b, r] = total
+    return xq, dx, sq
+
+
+@jit
+def q8_0_int8_kernel(xt, d, q, y, rows, chains):
+    """y ~ x @ W.T for W packed Q8_0, x quantized per block (above).  Shapes as q8_0_kernel's; chains unused."""
+    numba.literally(rows)
+    acc = stack_tile(1, rows, P)
+    isum = stack_tile(1, rows, P)  # sum_t (q_w + 128) q_x of one block, per row
+    scale = stack_tile(1, 1, P)
+    k, nb = xt.shape[0], q.shape[1]
+    xq, dx, sq = quantize_x(xt, rows)
+    for panel in range(q.shape[0]):
+        zero(acc)
+        for b in range(nb):
+            at = (panel * nb + b) * QK * P  # the block's first byte in q
+            for line in range(QK * P // 64):
+                prefetch(q, at + PREFETCH_BYTES + 64 * line)
+            prefetch(d, (at + PREFETCH_BYTES) // 16)
+            for p in range(P):
+                scale[0, 0, p] = half_to_f32(d[panel, b, p])
+            for r in range(rows):
+                int8_block_dot(isum, r, q, at, True, xq, r * k + b * QK)
+            for r in range(rows):
+                d_x, offset = dx[b, r], np.float32(128.0) * sq[b, r]
+                for p in range(P):
+                    acc[0, r, p] += (scale[0, 0, p] * d_x) * (isum[0, r, p] - offset)
+        store(acc, y, panel)
+
+
+@jit
+def q4_1_int8_kernel(xt, dm, qs, y, rows, chains):
+    """y ~ x @ W.T for W packed Q4_1, x quantized per block (above).  Shapes as q4_1_kernel's; chains unused."""
+    numba.literally(rows)
+    acc = stack_tile(2, rows, P)  # 0: d dx sum(q_w q_x), 1: m dx sum(q_x) (two chains)
+    isum = stack_tile(1, rows, P)
+    scale = stack_tile(2, 1, P)
+    k, nb = xt.shape[0], qs.shape[1]
+    xq, dx, sq = quantize_x(xt, rows)
+    for panel in range(qs.shape[0]):
+        zero(acc)
+        for b in range(nb):
+            at = (panel * nb + b) * QK // 2 * P
+            for line in range(QK // 2 * P // 64):
+                prefetch(qs, at + PREFETCH_BYTES + 64 * line)
+            prefetch(dm, (at + PREFETCH_BYTES) // 4)
+            for p in range(P):
+                scale[0, 0, p] = half_to_f32(dm[panel, b, 0, p])
+                scale[1, 0, p] = half_to_f32(dm[panel, b, 1, p])
+            for r in range(rows):
+                int8_block_dot(isum, r, qs, at, False, xq, r * k + b * QK)
+            for r in range(rows):
+                d_x, s_x = dx[b, r], dx[b, r] * sq[b, r]
+                for p in range(P):
+                    acc[0, r, p] += (scale[0, 0, p] * d_x) * isum[0, r, p]
+                    acc[1, r, p] += scale[1, 0, p] * s_x
+        store(acc, y, panel)
+
+
+INT8_KERNELS = {"Q8_0": q8_0_int8_kernel, "Q4_1": q4_1_int8_kernel}
+
+
+@functools.cache
+def has_vnni() -> bool:
+    """Whether this CPU has AVX512-VNNI (vpdpbusd), which the int8 kernels are built on."""
+    import llvmlite.binding as llvm
+
+    return "+avx512vnni" in llvm.get_host_cpu_features().flatten().split(",")
+
+
 # ---- packing: a format's weight -> the kernel's panels, once ------------------------------------------
 
 
@@ -402,18 +567,20 @@ def row_tile(n: int) -> int:
     return next(r for r in ROW_TILES if r >= n)
 
 
-_COMPILED = {}  # (format, R) -> the compiled function's entry point
+_COMPILED = {}  # (format, R, int8_x) -> the compiled function's entry point
 
 
-def compiled(fmt: str, rows: int):
-    """The kernel of ``fmt`` for ``rows`` token rows, compiled (or loaded from the cache) on first use.
+def compiled(fmt: str, rows: int, int8_x: bool = False):
+    """The kernel of ``fmt`` for ``rows`` token rows (the int8 one with ``int8_x``), compiled (or loaded from
+    the cache) on first use.
 
     Calls go to the compiled entry point: the dispatcher would re-resolve the literal arguments on
     every call (milliseconds each)."""
-    kernel = _COMPILED.get((fmt, rows))
+    kernel = _COMPILED.get((fmt, rows, int8_x))
     if kernel is None:
         with vector_compile():
-            kernel = _COMPILED[fmt, rows] = KERNELS[fmt].compile(kernel_signature(fmt, rows))
+            kernel = (INT8_KERNELS if int8_x else KERNELS)[fmt].compile(kernel_signature(fmt, rows))
+        _COMPILED[fmt, rows, int8_x] = kernel
     return kernel
 
 
@@ -426,10 +593,11 @@ def kernel_signature(fmt: str, rows: int) -> tuple:
             types.literal(rows), types.literal(max(1, FMA_CHAINS // rows)))
 
 
-def machine_code(fmt: str, rows: int, fastmath=FASTMATH) -> str:
-    """The assembly of ``fmt``'s kernel for ``rows`` rows, freshly compiled (a cached kernel keeps no
-    assembly) under ``vector_compile`` with these fastmath flags."""
-    kernel = numba.njit(fastmath=fastmath, nogil=True, boundscheck=False)(KERNELS[fmt].py_func)
+def machine_code(fmt: str, rows: int, fastmath=FASTMATH, int8_x: bool = False) -> str:
+    """The assembly of ``fmt``'s kernel (the int8 one with ``int8_x``) for ``rows`` rows, freshly compiled (a
+    cached kernel keeps no assembly) under ``vector_compile`` with these fastmath flags."""
+    source = (INT8_KERNELS if int8_x else KERNELS)[fmt].py_func
+    kernel = numba.njit(fastmath=fastmath, nogil=True, boundscheck=False)(source)
     sig = kernel_signature(fmt, rows)
     with vector_compile():
         kernel.compile(sig)
@@ -437,29 +605,37 @@ def machine_code(fmt: str, rows: int, fastmath=FASTMATH) -> str:
 
 
 def vector_fma_count(asm: str) -> dict:
-    """{'zmm': n, 'ymm': n, 'scalar': n} FMA instructions in an assembly listing."""
+    """{'zmm': n, 'ymm': n, 'scalar': n} FMA instructions in an assembly listing, and 'vnni': n zmm integer
+    dot products (vpdpbusd, the int8 kernels')."""
     fmas = re.findall(r"vfmadd\d+(p|s)s\s+[^\n]*?%([xyz]mm)", asm)
     return {"zmm": sum(1 for kind, reg in fmas if kind == "p" and reg == "zmm"),
             "ymm": sum(1 for kind, reg in fmas if kind == "p" and reg == "ymm"),
-            "scalar": sum(1 for kind, _ in fmas if kind == "s")}
+            "scalar": sum(1 for kind, _ in fmas if kind == "s"),
+            "vnni": len(re.findall(r"vpdpbusd\s+[^\n]*?%zmm", asm))}
 
 
-def product(x, packed: Packed) -> np.ndarray:
+def product(x, packed: Packed, int8_x: bool = False) -> np.ndarray:
     """y = x @ W.T for x (n, k) float32 and a packed W (m, k) -> (n, m) float32.
 
     The reference is ``x @ weight.dequantize().T``. (3, 64) @ Q8_0 (5, 64) -> (3, 5): one pass with
-    R = 4 (a zero fourth row), m padded to 16 outputs inside the panels."""
+    R = 4 (a zero fourth row), m padded to 16 outputs inside the panels.
+
+    ``int8_x=True`` (Q8_0 and Q4_1, a CPU with AVX512-VNNI) quantizes x to int8 per block of 32 and multiplies
+    integers, as llama.cpp does: NOT exact, within sum_b (max_b |x| / 254) sum_{t in b} |w| of x @ W.T."""
     m, k = packed.shape
     x = np.asarray(x)
     if x.ndim != 2 or x.shape[1] != k or x.shape[0] == 0:
         raise QuantError(f"product: x {x.shape} does not match the weight {packed.shape} (x (n, {k}) @ W.T)")
     if x.dtype != np.float32:
         raise QuantError(f"product: x must be float32, got {x.dtype}")
+    if int8_x and (packed.format not in INT8_KERNELS or not has_vnni()):
+        raise QuantError(f"product: int8_x needs a {' or '.join(INT8_KERNELS)} weight (got {packed.format}) and a CPU "
+                         f"with AVX512-VNNI ({'present' if has_vnni() else 'absent'} here)")
     n = x.shape[0]
     y = np.empty((n, m), dtype=np.float32)
     m_pad = packed.arrays[-1].shape[0] * P
     if n == 1 and m == m_pad and x.flags.c_contiguous:  # a decode step, the common case, with nothing to copy
-        compiled(packed.format, 1)(x.reshape(k, 1), *packed.arrays, y, 1, FMA_CHAINS)
+        compiled(packed.format, 1, int8_x)(x.reshape(k, 1), *packed.arrays, y, 1, FMA_CHAINS)
         return y
     for start in range(0, n, MAX_ROWS):  # chunks of 16 rows; each reads every weight once
         rows = min(MAX_ROWS, n - start)
@@ -471,7 +647,8 @@ def product(x, packed: Packed) -> np.ndarray:
             xt[:, :rows] = x[start:start + rows].T
         direct = tile == rows and m == m_pad  # the kernel can write y's rows itself
         out = y[start:start + rows] if direct else np.empty((tile, m_pad), dtype=np.float32)
-        compiled(packed.format, tile)(np.ascontiguousarray(xt), *packed.arrays, out, tile, max(1, FMA_CHAINS // tile))
+        kernel = compiled(packed.format, tile, int8_x)
+        kernel(np.ascontiguousarray(xt), *packed.arrays, out, tile, max(1, FMA_CHAINS // tile))
         if not direct:
             y[start:start + rows] = out[:rows, :m]
     return y

@@ -5,7 +5,8 @@ machine code.
 ``x @ W.dequantize().T`` up to float32 rounding of a reordered sum, for n = 1..17 token rows (every
 row tile, the zero-padded ones, and 17 = a second pass), m not a multiple of the panel of 16 and k
 not a multiple of the 8 interleaved sums. The assembly test fails when the inner loop is scalar,
-and a planted build (fastmath with ``reassoc``) shows that it can fail.
+and a planted build (numba's default settings) shows that it can fail. The int8 option (x quantized
+per block, integer products: not exact) has its own error bound.
 """
 
 import contextlib
@@ -87,6 +88,45 @@ def test_inner_loop_is_vector_code(fmt, rows):
     """The kernel's FMAs are vector FMAs (ymm or zmm), none scalar: the settings in vector_compile work."""
     counts = qkernels.vector_fma_count(qkernels.machine_code(fmt, rows))
     assert counts["zmm"] + counts["ymm"] >= rows and counts["scalar"] == 0, counts
+
+
+needs_vnni = pytest.mark.skipif(not qkernels.has_vnni(), reason="the int8 kernels need AVX512-VNNI")
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt", ["Q8_0", pytest.param("Q4_1", marks=pytest.mark.uses_exercise("13.1"))])
+def test_int8_x_stays_within_its_bound_and_is_not_the_default(fmt):
+    """int8_x=True quantizes x per block of 32 (dx = max |x| / 127): the product is x_hat @ W.T, so it errs by at
+    most sum_b (dx_b / 2) sum_{t in b} |w_t| (+ float32 rounding), n = 1..17 as above. It is a different product:
+    somewhere it misses the exact tolerance, which the default path never does."""
+    rng = np.random.default_rng(5)
+    weight = FORMATS[fmt].quantize(rng.standard_normal((37, 3 * QK)).astype(np.float32))
+    ref_w = weight.dequantize().astype(np.float64)
+    packed = qkernels.pack(weight)
+    beyond_tol = False
+    for n in range(1, 18):
+        x = rng.standard_normal((n, 3 * QK)).astype(np.float32)
+        y = qkernels.product(x, packed, int8_x=True)
+        assert y.dtype == np.float32 and y.shape == (n, 37)
+        error = np.abs(y - x.astype(np.float64) @ ref_w.T)
+        scale = np.abs(x).astype(np.float64) @ np.abs(ref_w).T
+        dx = np.abs(x.astype(np.float64)).reshape(n, -1, QK).max(-1) / 127  # (n, nb)
+        w_sums = np.abs(ref_w).reshape(37, -1, QK).sum(-1)  # (m, nb)
+        bound = (dx / 2) @ w_sums.T + TOL * scale
+        assert np.all(error <= bound), f"{fmt} n={n}: {(error / bound).max():.3g} of the bound"
+        beyond_tol |= bool(np.any(error > TOL * scale))
+    assert beyond_tol, "int8_x gave the exact product: the option did not take the int8 kernels"
+    with pytest.raises(QuantError, match="int8_x needs"):
+        qkernels.product(np.ones((1, 64), np.float32), qkernels.pack(F32.quantize(np.ones((4, 64), np.float32))),
+                         int8_x=True)
+
+
+@needs_vnni
+@pytest.mark.parametrize("fmt, rows", [("Q4_1", 1), ("Q8_0", 4)])
+def test_int8_kernels_use_vnni(fmt, rows):
+    """The int8 kernels' dot products are zmm vpdpbusd: 8 per block of 16 outputs and each row."""
+    counts = qkernels.vector_fma_count(qkernels.machine_code(fmt, rows, int8_x=True))
+    assert counts["vnni"] >= 8 * rows, counts
 
 
 def test_the_vector_check_catches_scalar_code(monkeypatch):
