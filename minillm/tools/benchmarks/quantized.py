@@ -17,6 +17,10 @@ Then, per format and n = 1, 2, 4, 8, 16 token rows, in the order printed:
   rate observed on this core (BLAS's large float32 GEMM, or the F32 kernel with 16 rows on a weight
   that fits in the cache, whichever is faster); "x floor" = ms / max(the two floors).
 
+Then, where the CPU has AVX512-VNNI, Q8_0 and Q4_1 once more with ``int8_x`` (rows "Q8_0 int8 x", "Q4_1 int8
+x"): x quantized to int8 per block of 32 and integer products, as llama.cpp does. Not exact: validated
+against its own bound, sum_b (max_b |x| / 254) sum_{t in b} |w| (``--no-int8-x`` leaves these rows out).
+
 ``--json OUT`` also writes every number. The numbers are only as quiet as the machine: the first
 line printed says the load.
 
@@ -88,18 +92,35 @@ def validate(fmt: str, rng) -> None:
             raise BenchmarkError(f"{fmt} kernel disagrees with x @ W.dequantize().T at n = {n}: {error.max():.3g}")
 
 
-def time_pass(packed: list, n: int, repeat: int, rng) -> tuple[float, float]:
+def validate_int8(fmt: str, rng) -> None:
+    """The int8_x product is within sum_b (dx_b / 2) sum_{t in b} |w| of x @ W.dequantize().T (dx_b = max_b |x| / 127)
+    on gate's shape for n = 1 and 16, else BenchmarkError."""
+    from ...qkernels import pack, product
+
+    weight = quantize.FORMATS[fmt].quantize(rng.standard_normal(BLOCK_SHAPES[4], dtype=np.float32))
+    ref_w = weight.dequantize().astype(np.float64)
+    packed = pack(weight)
+    for n in (1, 16):
+        x = rng.standard_normal((n, ref_w.shape[1]), dtype=np.float32)
+        error = np.abs(product(x, packed, int8_x=True) - x.astype(np.float64) @ ref_w.T)
+        dx = np.abs(x.astype(np.float64)).reshape(n, -1, quantize.QK).max(-1) / 127  # (n, nb)
+        bound = (dx / 2) @ np.abs(ref_w).reshape(ref_w.shape[0], -1, quantize.QK).sum(-1).T
+        if np.any(error > bound + TOL * (np.abs(x).astype(np.float64) @ np.abs(ref_w).T)):
+            raise BenchmarkError(f"{fmt} int8_x kernel is outside its bound at n = {n}: {error.max():.3g}")
+
+
+def time_pass(packed: list, n: int, repeat: int, rng, int8_x: bool = False) -> tuple[float, float]:
     """(best wall seconds, best CPU seconds of this thread) of ``repeat`` passes over n token rows."""
     from ...qkernels import product
 
     xs = {k: rng.standard_normal((n, k), dtype=np.float32) for k in {p.shape[1] for p in packed}}
     for p in packed:  # warm-up: compiles or loads the kernel, touches every page
-        product(xs[p.shape[1]], p)
+        product(xs[p.shape[1]], p, int8_x)
     wall, cpu = [], []
     for _ in range(repeat):
         w0, c0 = time.perf_counter(), time.thread_time()
         for p in packed:
-            product(xs[p.shape[1]], p)
+            product(xs[p.shape[1]], p, int8_x)
         wall.append(time.perf_counter() - w0)
         cpu.append(time.thread_time() - c0)
     return min(wall), min(cpu)
@@ -341,6 +362,8 @@ def main(argv=None) -> int:
                    help=f"comma-separated, from {', '.join(FORMATS)}")
     p.add_argument("--rows", type=list_of(int_in(1, 16)), default=list(ROWS), help="token rows n per pass (1..16)")
     p.add_argument("--repeat", type=int_in(1, 100), default=5, help="timed passes per (format, n); the best counts")
+    p.add_argument("--no-int8-x", action="store_true",
+                   help="leave out the rows of the int8_x option (x quantized to int8; Q8_0 and Q4_1, AVX512-VNNI)")
     add_json_arg(p, "also write the table and the floors as JSON")
     args = common_parse_args(p, argv)
     if args.decode:
@@ -354,10 +377,15 @@ def main(argv=None) -> int:
     unknown = sorted(set(args.formats) - set(FORMATS))
     if unknown:
         p.error(f"unknown format(s) {', '.join(unknown)}: choose from {', '.join(FORMATS)}")
+    from ...qkernels import INT8_KERNELS, has_vnni
+
     rows_n = sorted(set(args.rows) | {1})  # v(n) needs t(1)
     rng = np.random.default_rng(0)
+    int8_formats = [] if args.no_int8_x or not has_vnni() else [f for f in args.formats if f in INT8_KERNELS]
     for fmt in args.formats:
         validate(fmt, rng)
+    for fmt in int8_formats:
+        validate_int8(fmt, rng)
     bandwidth = max(read_bandwidth(), copy_bandwidth())
     fma_rate = max(gemm_peak() / 2, kernel_fma_rate(rng, args.repeat))
     print(f"bandwidth {bandwidth / 1e9:.1f} GB/s (one thread), FMA rate {fma_rate / 1e9:.1f} G/s (one core)")
@@ -366,6 +394,9 @@ def main(argv=None) -> int:
         packed = pack_pass(fmt, rng)
         times = {n: time_pass(packed, n, args.repeat, rng) for n in rows_n}
         table += format_rows(fmt, sum(q.nbytes for q in packed), times, bandwidth, fma_rate)
+        if fmt in int8_formats:
+            times = {n: time_pass(packed, n, args.repeat, rng, int8_x=True) for n in rows_n}
+            table += format_rows(f"{fmt} int8 x", sum(q.nbytes for q in packed), times, bandwidth, fma_rate)
         del packed
     print(format_table(table))
     if args.json:
