@@ -200,9 +200,10 @@ def f32_kernel(xt, w, y, rows, chains):
         zero(acc)
         t = 0
         while t + chains <= k:
-            ahead = (panel * k + t) * P * 4 + PREFETCH_BYTES  # one 64-byte line per position
-            for u in range(chains):
-                prefetch(w, ahead + 64 * u)
+            if rows >= 4:  # with 1 or 2 rows the hints cost more than they save (docs/quantization.md)
+                ahead = (panel * k + t) * P * 4 + PREFETCH_BYTES  # one 64-byte line per position
+                for u in range(chains):
+                    prefetch(w, ahead + 64 * u)
             for u in range(chains):
                 add_rows(acc, u, xt, t + u, w[panel, t + u])
             t += chains
