@@ -55,6 +55,10 @@ With numba's default settings the same kernels compile to scalar FMAs (vfmadd231
 Compiled with ``cache=True``: the first use of a (format, R) compiles (0.3-0.8 s of CPU each on a 2-core
 EPYC, 20 kernels in all; docs/quantization.md), later processes load the machine code. Everything
 runs on the calling thread (no ``prange``).
+
+An option that is not exact, ``product(x, W, int8_x=True)`` for Q8_0 and Q4_1 on a CPU with AVX512-VNNI:
+x is quantized to int8 per block of 32, as llama.cpp does, and the kernels (``INT8_KERNELS``) multiply
+integers with vpdpbusd on the same panels (section "int8 activations" below). The default stays exact.
 """
 
 from __future__ import annotations
