@@ -101,6 +101,16 @@ def fit_context(cache: DecodeCache, seq, pending, extra: int = 0) -> tuple[list,
     # EXERCISE 3.3 END
 
 
+def call_cache_len(config, prompt_ids, max_new_tokens: int) -> int:
+    """Cache positions one call needs: len(prompt) + max_new_tokens, capped at block_size.
+
+    A short answer gets a short cache instead of a full-context one; once the call would pass the
+    window the cap makes it the block_size cache, so ``fit_context`` re-prefills exactly as before.
+    Example: block_size 1024, a 7-token prompt, 20 new tokens -> 27.
+    """
+    return min(len(prompt_ids) + max_new_tokens, config.block_size)
+
+
 def _decode(
     first_logits, next_logits, prompt_ids, max_new_tokens, settings: SamplingSettings, seed, on_token
 ) -> tuple[list, list]:
@@ -182,7 +192,8 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top
              cache=None, prefix_cache=None, on_token=None) -> GenerationResult:
     """Generate with a KV cache: prefill the prompt once, then one token per forward call.
 
-    ``cache``: a decode cache to use (it is reset first; a new KVCache of block_size otherwise).
+    ``cache``: a decode cache to use (it is reset first). Without one, a new KVCache sized to what
+    this call needs: the prompt's window plus max_new_tokens, at most block_size (``call_cache_len``).
     ``prefix_cache``: a prompt cache (``PrefixCache``, or a ``PagedKVCache`` for its view); the
     longest cached prefix of the prompt is reused.
     ``on_token(token)`` is called as each token is sampled (streaming).
@@ -191,7 +202,8 @@ def generate(model, prompt_ids, max_new_tokens, temperature=1.0, top_k=None, top
     """
     prompt_ids = check_prompt(prompt_ids, max_new_tokens)
     settings = SamplingSettings(temperature, top_k, top_p)
-    cache = KVCache(model.config) if cache is None else cache
+    if cache is None:
+        cache = KVCache(model.config, max_len=call_cache_len(model.config, prompt_ids, max_new_tokens))
     cache.reset()  # a cache reused from an earlier generation would otherwise leak its tokens
     counters = {"reused": 0, "reprefills": 0, "dropped": 0}
 
