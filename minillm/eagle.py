@@ -51,8 +51,9 @@ from .checkpoint import (
     trained_file,
 )
 from .kv_cache import KVCache, MaskedView
-from .llama import Llama
+from .llama import Llama, model_weight
 from .model import new_positions
+from .quantize import block_format, kept_in_blocks
 from .sampling import sample
 from .token_tree import Proposal, Round, TokenTree
 
@@ -113,10 +114,25 @@ def draft_param_shapes(config, subset_size: int) -> dict:
     return {"fc.weight": (config.n_embd, 2 * config.n_embd)} | shapes
 
 
-class EagleDraft:
-    """EAGLE's draft on a frozen ``target`` (a ``Llama``): ``params`` (``draft_param_shapes``) and ``subset`` ids."""
+def in_target_format(target, params: dict) -> dict:
+    """The draft's matrices in the blocks the target keeps its own in: each matrix of the draft's layer in the
+    format of the same matrix of the target's last block (Q4_1 in SmolLM2's file), fc in that of its q_proj; the
+    norms, and every matrix of a float32 target, stay as they are. A draft step then reads the bytes its weights
+    cost in the target's format, through the target's kernels (``minillm.qkernels``)."""
+    last = f"layers.{target.config.n_layer - 1}."
+    like = {name: target.params[last + ("self_attn.q_proj.weight" if name == "fc.weight" else name.removeprefix(
+        "layers.0."))] for name in params if name == "fc.weight" or name.startswith("layers.0.")}
+    return {name: block_format(like[name]).quantize(host_float32(w))
+            if name in like and np.ndim(w) == 2 and kept_in_blocks(like[name]) else w for name, w in params.items()}
 
-    def __init__(self, target, params: dict, subset):
+
+class EagleDraft:
+    """EAGLE's draft on a frozen ``target`` (a ``Llama``): ``params`` (``draft_param_shapes``) and ``subset`` ids.
+
+    ``keep_blocks``: keep the matrices in the target's blocks (``in_target_format``) and the head as the target's
+    own blocks of the rows S, for drafting; the default keeps float32 arrays, which training updates."""
+
+    def __init__(self, target, params: dict, subset, keep_blocks: bool = False):
         if not isinstance(target, Llama):
             raise ValueError(f"an EAGLE draft reads a Llama's features (smollm2-135m), not a {type(target).__name__}'s")
         self.target = target
@@ -134,10 +150,15 @@ class EagleDraft:
                 got = tuple(params[name].shape) if name in params else "missing"
                 raise ValueError(f"EAGLE draft parameter {name}: expected shape {shape}, got {got}")
         self.config = replace(cfg, n_layer=1, vocab_size=len(subset))
+        head = target.lm_head
+        if keep_blocks:
+            params = in_target_format(target, params)
         layer_params = {k: v for k, v in params.items() if k != "fc.weight"}
-        layer_params["embed_tokens.weight"] = target.lm_head[xp.asarray(subset)]  # (V', C): E_S, frozen
+        layer_params["embed_tokens.weight"] = (head.unpack(subset) if keep_blocks and kept_in_blocks(head)
+                                               else head[xp.asarray(subset)])  # (V', C): E_S, frozen
         self.layer = Llama(self.config, layer_params, attention=target.attention_name)  # one block, its own stacks
-        self.params = {"fc.weight": xp.asarray(params["fc.weight"], dtype=xp.float32)} | {
+        fc = params["fc.weight"]
+        self.params = {"fc.weight": model_weight(fc) if kept_in_blocks(fc) else xp.asarray(fc, dtype=xp.float32)} | {
             name: self.layer.params[name] for name in shapes if name != "fc.weight"}
 
     @classmethod
@@ -190,16 +211,20 @@ class EagleDraft:
         check_not_shipped(path, overwrite_shipped)
         header = {"format": EAGLE_FORMAT, "model": model_identity(self.target), "subset_size": self.subset_size,
                   "notes": notes or {}}
+        if any(kept_in_blocks(p) for p in self.params.values()):
+            raise ValueError("this draft keeps its weights in blocks for drafting; save the float32 draft "
+                             "(EagleDraft.load(..., keep_blocks=False))")
         arrays = {name: to_numpy(p).astype(np.float16) for name, p in self.params.items()}
         atomic_save_npz(path, arrays | {"subset": self.subset.astype(np.int32), HEADER_KEY: encode_header(header)})
 
     @classmethod
-    def load(cls, target, path) -> EagleDraft:
-        """A draft saved by ``save``; CheckpointError (one line) for another format, a draft trained for
-        another target, or an array of another name, shape or dtype (all before any array is read), or not finite."""
+    def load(cls, target, path, keep_blocks: bool = True) -> EagleDraft:
+        """A draft saved by ``save``, its matrices in the target's blocks unless ``keep_blocks`` is False;
+        CheckpointError (one line) for another format, a draft trained for another target, or an array of
+        another name, shape or dtype (all before any array is read), or not finite."""
         header, arrays = read_npz(path, lambda header: draft_layout(header, target, path), DRAFT_KIND)
         subset = arrays.pop("subset")
-        return cls(target, arrays, subset)
+        return cls(target, arrays, subset, keep_blocks)
 
 
 def draft_layout(header: dict, target, path) -> dict:

@@ -180,8 +180,13 @@ class Blocks:
         """Dequantize only the rows ``ids`` (an embedding lookup).  ids (...) ints -> (..., k) float32
 
         Example: a Q8_0 (49152, 576) token table and ids (1, 3) -> (1, 3, 576), three rows read."""
+        return self.unpack(ids).dequantize().reshape(*np.shape(ids), self.k)
+
+    def unpack(self, ids):
+        """The rows ``ids`` as blocks of this format (their bytes copied, nothing dequantized), as
+        ``qkernels.Packed.unpack`` gives them.  ids (...) ints -> (n, k) in this format"""
         flat = ids.reshape(-1) if hasattr(ids, "reshape") else np.asarray(ids).reshape(-1)
-        return type(self)(self.raw[flat], self.k).dequantize().reshape(*np.shape(ids), self.k)
+        return type(self)(self.raw[flat], self.k)
 
     def __getitem__(self, ids):
         """``table[ids]`` as for a float32 table: ``rows(ids)``."""
@@ -210,6 +215,11 @@ def kept_in_blocks(w) -> bool:
     """True for a weight kept in quantized blocks (a ``Blocks``, or ``qkernels.Packed``): not an array, a
     weight that knows its own product (``w.product(x)``, which ``backend.weight_product`` calls)."""
     return hasattr(w, "product")
+
+
+def block_format(w) -> type:
+    """The format class (``Q8_0``, ``Q4_1``) of a weight kept in blocks, read from one row."""
+    return type(w.unpack(np.arange(1)))
 
 
 def as_blocks(w) -> Blocks:

@@ -25,6 +25,7 @@ from minillm.eagle_train import draft_forward_backward, rms_norm_backward, rope_
 from minillm.generate import generate
 from minillm.kv_cache import KVCache, MaskedView
 from minillm.llama import Llama, apply_rope, rms_norm, rope_cos_sin
+from minillm.quantize import as_blocks, block_format, kept_in_blocks
 from minillm.sampling import SamplingSettings
 from minillm.token_tree import Round, TokenTree, tree_generate, verify_tree
 
@@ -450,6 +451,74 @@ def test_greedy_output_is_plain_decoding(target, draft, mode, n_new):
     proposer = EagleProposer(draft, mode, depth=4, top_k=2, width=2, max_nodes=8)
     out = tree_generate(target, PROMPT, n_new, proposer, temperature=0.0)
     assert out.tokens == generate(target, PROMPT, n_new, temperature=0.0).tokens
+
+
+# ----------------------------------------------------------------------------------------------
+# a draft kept in the target's blocks
+
+
+@pytest.fixture(scope="module")
+def block_pair():
+    """A Llama kept in Q8_0 / Q4_1 blocks (SmolLM2's layout) and, on it, a draft loaded to draft (keep_blocks)
+    beside the float32 draft of the same dequantized weights: (target, draft in blocks, its float32 reference)."""
+    from test_quantized_model import TINY, tiny_params
+
+    target = Llama(TINY, tiny_params()[0])
+    subset = list(range(0, TINY.vocab_size, 3))
+    params = {k: to_numpy(v) for k, v in EagleDraft.init(target, subset, seed=1).params.items()}
+    rng = np.random.default_rng(4)
+    params = {k: v + rng.normal(0.0, 0.05, v.shape).astype(np.float32) for k, v in params.items()}
+    blocks = EagleDraft(target, params, subset, keep_blocks=True)
+    dense = {k: as_blocks(v).dequantize() if kept_in_blocks(v) else to_numpy(v) for k, v in blocks.params.items()}
+    return target, blocks, EagleDraft(target, dense, subset)
+
+
+@pytest.mark.uses_exercise("13.1", "8.1", "8.2", "8.3")
+def test_a_draft_in_blocks_keeps_the_targets_formats_and_head_bytes(block_pair):
+    """Every matrix of the draft in the format of the target's matching matrix (fc: its q_proj's), the norms
+    float32, and the head E_S the target's own blocks of the rows S, byte for byte (not requantized)."""
+    target, draft, _ = block_pair
+    last = f"layers.{target.config.n_layer - 1}."
+    for name, p in draft.params.items():
+        if len(p.shape) == 1:
+            assert not kept_in_blocks(p), name
+            continue
+        like = target.params[last + ("self_attn.q_proj.weight" if name == "fc.weight" else name[len("layers.0."):])]
+        assert block_format(p) is block_format(like), name
+    head = draft.layer.lm_head
+    assert kept_in_blocks(head)
+    np.testing.assert_array_equal(as_blocks(head).raw, as_blocks(target.lm_head).unpack(draft.subset).raw)
+
+
+@pytest.mark.uses_exercise("13.1", "8.1", "8.2", "8.3", "3.1", "3.3")
+def test_a_draft_in_blocks_steps_as_its_dequantized_self(block_pair):
+    """The kernels' products against the float32 products of the same weights: features and subset logits
+    within float32 rounding, on a prefill and on cached single steps."""
+    target, blocks, dense = block_pair
+    rng = np.random.default_rng(0)
+    feats = rng.normal(0.0, 1.0, (7, target.config.n_embd)).astype(np.float32)
+    tokens = [int(t) for t in rng.integers(0, target.config.vocab_size, 7)]
+    caches = [d.new_cache(16) for d in (blocks, dense)]
+    for rows in (slice(0, 5), slice(5, 6), slice(6, 7)):
+        (fq, lq), (fd, ld) = (d.step(feats[rows], tokens[rows], c) for d, c in zip((blocks, dense), caches))
+        for got, want in ((fq, fd), (lq, ld)):
+            got, want = to_numpy(got), to_numpy(want)
+            assert np.abs(got - want).max() <= 2e-4 * np.abs(want).max()
+
+
+@USES
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_a_draft_in_blocks_is_lossless_greedy(block_pair, mode):
+    target, draft, _ = block_pair
+    proposer = EagleProposer(draft, mode, depth=4, top_k=2, width=2, max_nodes=8)
+    out = tree_generate(target, PROMPT, 24, proposer, temperature=0.0)
+    assert out.tokens == generate(target, PROMPT, 24, temperature=0.0).tokens
+
+
+def test_a_draft_in_blocks_is_not_saved(block_pair, tmp_path):
+    with pytest.raises(ValueError, match="keeps its weights in blocks"):
+        block_pair[1].save(tmp_path / "d.npz")
+    assert not (tmp_path / "d.npz").exists()
 
 
 # ----------------------------------------------------------------------------------------------
