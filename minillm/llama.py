@@ -28,7 +28,7 @@ import numpy as np
 
 from .backend import is_gpu, on_device, to_numpy, weight_product, xp
 from .config import LlamaConfig
-from .model import DEFAULT_ATTENTION, INIT_STD, check_layers, check_params, get_attention, token_positions
+from .model import DEFAULT_ATTENTION, INIT_STD, check_layers, check_params, get_attention, host_float32, token_positions
 from .nn import apply_rope, merge_heads, repeat_kv, rms_norm, rope_cos_sin, silu, split_heads
 from .quantize import Blocks, as_blocks, concat_rows, kept_in_blocks
 
@@ -238,5 +238,6 @@ class Llama(LlamaOps):
         return weight_product(h, self.lm_head)
 
     def numpy_params(self) -> dict:
-        """The parameters as NumPy arrays (for saving)."""
-        return {name: to_numpy(a) for name, a in self.params.items()}
+        """The parameters as float32 NumPy arrays, laid out as ``config.param_shapes()`` says (for saving, a copy):
+        a matrix kept in blocks (``weights="q"``) is dequantized to the [out, in] rows the fp32 load holds."""
+        return {name: host_float32(a) if kept_in_blocks(a) else to_numpy(a) for name, a in self.params.items()}

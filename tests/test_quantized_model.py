@@ -86,6 +86,20 @@ def test_tiny_quantized_embedding_looks_up_rows():
 
 
 @pytest.mark.uses_exercise("13.1")  # Q4_1.quantize
+def test_numpy_params_of_blocks_are_float32_arrays():
+    """numpy_params of the model in blocks: float32 arrays in the config's shapes, equal to those of the same
+    weights dequantized at load (a stacked q/k/v row slice, a down projection, the tied table, a norm gain).
+    Fails for a packed weight handed back as it is (an object, not an array)."""
+    blocks, dense = tiny_params(3)
+    q, ref = Llama(TINY, blocks).numpy_params(), Llama(TINY, dense).numpy_params()
+    for name in ["layers.0.self_attn.k_proj.weight", "layers.1.mlp.down_proj.weight", "embed_tokens.weight",
+                 "layers.1.post_attention_layernorm.weight"]:
+        assert isinstance(q[name], np.ndarray) and q[name].dtype == np.float32, name
+        np.testing.assert_array_equal(q[name], ref[name], err_msg=name)
+    assert {n: a.shape for n, a in q.items()} == TINY.param_shapes()
+
+
+@pytest.mark.uses_exercise("13.1")  # Q4_1.quantize
 def test_mixed_formats_cannot_share_a_product():
     """q in Q4_1 and k in Q8_0 cannot be stacked into one product: a clear error, nothing half-built."""
     blocks, _ = tiny_params(2)
