@@ -94,6 +94,21 @@ def rng():
     return np.random.default_rng(0)
 
 
+@pytest.fixture
+def array_reads(monkeypatch):
+    """The shapes of the .npy arrays read while the test runs (a file's JSON header is one of them): a test of
+    "refused before any array is read" clears the list after writing its file, then loads it."""
+    reads, real = [], np.lib.format.read_array
+
+    def counted(*args, **kwargs):
+        array = real(*args, **kwargs)
+        reads.append(array.shape)
+        return array
+
+    monkeypatch.setattr(np.lib.format, "read_array", counted)
+    return reads
+
+
 # Hypothesis's "explain" phase (with the patch file it writes) takes ~40 s per failing property test
 # here, which a student edition hits at once; the shrunk failing example is what a reader needs.
 settings.register_profile("minillm", phases=[p for p in Phase if p is not Phase.explain])

@@ -126,7 +126,7 @@ def test_stale_temp_files_of_one_destination_are_removed(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.npz", "m.npz.notes.tmp", "other.npz.ab_cd123.tmp"]
 
 
-def test_declared_shapes_are_checked_before_any_array_is_read(tmp_path, tiny_model, monkeypatch):
+def test_declared_shapes_are_checked_before_any_array_is_read(tmp_path, tiny_model, array_reads):
     """A small compressed file whose wte declares a huge shape (here 13 x 2,000,000 zeros, 40 kB on
     disk, 104 MB once read) was decompressed in full before the model refused it: the member headers
     are checked against the config first, and no array is read."""
@@ -137,42 +137,29 @@ def test_declared_shapes_are_checked_before_any_array_is_read(tmp_path, tiny_mod
     np.savez_compressed(bomb, **arrays, **{HEADER_KEY: encode_header(header)})
     assert bomb.stat().st_size < 1_000_000
 
-    reads = count_array_reads(monkeypatch)
+    array_reads.clear()
     with pytest.raises(CheckpointError) as exc_info:
         load_model(bomb)
     assert "wte.weight declares shape (13, 2000000)" in one_line(exc_info) and "bomb.npz" in str(exc_info.value)
-    assert len(reads) == 1 and reads[0][0] < 10_000  # the JSON header alone
-
-
-def count_array_reads(monkeypatch) -> list:
-    """The shapes of the .npy arrays read from now on (the JSON header is one of them)."""
-    reads, real = [], np.lib.format.read_array
-
-    def counted(*args, **kwargs):
-        array = real(*args, **kwargs)
-        reads.append(array.shape)
-        return array
-
-    monkeypatch.setattr(np.lib.format, "read_array", counted)
-    return reads
+    assert len(array_reads) == 1 and array_reads[0][0] < 10_000  # the JSON header alone
 
 
 @pytest.mark.parametrize("dtype", [np.int8, np.complex64, np.float64])
-def test_weights_of_another_dtype_are_refused_before_any_array_is_read(tmp_path, tiny_model, monkeypatch, dtype):
+def test_weights_of_another_dtype_are_refused_before_any_array_is_read(tmp_path, tiny_model, array_reads, dtype):
     """int8 or complex weights were cast to float32 and ran (complex ones losing their imaginary part):
     a weight must be float16 or float32, as save_model writes it, checked from the member headers."""
     save_model(tmp_path / "good.npz", tiny_model, CharTokenizer("abcdefghijklm"))
     header, arrays = read_npz(tmp_path / "good.npz")
     arrays["ln_f.weight"] = arrays["ln_f.weight"].astype(dtype)
     write_checkpoint(tmp_path / "bad.npz", header, arrays)
-    reads = count_array_reads(monkeypatch)
+    array_reads.clear()
     with pytest.raises(CheckpointError) as exc_info:
         load_model(tmp_path / "bad.npz")
     assert f"ln_f.weight is {np.dtype(dtype).name}, expected float16 or float32" in one_line(exc_info)
-    assert len(reads) == 1
+    assert len(array_reads) == 1
 
 
-def test_a_member_that_is_not_the_size_it_declares_is_refused_unread(tmp_path, monkeypatch):
+def test_a_member_that_is_not_the_size_it_declares_is_refused_unread(tmp_path, array_reads):
     """An .npy member whose header declares 2 GB over 16 bytes of data made np.load allocate the 2 GB
     before the read failed; so did any file read without expected shapes. A member that is not an
     array at all is refused too."""
@@ -185,11 +172,11 @@ def test_a_member_that_is_not_the_size_it_declares_is_refused_unread(tmp_path, m
     np.lib.format.write_array_header_1_0(npy, {"descr": "<f8", "fortran_order": False, "shape": (268435456,)})
     with zipfile.ZipFile(lying, "a") as archive:
         archive.writestr("a.npy", npy.getvalue() + bytes(16))
-    reads = count_array_reads(monkeypatch)
+    array_reads.clear()
     with pytest.raises(CheckpointError, match=r"corrupt checkpoint .*lying.npz: member 'a.npy' declares "
                        r"\(268435456,\) float64 but holds 16 bytes"):
         read_npz(lying)
-    assert reads == []
+    assert array_reads == []
     with_notes = tmp_path / "notes.npz"
     write_checkpoint(with_notes, {"format": "x"}, {"a": np.zeros(2)})
     with zipfile.ZipFile(with_notes, "a") as archive:

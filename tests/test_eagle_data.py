@@ -57,20 +57,6 @@ def one_line(exc_info) -> str:
     return message
 
 
-@pytest.fixture
-def array_reads(monkeypatch):
-    """The shapes of the arrays read from .npy data (the JSON header is one of them)."""
-    reads, real = [], np.lib.format.read_array
-
-    def counted(*args, **kwargs):
-        array = real(*args, **kwargs)
-        reads.append(array.shape)
-        return array
-
-    monkeypatch.setattr(np.lib.format, "read_array", counted)
-    return reads
-
-
 # ----------------------------------------------------------------------------------------------
 # the draft file
 
