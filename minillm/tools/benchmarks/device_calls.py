@@ -10,8 +10,8 @@ For the shipped model (or --model, e.g. smollm2-135m), per decoded token of gree
 - the array code, ``model.forward`` with a KVCache, for each attention: greedy generation from a short
   prompt, once with 1 new token and once with 1 + steps; the difference divided by steps is the cost of
   one decoded token (the prefill cancels out);
-- the static step of ``minillm.decode_step`` with the fused kernels, eager: its launches against the
-  budget of 12 per layer plus 8 around the layers;
+- the static decode step, ``fused.StaticStep`` with the fused kernels, eager (counted by
+  ``minillm.decode_step``): its launches against the budget of 12 per layer plus 8 around the layers;
 - the same step captured as a CUDA graph: one graph launch per token.
 """
 
