@@ -8,7 +8,8 @@ What the tests prove, group by group:
     test_spec_rows_*          batched speculative decoding: row i == speculative_generate() alone,
                               greedy and sampled, tokens and statistics; lossless per row (needs 7.1)
     test_round_waste_*        7.2 the padding / rejection accounting of a round
-    test_next_draft_length_*  7.3 the adaptive policy's rule, and the policy in the loop
+    test_next_draft_length_*  7.3 the adaptive policy's rule (its worked example opens the file), and
+                              the policy in the loop
     test_mistake_*            the classic batching mistakes, each planted in the real code and caught
 
 Every check that guards against a classic mistake is also run with the mistake planted (monkeypatched
@@ -41,6 +42,25 @@ from minillm.sampling import logits_to_probs
 from minillm.speculative import speculative_generate
 
 N_PER_PROMPT = 15_000  # rows per prompt in the losslessness test (see its docstring)
+
+
+# ----------------------------------------------------------------------------------------------
+# first, a worked example: 7.3's rule for the next round's draft length (in the loop: the 7.3 section below)
+
+
+@pytest.mark.exercise("7.3")
+def test_next_draft_length_worked_examples():
+    """+1 after full acceptance, -1 after a rejection, within [1, k_max]."""
+    assert next_draft_length(2, 2, 4) == 3
+    assert next_draft_length(4, 4, 4) == 4
+    assert next_draft_length(3, 1, 4) == 2
+    assert next_draft_length(3, 2, 4) == 2
+    assert next_draft_length(1, 0, 4) == 1
+    assert next_draft_length(0, 0, 4) == 1
+
+
+# ----------------------------------------------------------------------------------------------
+# the models, prompts and checks the sections below share
 
 
 def peaked_pair(vocab_size, block_size, n_layer, n_embd, scale, bits, seed):
@@ -383,17 +403,6 @@ def test_round_waste_sums_into_batch_stats():
 
 # ----------------------------------------------------------------------------------------------
 # 7.3 the adaptive policy
-
-
-@pytest.mark.exercise("7.3")
-def test_next_draft_length_worked_examples():
-    """+1 after full acceptance, -1 after a rejection, within [1, k_max]."""
-    assert next_draft_length(2, 2, 4) == 3
-    assert next_draft_length(4, 4, 4) == 4
-    assert next_draft_length(3, 1, 4) == 2
-    assert next_draft_length(3, 2, 4) == 2
-    assert next_draft_length(1, 0, 4) == 1
-    assert next_draft_length(0, 0, 4) == 1
 
 
 @pytest.mark.exercise("7.1", "7.2", "7.3")
