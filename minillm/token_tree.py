@@ -331,6 +331,39 @@ def round_inputs(pending: list, proposal: Proposal):
     return tokens, offsets, mask
 
 
+def verify_round(model, state: Round, proposer: Proposer, rng, rule: str, cache_room: int) -> tuple:
+    """One round of any loop that speculates: the proposer's tree (pruned to ``state.room``; its extra tokens
+    too when ``cache_room`` positions after the root hold them), one target forward over the pending tokens
+    and the tree through a ``MaskedView``, the judgement, and the accepted path's K/V compacted into place.
+
+    -> (emitted tokens, appended to ``state.seq`` too; the tree verified; the accepted path's node ids; the
+    target's hidden states (m, C) at the m positions the cache gained). The last emitted token is not in the
+    cache: it is the next round's root."""
+    seq, cache, room = state.seq, state.cache, state.room
+    pending = seq[len(seq) - state.n_pending:]
+    proposal = proposer.propose(state)
+    if proposal.tree.tokens[0] != seq[-1]:
+        raise ValueError(f"the proposer's tree must be rooted at the last token {seq[-1]}, "
+                         f"got {proposal.tree.tokens[0]}")
+    tree = proposal.tree.pruned(room + 1, room)
+    if tree.size - 1 + len(proposal.extra_tokens) <= cache_room:
+        proposal = replace(proposal, tree=tree)
+    else:  # no room for the extra tokens: they sit this round out
+        proposal = Proposal(tree)
+    tokens, offsets, mask = round_inputs(pending, proposal)
+    view = MaskedView(cache, offsets, mask)
+    h = model.hidden(xp.asarray([tokens]), view)[0]  # (T, C)
+    n0 = len(pending) - 1
+    logits = model.logits(h[n0 : n0 + tree.size])  # (n, V)
+    emitted, path = judge_tree(tree, logits, state.settings, rng, rule, proposal.draft_probs)
+    kept = [*range(n0), *(n0 + i for i in path)]
+    view.keep(kept)
+    extra_logits = model.logits(h[n0 + tree.size :]) if proposal.extra_tokens else None
+    seq += emitted
+    proposer.observe(state, emitted, extra_logits)
+    return emitted, tree, path, h[xp.asarray(kept)]
+
+
 def tree_generate(model, prompt_ids, max_new_tokens, proposer: Proposer, temperature=0.0, top_k=None,
                   top_p=None, seed=0, cache=None, rule: str = "exact") -> GenerationResult:
     """Speculative decoding without a draft model: each round the target verifies a token tree in ONE forward.
@@ -364,31 +397,11 @@ def tree_generate(model, prompt_ids, max_new_tokens, proposer: Proposer, tempera
         cache_room = cache.max_len - cache.length - len(pending)  # positions left after the root
         room = min(cache_room, stop - len(seq) - 1)  # a path of depth d emits d + 1 tokens
         state = Round(seq, len(pending), cache, hidden, room, kept_hidden, settings)
-        proposal = proposer.propose(state)
-        if proposal.tree.tokens[0] != seq[-1]:
-            raise ValueError(f"the proposer's tree must be rooted at the last token {seq[-1]}, "
-                             f"got {proposal.tree.tokens[0]}")
-        tree = proposal.tree.pruned(room + 1, room)
-        if tree.size - 1 + len(proposal.extra_tokens) <= cache_room:
-            proposal = replace(proposal, tree=tree)
-        else:  # no room for the extra tokens: they sit this round out
-            proposal = Proposal(tree)
-        tokens, offsets, mask = round_inputs(pending, proposal)
-        view = MaskedView(cache, offsets, mask)
-        h = model.hidden(xp.asarray([tokens]), view)[0]  # (T, C)
-        n0 = len(pending) - 1
-        logits = model.logits(h[n0 : n0 + tree.size])  # (n, V)
-        emitted, path = judge_tree(tree, logits, settings, rng, rule, proposal.draft_probs)
-        kept = [*range(n0), *(n0 + i for i in path)]
-        view.keep(kept)
+        emitted, tree, path, kept_hidden = verify_round(model, state, proposer, rng, rule, cache_room)
         stats.target_calls += 1
         stats.record_round(tree.depth, len(path) - 1, verified=tree.size - 1)
-        kept_hidden = h[xp.asarray(kept)]  # (m, C)
         hidden = kept_hidden[-1]
-        extra_logits = model.logits(h[n0 + tree.size :]) if proposal.extra_tokens else None
-        seq += emitted
         pending = [emitted[-1]]
-        proposer.observe(state, emitted, extra_logits)
         synchronize()
         t1 = time.perf_counter()
         stats.round_times_s.append(t1 - t0)
