@@ -23,10 +23,8 @@ from pathlib import Path
 
 import numpy as np
 
-from .backend import to_numpy
 from .config import GPTConfig
-from .model import DEFAULT_ATTENTION, GPT
-from .quantize import as_blocks, kept_in_blocks
+from .model import DEFAULT_ATTENTION, GPT, check_weights, host_float32
 from .tokenizer import CharTokenizer
 
 HEADER_KEY = "__header__.json"
@@ -204,13 +202,6 @@ def header_section(header: dict, key: str, path) -> dict:
 # trained add-ons (Medusa heads, an EAGLE draft): files that belong to one model
 
 
-def host_float32(w) -> np.ndarray:
-    """A model's weight as a float32 NumPy array of its own (a copy): an array brought to the host, a weight kept
-    in quantized blocks (``weights="q"``) dequantized by the reference, the very values the float32 load
-    (``weights="fp32"``) holds."""
-    return np.array(to_numpy(as_blocks(w).dequantize() if kept_in_blocks(w) else w), dtype=np.float32)
-
-
 def model_identity(model) -> dict:
     """What ties a trained add-on to one model: its architecture, config and a sha256 of its LM head's float32 values.
 
@@ -312,8 +303,11 @@ def check_destination(path, overwrite: bool = False) -> None:
     remove_stale_temps(path)
 
 
-def load_model(name_or_path, attention: str = DEFAULT_ATTENTION):
-    """'target', 'draft' or a path -> (GPT, CharTokenizer); weights come back as float32."""
+def load_model(name_or_path, attention: str = DEFAULT_ATTENTION, weights: str = "fp32"):
+    """'target', 'draft' or a path -> (GPT, CharTokenizer). The file's weights are read as float32 and kept as
+    ``weights`` says: "fp32", the arrays (the reference); "q", packed once for the CPU kernels
+    (``model.keep_weights``)."""
+    check_weights(weights)
     name = str(name_or_path)
     path = shipped_path(name) if name in SHIPPED else Path(name)
     if name in SHIPPED and not path.is_file():
@@ -326,7 +320,7 @@ def load_model(name_or_path, attention: str = DEFAULT_ATTENTION):
     config = model_config(header, path)
     try:
         tokenizer = CharTokenizer.from_dict(header_section(header, "tokenizer", path))
-        model = GPT(config, arrays, attention=attention)
+        model = GPT(config, arrays, attention=attention, weights=weights)
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, CheckpointError):
             raise

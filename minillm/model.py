@@ -7,6 +7,11 @@
 Parameters are a flat dict named and laid out like Hugging Face GPT-2's state dict without the
 ``transformer.`` prefix (see ``GPTConfig.param_shapes``), so GPT-2 weights map on without renaming.
 
+Weights (``weights``, chapter 13's kernels for the character models): "fp32" keeps the float32 arrays, the
+reference, every product through ``linear``; "q" packs each block's four matrices and the LM head once for
+``minillm.qkernels``'s kernels (F32 panels, ``keep_weights``), the same numbers within float32 rounding. A
+packed model is for inference; training and saving read float32 arrays (``numpy_params``).
+
 ``forward(idx, cache=None)`` is the only entry point. Without a cache it runs the whole sequence
 (training, and the naive "recompute everything" generation). With a cache it runs only the new
 positions and attends over everything cached: prefill (T tokens), decode (1 token) and speculative
@@ -21,13 +26,16 @@ import math
 import numpy as np
 
 from .attention import naive_attention
-from .backend import on_device, to_numpy, weight_product, xp
+from .backend import is_gpu, on_device, to_numpy, weight_product, xp
 from .config import GPTConfig
 from .flash_attention import auto_attention, tiled_attention
 from .kernels.launch import kernel_attention, kernel_attention_v2
 from .nn import gelu, layer_norm, linear, merge_heads, split_heads
+from .quantize import as_blocks, kept_in_blocks
 
 INIT_STD = 0.02  # GPT-2 initialization
+WEIGHTS = ("q", "fp32")  # how a model keeps its weight matrices: for the kernels (chapter 13), or float32 arrays
+BLOCK_MATRICES = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")  # a GPT-2 block's products, [in, out]
 
 # name -> f(q, k, v, causal=True) -> (B, nh, Tq, hs); every choice gives the same logits, paged or not.
 # The one list of the choices: docstrings, errors and the command line name them from here.
@@ -92,16 +100,25 @@ class GPTOps:
         self.config, self.params, self.attention = config, params, attention
 
     def weight(self, name: str) -> tuple:
-        """The weight called name as (w [in, out], bias)."""
-        return self.params[name + ".weight"], self.params[name + ".bias"]
+        """The weight called name as (w [in, out], bias): float32 arrays (TypeError for a weight packed for the
+        kernels: it has no [in, out] array, only its own product)."""
+        w = self.params[name + ".weight"]
+        if kept_in_blocks(w):
+            raise TypeError(f"{name} is packed for minillm.qkernels (weights='q'): it has no [in, out] array, only "
+                            "its own product; load the model with weights='fp32' for its float32 arrays")
+        return w, self.params[name + ".bias"]
 
     def norm_weights(self, name: str) -> tuple:
         """The LayerNorm called name as (w, b)."""
         return self.params[name + ".weight"], self.params[name + ".bias"]
 
     def product(self, x, name: str):
-        """x @ W + b.  (..., in) -> (..., out)"""
-        return self.linear(x, *self.weight(name))
+        """x @ W + b.  (..., in) -> (..., out)
+
+        W [in, out] goes through ``linear``; a weight packed for the kernels (weights="q", [out, in] panels) runs
+        its own product, ``weight_product(x, W)``."""
+        w, b = self.params[name + ".weight"], self.params[name + ".bias"]
+        return weight_product(x, w) + b if kept_in_blocks(w) else self.linear(x, w, b)
 
     def add_norm(self, x, h, name: str):
         """x + h (the residual stream; x itself when h is None) and its LayerNorm ``name`` -> (x, normed)."""
@@ -123,17 +140,21 @@ class GPTOps:
 
 
 class GPT(GPTOps):
-    """GPT-2 with a selectable attention implementation: a name in ``ATTENTION`` (default "auto").
+    """GPT-2 with a selectable attention implementation: a name in ``ATTENTION`` (default "auto"), and its
+    weight matrices kept as ``weights`` says ("fp32", the float32 arrays; "q", packed for the kernels:
+    ``keep_weights``).
 
     The model is its own table of array-code ops (``GPTOps``): ``forward`` runs ``gpt_blocks(self, ...)``.
     """
 
-    def __init__(self, config: GPTConfig, params: dict, attention: str = DEFAULT_ATTENTION):
-        super().__init__(config, check_params(config, params, "GPT"), None)
+    def __init__(self, config: GPTConfig, params: dict, attention: str = DEFAULT_ATTENTION, weights: str = "fp32"):
+        params, self.packed_head = keep_weights(config, check_params(config, params, "GPT"), weights)
+        super().__init__(config, params, None)
+        self.weights = weights
         self.set_attention(attention)
 
     @classmethod
-    def init(cls, config: GPTConfig, seed: int = 0, attention: str = DEFAULT_ATTENTION) -> GPT:
+    def init(cls, config: GPTConfig, seed: int = 0, attention: str = DEFAULT_ATTENTION, weights: str = "fp32") -> GPT:
         """GPT-2 initialization: weights ~ N(0, 0.02), biases 0, LayerNorm gains 1, and the two
         residual projections (attn.c_proj, mlp.c_proj) scaled by 1/sqrt(2 n_layer)."""
         rng = np.random.default_rng(seed)
@@ -148,20 +169,26 @@ class GPT(GPTOps):
                 params[name] = np.ones(shape)
             else:
                 params[name] = np.zeros(shape)
-        return cls(config, {k: v.astype(np.float32) for k, v in params.items()}, attention)
+        return cls(config, {k: v.astype(np.float32) for k, v in params.items()}, attention, weights)
 
     def set_attention(self, name: str) -> None:
         """Switch the attention implementation; every choice gives the same logits."""
         self.attention_name = name
         self.attention = get_attention(name)
 
+    def with_weights(self, weights: str) -> GPT:
+        """A model of the same float32 values, its matrices kept as ``weights`` says: "q" packs them anew, "fp32"
+        holds the float32 arrays (this model's own, when it holds arrays)."""
+        return GPT(self.config, self.numpy_params(), self.attention_name, weights)
+
     def num_params(self) -> int:
         return self.config.num_params()
 
     @property
     def lm_head(self):
-        """(V, C): the LM head, tied to the token embedding."""
-        return self.params["wte.weight"]
+        """(V, C): the LM head, tied to the token embedding (with weights "q" on NumPy, the table packed once for
+        the kernels; the lookups read the float32 table)."""
+        return self.params["wte.weight"] if self.packed_head is None else self.packed_head
 
     def forward(self, idx, cache=None):
         """Token ids (B, T) -> logits (B, T, V) float32.
@@ -195,8 +222,53 @@ class GPT(GPTOps):
         return weight_product(h, self.lm_head)
 
     def numpy_params(self) -> dict:
-        """The parameters as NumPy arrays (for saving)."""
-        return {name: to_numpy(a) for name, a in self.params.items()}
+        """The parameters as NumPy arrays laid out as ``config.param_shapes()`` says (for saving, training, a
+        copy of the model): an array as it is, brought to the host; a matrix packed for the kernels read back from
+        its panels, [out, in] -> its float32 [in, out] array."""
+        return {name: np.ascontiguousarray(host_float32(a).T) if kept_in_blocks(a) else to_numpy(a)  # (in, out)
+                for name, a in self.params.items()}
+
+
+def check_weights(weights: str) -> None:
+    """``weights`` is one of ``WEIGHTS``; ValueError naming the choices otherwise."""
+    if weights not in WEIGHTS:
+        raise ValueError(f"weights={weights!r}: choose from {', '.join(WEIGHTS)}")
+
+
+def keep_weights(config: GPTConfig, params: dict, weights: str) -> tuple[dict, object]:
+    """How a GPT keeps its float32 weight matrices -> (params, the packed LM head or None).
+
+    "fp32": the arrays as they are, the reference (``linear``: BLAS, or ``minillm.streaming``'s kernel).
+    "q": on NumPy each block's four matrices (``BLOCK_MATRICES``, stored [in, out]) packed once, transposed, as
+    F32 panels [out, in] for ``minillm.qkernels`` (``pack``; the product is then ``w.product(x)``, prefill in
+    chunks of 16 rows), and the LM head (wte (V, C), already [out, in]) likewise; the embedding tables stay
+    arrays for their lookups. On a device (CuPy, the strict stand-in) the arrays stay, as every weight there
+    stays in what the device multiplies (``llama.model_weight``): "q" is then "fp32".
+
+    The F32 panels hold the same float32 values, so "q" differs from "fp32" by the rounding of sums taken in
+    another order (tests/test_gpt_qkernels.py)."""
+    check_weights(weights)
+    if weights == "fp32" or is_gpu():
+        return params, None
+    from .qkernels import pack  # numba, imported when a model first packs
+
+    packed = {f"h.{i}.{m}.weight": pack(to_numpy(params[f"h.{i}.{m}.weight"]).T)  # [in, out] -> [out, in] panels
+              for i in range(config.n_layer) for m in BLOCK_MATRICES}
+    return params | packed, pack(to_numpy(params["wte.weight"]))
+
+
+def host_float32(w) -> np.ndarray:
+    """A model's weight as a float32 NumPy array of its own (a copy): an array brought to the host as it is laid
+    out; a weight kept for the kernels (``weights="q"``) as its [out, in] rows, the very values the float32 load
+    (``weights="fp32"``) holds: quantized blocks dequantized by the reference, F32 panels (a GPT's) read back.
+
+    The read-back is ``qkernels.pack``'s F32 line inverted, panels (m/P, k, P) -> rows (m, k) (``Packed.unpack``
+    gives back only the block formats)."""
+    if kept_in_blocks(w) and getattr(w, "format", None) == "F32":
+        (panels,) = w.arrays  # (m/P, k, P), m padded to whole panels
+        m, k = w.shape
+        return np.ascontiguousarray(panels.transpose(0, 2, 1).reshape(-1, k)[:m])  # (m/P, P, k) -> (m, k)
+    return np.array(to_numpy(as_blocks(w).dequantize() if kept_in_blocks(w) else w), dtype=np.float32)
 
 
 def check_params(config, params: dict, model_name: str) -> dict:

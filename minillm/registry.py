@@ -7,6 +7,8 @@
 
 A GGUF model keeps its Q8_0 / Q4_1 matrices in the file's blocks (``weights="q"``, the default; chapter 13)
 or dequantizes them to float32 at load (``weights="fp32"``, the reference, one option away: ``--weights fp32``).
+A character model asked for ``weights="q"`` packs its float32 matrices once for the same CPU kernels
+(``model.keep_weights``); by default it keeps its float32 arrays, which the chapters' notebooks read.
 """
 
 from __future__ import annotations
@@ -17,9 +19,9 @@ from pathlib import Path
 
 from . import checkpoint
 from .bpe import bpe_from_metadata
-from .gguf import WEIGHTS, GGUFError, open_gguf, read_llama, read_metadata
+from .gguf import GGUFError, open_gguf, read_llama, read_metadata
 from .llama import Llama
-from .model import DEFAULT_ATTENTION
+from .model import DEFAULT_ATTENTION, WEIGHTS
 from .quantize import QuantError
 
 SMOLLM2 = "smollm2-135m"
@@ -99,18 +101,20 @@ def load_gguf(path, attention: str = DEFAULT_ATTENTION, weights: str = DEFAULT_W
         raise GGUFError(f"{path}: {exc}; weights='fp32' (--weights fp32) loads every matrix as float32") from exc
 
 
-def load_model(name_or_path, attention: str = DEFAULT_ATTENTION, weights: str = DEFAULT_WEIGHTS):
+def load_model(name_or_path, attention: str = DEFAULT_ATTENTION, weights: str | None = None):
     """A model name (``KNOWN_MODELS``) or a .npz / .gguf path -> (model, tokenizer).
 
-    ``weights`` ("q" or "fp32", ``WEIGHTS``) says how a .gguf model keeps its quantized matrices (``load_gguf``);
-    a .npz checkpoint is float32 either way."""
+    ``weights`` ("q" or "fp32", ``WEIGHTS``) says how the model keeps its weight matrices: "q" for the CPU kernels
+    (a .gguf's blocks, ``load_gguf``; a .npz's float32 matrices packed, ``checkpoint.load_model``), "fp32" as float32
+    arrays, the reference. None: each kind's default, the blocks for a .gguf (``DEFAULT_WEIGHTS``), the arrays for a
+    .npz. The command line passes ``--weights`` (default ``DEFAULT_WEIGHTS``) for both."""
     name = str(name_or_path)
-    if weights not in WEIGHTS:
+    if weights is not None and weights not in WEIGHTS:
         raise GGUFError(f"weights={weights!r}: choose from {', '.join(WEIGHTS)}")
     if name == SMOLLM2 or name.endswith(".gguf"):
-        return load_gguf(gguf_path(name), attention, weights)
+        return load_gguf(gguf_path(name), attention, DEFAULT_WEIGHTS if weights is None else weights)
     if name in checkpoint.SHIPPED or name.endswith(".npz") or Path(name).exists():
-        return checkpoint.load_model(name, attention)
+        return checkpoint.load_model(name, attention, "fp32" if weights is None else weights)
     raise checkpoint.CheckpointError(
         f"unknown model {name!r}: use one of {', '.join(KNOWN_MODELS)}, or the path of a .npz or .gguf file"
     )

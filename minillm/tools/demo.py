@@ -3,6 +3,8 @@
 1. Speculative decoding (chapter 5): the shipped character-level target writes a passage twice, once
    with plain cached decoding (``minillm.generate``) and once with speculative decoding (the shipped
    1-layer draft proposing K tokens per target call), then prints both passages and a stats table.
+   Both models multiply through chapter 13's CPU kernels (``--weights q``, the default) or their float32
+   arrays (``--weights fp32``), the same for both passages.
 2. A real model: SmolLM2-135M-Instruct (chapter 8), run from its 4-bit GGUF in plain arrays, answers
    a question; the answer streams as it is generated, then its TTFT and tokens/s.
 3. The same answer with and without speculation by the shipped EAGLE draft (chapter 11): after a
@@ -58,7 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--repeats", type=int_in(1, 20), default=2,
                    help="part 3: timed runs of each, plain and EAGLE, alternating (default 2)")
     p.add_argument("--no-real-model", action="store_true", help="skip parts 2 and 3 (SmolLM2)")
-    add_weights_option(p)  # parts 2 and 3: SmolLM2 in its file's blocks (q) or dequantized (fp32)
+    add_weights_option(p)  # every part: the CPU kernels (q: SmolLM2's blocks, the character models packed) or fp32
 
 
 def main(argv=None) -> int:
@@ -141,8 +143,8 @@ def run(args) -> int:
         SamplingSettings(args.temperature)  # refuses bad values before the models load
         if not args.no_real_model:
             check_message(args.question, "--question")
-        target, tok = load_model("target")
-        draft, _ = load_model("draft")
+        target, tok = load_model("target", weights=args.weights)
+        draft, _ = load_model("draft", weights=args.weights)
         prompt = tok.encode(args.prompt)
     except (CheckpointError, ValueError) as exc:
         print(f"error: {exc}", file=sys.stderr)

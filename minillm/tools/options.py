@@ -93,14 +93,16 @@ def check_kv_pool(config, num_blocks: int, page_size: int) -> int:
 
 
 def add_weights_option(p: argparse.ArgumentParser) -> None:
-    """``--weights q|fp32``, for every command that loads a model by name: how a GGUF model (smollm2-135m, a .gguf)
-    keeps its quantized matrices (``registry.load_model``); a .npz checkpoint is float32 either way."""
-    from ..gguf import WEIGHTS
+    """``--weights q|fp32``, for every command that loads a model by name: how the model keeps its weight matrices
+    (``registry.load_model``): q for the CPU kernels (a GGUF model's quantized blocks, smollm2-135m or a .gguf; a
+    character model's float32 matrices packed once), fp32 as float32 arrays, the reference."""
+    from ..model import WEIGHTS
     from ..registry import DEFAULT_WEIGHTS
 
     p.add_argument("--weights", choices=WEIGHTS, default=DEFAULT_WEIGHTS,
-                   help="a GGUF model's quantized matrices: q, kept in the file's blocks (the default), or fp32, "
-                   "dequantized at load (the float32 reference)")
+                   help="how the model keeps its weight matrices: q, for the CPU kernels (the default: a GGUF "
+                   "model's quantized blocks as the file holds them, a character model's float32 matrices "
+                   "packed once), or fp32, float32 arrays (a GGUF's dequantized at load: the reference)")
 
 
 def list_of(item):

@@ -1,7 +1,9 @@
 """``python -m minillm bench speculative``: speed-up of speculative decoding over plain cached decoding.
 
 For the shipped target with each draft (the trained 1-layer draft, its int8-quantized copy and a
-corpus bigram), K = 1..8, greedy and temperature 1:
+corpus bigram), K = 1..8, greedy and temperature 1, every model's matrices kept as ``--weights`` says
+(``q``, the default: packed once for chapter 13's CPU kernels, ``minillm.qkernels``; ``fp32``: the float32
+arrays through ``backend.weight_product``, the old path), the same weights for plain and speculative decoding:
 
 1. validate: greedy speculative output == ``generate(target, temperature=0)`` for every prompt;
 2. measure costs: c = draft decode step / target decode step, and v(K) = target forward over
@@ -10,9 +12,10 @@ corpus bigram), K = 1..8, greedy and temperature 1:
 3. time every speculative configuration in alternation with the target's own cached decoding
    (``minillm.measure.time_paired``: same prompts, same number of new tokens, medians of ``--repeat`` runs
    each after a warm-up), so each speed-up compares runs made under the same machine load;
-4. print a table: alpha, tokens per target call measured beside (1 - a^(K+1)) / (1 - a), the
-   measured speed-up beside Leviathan et al.'s (1 - a^(K+1)) / ((1 - a)(K c + 1)) and beside a
-   cost model that uses the measured v(K); save the figure spec_speedup.png.
+4. print a table: alpha, tokens per target call measured beside (1 - a^(K+1)) / (1 - a), ms per token
+   of plain and of speculative decoding (the paired runs), the measured speed-up beside Leviathan
+   et al.'s (1 - a^(K+1)) / ((1 - a)(K c + 1)) and beside a cost model that uses the measured v(K);
+   save the figure spec_speedup.png.
 
 Prompts come from the validation split (text the models never trained on); prompt + generation
 fits the 256-token context, so no window is re-prefilled.
@@ -31,8 +34,9 @@ from ...drafts import BigramDraft, quantize_weights
 from ...generate import generate
 from ...measure import step_ratio, step_time, time_paired, verify_cost
 from ...notebook import format_table
+from ...quantize import kept_in_blocks
 from ...speculative import expected_speedup, expected_tokens_per_call, speculative_generate
-from ..options import count, nonnegative_float_list, positive_int_list
+from ..options import add_weights_option, count, nonnegative_float_list, positive_int_list
 from .common import BenchmarkError, add_output_args, figure_dir, new_tokens_in_context, progress, save_figure
 from .common import (
     parse_args as common_parse_args,
@@ -58,6 +62,7 @@ def parse_args(argv):
     p.add_argument("--target", default="target", help="target model: 'target' or a .npz path")
     p.add_argument("--draft", default="draft", help="draft model: 'draft' or a .npz path")
     p.add_argument("--quick", action="store_true", help="K in 1,2,4,8; 2 prompts; 1 run each")
+    add_weights_option(p)  # every model of every comparison: plain and speculative decoding share them
     args = common_parse_args(p, argv)
     if args.quick:
         args.ks, args.prompts, args.repeat = [1, 2, 4, 8], 2, 1
@@ -80,6 +85,13 @@ def run_speculative(target, draft, prompts, n_new, k, temperature):
         tot["checked"] += s.checked
         tot["calls"] += s.target_calls
     return outs, tot
+
+
+def describe_weights(model, weights: str) -> str:
+    """One line: which weights every model of the comparison multiplies by (``--weights``), and through what."""
+    how = ("every matrix packed once as F32 panels for the CPU kernels (minillm.qkernels)"
+           if kept_in_blocks(model.lm_head) else "float32 arrays (backend.weight_product)")
+    return f"weights {weights}: {how}, the same for plain and speculative decoding"
 
 
 def plot(rows, ks, out_dir):
@@ -127,9 +139,9 @@ def _pooled_alpha(group):
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
-    target, tok = load_model(args.target)
-    base_draft, _ = load_model(args.draft)
-    drafts = {"draft": base_draft, "int8": quantize_weights(base_draft, bits=8),
+    target, tok = load_model(args.target, weights=args.weights)
+    base_draft, _ = load_model(args.draft, weights=args.weights)
+    drafts = {"draft": base_draft, "int8": quantize_weights(base_draft, bits=8).with_weights(args.weights),
               "bigram": BigramDraft.from_corpus(tok)}
     drafts = {name: drafts[name] for name in args.drafts}
     prompts = validation_prompts(tok, args.prompts, args.prompt_len)
@@ -137,15 +149,22 @@ def main(argv: list[str]) -> int:
     print(f"target: {target.num_params():,} params; drafts: "
           + ", ".join(f"{n} ({d.num_params():,})" for n, d in drafts.items())
           + f"; {len(prompts)} prompts x {n_new} new tokens; K in {args.ks}")
+    print(describe_weights(target, args.weights))
 
     # 1. validate: greedy speculative decoding is the target's greedy decoding
     reference = [generate(target, p, n_new, temperature=0).tokens for p in prompts]
+    if kept_in_blocks(target.lm_head):  # the kernels first: the packed target writes what the float32 one writes
+        arrays = target.with_weights("fp32")
+        if [generate(arrays, p, n_new, temperature=0).tokens for p in prompts] != reference:
+            raise BenchmarkError("the target on the kernels (--weights q) decodes other greedy tokens than with "
+                                 "--weights fp32")
     for name, draft in progress(drafts.items(), "validate", total=len(drafts)):
         for k in sorted({min(args.ks), max(args.ks)}):
             outs, _ = run_speculative(target, draft, prompts, n_new, k, 0.0)
             if outs != reference:
                 raise BenchmarkError(f"greedy speculative decoding with {name}, K={k} differs from generate()")
-    print("validated: greedy speculative output == generate(target, temperature=0) for every draft")
+    print("validated: greedy speculative output == generate(target, temperature=0) for every draft"
+          + (", and the target's greedy output is the float32 target's" if kept_in_blocks(target.lm_head) else ""))
 
     # 2. costs in target decode steps
     t_step = step_time(target, 1)
@@ -177,7 +196,8 @@ def main(argv: list[str]) -> int:
                 rows.append({
                     "draft": name, "T": temp, "K": k, "alpha": alpha,
                     "tok/call": per_call, "formula": expected_tokens_per_call(alpha, k),
-                    "c": c[name], "tok/s": n_total / wall, "speed-up": base_s / wall,
+                    "c": c[name], "plain ms/tok": base_s / n_total * 1e3, "ms/tok": wall / n_total * 1e3,
+                    "tok/s": n_total / wall, "speed-up": base_s / wall,
                     "theory": expected_speedup(alpha, k, c[name]),
                     "cost model": per_call / (k * c[name] + v[k]),
                     "_accepted": tot["accepted"], "_checked": tot["checked"],
@@ -185,11 +205,13 @@ def main(argv: list[str]) -> int:
                 print(f"  {name:6s} T={temp:g} K={k}: alpha {alpha:.3f}, {per_call:.2f} tok/call, "
                       f"speed-up {base_s / wall:.2f}x", flush=True)
         base_row["tok/s"] = n_total / statistics.median(base_times)  # over every pairing
+        base_row["ms/tok"] = base_row["plain ms/tok"] = statistics.median(base_times) / n_total * 1e3
 
     # 4. report
-    columns = ["draft", "T", "K", "alpha", "tok/call", "formula", "c", "tok/s", "speed-up", "theory",
-               "cost model"]
+    columns = ["draft", "T", "K", "alpha", "tok/call", "formula", "c", "plain ms/tok", "ms/tok", "tok/s", "speed-up",
+               "theory", "cost model"]
     print()
+    print(f"weights {args.weights}; plain ms/tok: the target alone in the runs paired with each row")
     print(format_table(rows, columns))
     for temp in args.temperatures:
         for name in drafts:
