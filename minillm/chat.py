@@ -84,10 +84,14 @@ class Chat:
         if self.cache.length + len(ids) >= self.cache.max_len:
             raise CacheFullError(f"the conversation needs {self.cache.length + len(ids)} tokens plus a reply but the "
                                  f"context holds {self.cache.max_len}: /reset to start over")
-        logits = prefill(self.model, ids, self.cache)  # (V,)
+        logits = self.feed(ids)
         self.messages.append({"role": "user", "content": message})
         self.cached_text, self.pending = full, []
         return logits, len(ids)
+
+    def feed(self, ids: list):
+        """Run the turn's new tokens into the cache (in pieces, ``generate.prefill``) -> the last one's logits (V,)."""
+        return prefill(self.model, ids, self.cache)
 
     def turn(self, message: str, max_new_tokens: int = 256, temperature: float = 0.2, top_k=None, top_p=None,
              on_text=None) -> Reply:
@@ -111,26 +115,12 @@ class Chat:
             raise
 
     def reply(self, message, max_new_tokens, settings: SamplingSettings, on_text) -> Reply:
-        """The turn itself: prefill the new tokens, then sample, stream and feed one token at a time."""
+        """The turn itself: prefill the new tokens, then ``decode`` the reply, streaming its text."""
         t0, cached = time.perf_counter(), self.cache.length
         logits, fed = self.prefill(message)
-        tokens, times = [], []
         text = TextStream(self.tokenizer)
-        while True:  # each pass samples a token; the reply grows until one of the two breaks
-            token = settings.next_token(logits, self.rng)
-            times.append(time.perf_counter() - t0)
-            if token == self.tokenizer.eos_token_id:
-                finish = "end of turn"
-                break
-            tokens.append(token)
-            if on_text is not None:
-                on_text(text.push(token))
-            cache_full = self.cache.length == self.cache.max_len
-            if cache_full or len(tokens) == max_new_tokens:
-                finish = "context full" if cache_full else "max_new_tokens"
-                self.pending = [token]  # sampled, not fed: the next turn feeds it first
-                break
-            logits = self.model.forward(xp.asarray([[token]]), self.cache)[0, -1]  # (V,)
+        emit = (lambda token: on_text(text.push(token))) if on_text is not None else (lambda token: None)
+        tokens, times, finish = self.decode(logits, max_new_tokens, settings, emit, t0)
         if on_text is not None:
             on_text(text.flush())
         text = self.tokenizer.decode(tokens)
@@ -142,6 +132,24 @@ class Chat:
                                 step_times_s=steps.tolist(), kv_bytes=self.cache.nbytes,
                                 kv_bytes_used=self.cache.bytes_used, reused_prefix_tokens=cached)
         return Reply(text, tokens, finish, stats)
+
+    def decode(self, logits, max_new_tokens: int, settings: SamplingSettings, emit, t0: float) -> tuple:
+        """Sample, ``emit`` and feed one token at a time from the first token's logits (V,) until the end of the
+        turn -> (tokens, the time of each sample since t0, why it ended). A reply cut short leaves its last
+        token in ``pending`` (sampled, not fed: the next turn feeds it first)."""
+        tokens, times = [], []
+        while True:  # each pass samples a token; the reply grows until one of the two returns
+            token = settings.next_token(logits, self.rng)
+            times.append(time.perf_counter() - t0)
+            if token == self.tokenizer.eos_token_id:
+                return tokens, times, "end of turn"
+            tokens.append(token)
+            emit(token)
+            cache_full = self.cache.length == self.cache.max_len
+            if cache_full or len(tokens) == max_new_tokens:
+                self.pending = [token]
+                return tokens, times, "context full" if cache_full else "max_new_tokens"
+            logits = self.model.forward(xp.asarray([[token]]), self.cache)[0, -1]  # (V,)
 
 
 def pieces_after(pieces, n: int) -> list:

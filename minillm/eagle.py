@@ -109,7 +109,7 @@ def subset_coverage(counts, sizes) -> dict:
 
 def draft_param_shapes(config, subset_size: int) -> dict:
     """The trained parameters: fc (C, 2C) [out, in], one decoder layer and the final norm of the target's shape."""
-    layer = replace(config, n_layer=1, vocab_size=subset_size)
+    layer = replace(config, n_layer=1, vocab_size=subset_size, tie_embeddings=True)  # its head: E_S
     shapes = {k: v for k, v in layer.param_shapes().items() if k != "embed_tokens.weight"}
     return {"fc.weight": (config.n_embd, 2 * config.n_embd)} | shapes
 
@@ -149,7 +149,7 @@ class EagleDraft:
             if name not in params or tuple(params[name].shape) != shape:
                 got = tuple(params[name].shape) if name in params else "missing"
                 raise ValueError(f"EAGLE draft parameter {name}: expected shape {shape}, got {got}")
-        self.config = replace(cfg, n_layer=1, vocab_size=len(subset))
+        self.config = replace(cfg, n_layer=1, vocab_size=len(subset), tie_embeddings=True)  # the head E_S
         head = target.lm_head
         if keep_blocks:
             params = in_target_format(target, params)

@@ -11,6 +11,8 @@ from ..registry import load_model
 from ..sampling import SamplingSettings
 from .options import MAX_NEW_TOKENS, add_weights_option, finite_float, new_tokens, positive_int, seed_int
 
+SPECULATE = ("off", "eagle", "lookup", "auto")
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The chat options, for this module's parser and for a ``chat`` subcommand of the CLI."""
@@ -24,6 +26,29 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--context", type=positive_int, help="KV cache length in tokens (default: the model's context)")
     p.add_argument("--seed", type=seed_int, default=0, help="sampling seed, 0 to 2**63 - 1 (default 0)")
     p.add_argument("--prompt", help="answer this one message and exit (no interactive loop)")
+    p.add_argument("--speculate", choices=SPECULATE, default="off",
+                   help="decode replies speculatively: eagle (the EAGLE draft), lookup (prompt lookup), auto (plain, "
+                   "eagle and lookup each timed on the first replies, the fastest kept); the replies are the "
+                   "model's own (default off)")
+    p.add_argument("--eagle-draft", metavar="DRAFT.npz", default=None,
+                   help="--speculate eagle or auto: a draft written by eagle-train (default: the one shipped)")
+
+
+def new_chat(args, model, tokenizer):
+    """A ``Chat``, or with ``--speculate`` a ``SpeculativeChat`` on the proposers it names."""
+    options = {"system": args.system, "max_len": args.context, "seed": args.seed}
+    if args.speculate == "off":
+        return Chat(model, tokenizer, **options)
+    from ..draft_free import PromptLookup
+    from ..eagle import EagleProposer, load_draft
+    from ..speculative_chat import SpeculativeChat
+
+    proposers = {}
+    if args.speculate in ("eagle", "auto"):
+        proposers["eagle"] = EagleProposer(load_draft(model, args.model, args.eagle_draft))
+    if args.speculate in ("lookup", "auto"):
+        proposers["lookup"] = PromptLookup()
+    return SpeculativeChat(model, tokenizer, proposers, args.speculate, **options)
 
 
 def replace_bad_bytes(stream) -> None:
@@ -53,7 +78,8 @@ def run(args, loader=load_model, read=input) -> int:
     if args.prompt is not None:
         check_message(args.prompt, "--prompt")
     model, tokenizer = loader(args.model, weights=args.weights)
-    chat = Chat(model, tokenizer, system=args.system, max_len=args.context, seed=args.seed)
+    chat = new_chat(args, model, tokenizer)
+    told = [False]
 
     def say(message: str) -> int:
         """Stream the reply to stdout, its summary to stderr -> 0; a bad message: one line on stderr -> 1."""
@@ -68,6 +94,10 @@ def run(args, loader=load_model, read=input) -> int:
             return 1
         print()
         print(turn_summary(reply), file=sys.stderr)
+        note = getattr(chat, "choice_note", None)
+        if note and not told[0]:  # once, when --speculate auto has measured its candidates
+            print(f"[{note}]", file=sys.stderr)
+            told[0] = True
         return 0
 
     if args.prompt is not None:

@@ -1,0 +1,164 @@
+"""A chat whose replies speculate, the method chosen by measuring it: ``SpeculativeChat``.
+
+A reply is decoded in rounds (``token_tree.verify_round``): a proposer drafts (EAGLE's draft,
+``minillm.eagle``; prompt lookup, ``minillm.draft_free``), the target verifies the drafts in one forward,
+and the accepted path stays in the conversation's KV cache, which lives from turn to turn as in
+``chat.Chat``. The exact rule keeps the target's distribution: at temperature 0 the reply is plain
+chat's token for token, at any other its tokens are distributed as plain chat's.
+
+Speculation pays only when enough drafts are accepted to cover what drafting and the wider
+verification cost, and that depends on the conversation (a question about a pasted text suits prompt
+lookup, free chat suits neither on some CPUs). So ``speculate="auto"`` measures instead of guessing:
+the first ``trial_tokens`` reply tokens of each candidate -- plain decoding first, then each proposer
+-- are timed (ms per emitted token, over whole rounds), and the fastest decodes from then on.
+``choice_note`` says which won and by what numbers (``python -m minillm chat`` prints it). A named
+proposer ("eagle", "lookup") decodes every reply; its ms/token is in ``measured``.
+
+An EAGLE draft reads the target's hidden state at every cached position. This chat keeps the rows the
+draft has not read yet (``unsynced``: the prefill's, and every round's while another candidate
+decodes) and hands them to the draft's next round, so the draft's own cache stays aligned with the
+target's across turns and candidates.
+"""
+
+from __future__ import annotations
+
+import time
+
+from .backend import xp
+from .chat import Chat
+from .eagle import EagleProposer
+from .generate import PREFILL_CHUNK
+from .token_tree import NoProposal, Round, verify_round
+
+PLAIN = "plain"
+TRIAL_TOKENS = 32  # reply tokens each candidate decodes before "auto" compares them
+
+
+class SpeculativeChat(Chat):
+    """``Chat`` with replies decoded by ``proposers`` ({name: proposer}); ``speculate``: one name, or "auto"."""
+
+    def __init__(self, model, tokenizer, proposers: dict, speculate: str = "auto", system: str | None = None,
+                 max_len: int | None = None, seed: int = 0, trial_tokens: int = TRIAL_TOKENS):
+        if speculate != "auto" and speculate not in proposers:
+            raise ValueError(f"speculate must be 'auto' or one of {sorted(proposers)}, got {speculate!r}")
+        if not isinstance(trial_tokens, int) or not 1 <= trial_tokens <= 4096:
+            raise ValueError(f"trial_tokens must be an int in 1..4096, got {trial_tokens!r}")
+        self.proposers = ({PLAIN: NoProposal()} | proposers) if speculate == "auto" else {
+            speculate: proposers[speculate]}
+        self.chosen = None if speculate == "auto" else speculate
+        self.trial_tokens = trial_tokens
+        self.measured = {name: [0.0, 0] for name in self.proposers}  # seconds, tokens emitted
+        self.choice_note = None
+        super().__init__(model, tokenizer, system=system, max_len=max_len, seed=seed)
+
+    # ---- what the cache holds, and the rows the draft has not read ------------------------------------
+
+    def reset(self) -> None:
+        super().reset()
+        self.seq = []  # the token ids the cache holds, in order (a proposer reads them)
+        self.unsynced = None  # (m, C): the target's hidden states at the last m cached positions
+
+    def reads_features(self) -> bool:
+        return any(isinstance(self.proposers[name], EagleProposer) for name in self.candidates())
+
+    def keep_rows(self, h, read: bool) -> None:
+        """The hidden states h (m, C) of the m positions the cache just gained; ``read``: the draft read
+        those before them this round (its round ran), so they replace the unread rows."""
+        if not self.reads_features():
+            self.unsynced = None
+        elif read or self.unsynced is None:
+            self.unsynced = h
+        else:
+            self.unsynced = xp.concatenate([self.unsynced, h])
+
+    def feed(self, ids: list):
+        """The turn's new tokens into the cache in pieces, their hidden states kept -> the last one's logits (V,)."""
+        rows = [self.model.hidden(xp.asarray([ids[start : start + PREFILL_CHUNK]]), self.cache)[0]
+                for start in range(0, len(ids), PREFILL_CHUNK)]
+        self.seq += ids
+        self.keep_rows(xp.concatenate(rows), read=False)
+        return self.model.logits(rows[-1][-1:])[0]
+
+    def turn(self, message: str, *args, **kwargs):
+        seq = list(self.seq)
+        try:
+            return super().turn(message, *args, **kwargs)
+        except KeyboardInterrupt:  # the base class truncated the cache back; the draft starts over (lossless)
+            self.seq, self.unsynced = seq, None
+            raise
+
+    # ---- the choice ------------------------------------------------------------------------------------
+
+    def candidates(self) -> list:
+        return list(self.proposers) if self.chosen is None else [self.chosen]
+
+    def ms_per_token(self, name: str) -> float:
+        seconds, tokens = self.measured[name]
+        return 1e3 * seconds / max(tokens, 1)
+
+    def current(self) -> str:
+        """The proposer of the next round: the chosen one, else the first candidate still on trial; once every
+        candidate has decoded ``trial_tokens`` tokens, the fastest is chosen and ``choice_note`` says so."""
+        if self.chosen is None:
+            on_trial = [name for name in self.proposers if self.measured[name][1] < self.trial_tokens]
+            if on_trial:
+                return on_trial[0]
+            self.chosen = min(self.proposers, key=self.ms_per_token)
+            self.choice_note = "speculation measured: " + ", ".join(
+                f"{name} {self.ms_per_token(name):.1f} ms/token" for name in self.proposers) + f" -> {self.chosen}"
+        return self.chosen
+
+    # ---- the reply ---------------------------------------------------------------------------------------
+
+    def decode(self, logits, max_new_tokens: int, settings, emit, t0: float) -> tuple:
+        """``Chat.decode``'s contract, in rounds of the current proposer (plain chat's loop once plain is chosen)."""
+        if self.chosen == PLAIN:
+            return super().decode(logits, max_new_tokens, settings, emit, t0)
+        tokens, times = [], []
+        token = settings.next_token(logits, self.rng)
+        times.append(time.perf_counter() - t0)
+        self.seq.append(token)  # the first round's root: sampled, not yet in the cache
+        while True:
+            if token == self.tokenizer.eos_token_id:
+                self.seq.pop()
+                return tokens, times, "end of turn"
+            tokens.append(token)
+            emit(token)
+            cache_room = self.cache.max_len - self.cache.length - 1  # positions after the root
+            if cache_room < 0 or len(tokens) == max_new_tokens:
+                self.seq.pop()
+                self.pending = [token]  # sampled, not fed: the next turn feeds it first
+                return tokens, times, "context full" if cache_room < 0 else "max_new_tokens"
+            name = self.current()
+            if name == PLAIN and self.chosen == PLAIN:  # chosen just now: plain chat's loop from the root on
+                self.seq.pop()
+                rest, rest_times, finish = super().decode(self.model.forward(xp.asarray([[token]]), self.cache)[0, -1],
+                                                          max_new_tokens - len(tokens), settings, emit, t0)
+                return tokens + rest, times + rest_times, finish
+            room = min(cache_room, max_new_tokens - len(tokens) - 1)  # a path of depth d emits d + 1 tokens
+            proposer = self.proposers[name]
+            start, cached = time.perf_counter(), self.cache.length
+            state = Round(self.seq, 1, self.cache, None, room, self.unsynced, settings)
+            emitted, _, _, kept = verify_round(self.model, state, proposer, self.rng, "exact", cache_room)
+            now = time.perf_counter()
+            self.keep_rows(kept, read=getattr(proposer, "synced", None) == cached)  # the draft read the rows
+            if self.chosen is None:
+                self.measured[name][0] += now - start
+                self.measured[name][1] += len(emitted)
+            times += [now - t0] * len(emitted)
+            if self.tokenizer.eos_token_id in emitted[:-1]:  # the turn ended inside the path: drop what follows
+                end = emitted.index(self.tokenizer.eos_token_id)
+                drop = len(emitted) - 1 - end  # cached entries from the eos on
+                self.cache.truncate(self.cache.length - drop)
+                if self.unsynced is not None:
+                    self.unsynced = self.unsynced[: len(self.unsynced) - drop]
+                del self.seq[len(self.seq) - (len(emitted) - end):]
+                for t in emitted[:end]:
+                    tokens.append(t)
+                    emit(t)
+                del times[len(times) - (len(emitted) - end) + 1:]
+                return tokens, times, "end of turn"
+            for t in emitted[:-1]:
+                tokens.append(t)
+                emit(t)
+            token = emitted[-1]  # the next root, in seq, not in the cache

@@ -1,0 +1,112 @@
+"""A chat whose replies speculate (``minillm.speculative_chat``): the replies are plain chat's, turn after turn.
+
+A small random Llama (its LM head scaled so that its greedy text has structure, and the end-of-turn token
+likely enough that replies end) with an EAGLE draft and prompt lookup: at
+temperature 0 every reply, its finish and the conversation's cache equal plain ``Chat``'s, for each
+proposer and for "auto", whose choice is measured and said.
+"""
+
+import numpy as np
+import pytest
+from test_chat import CharChatTokenizer
+
+from minillm.backend import to_numpy
+from minillm.chat import Chat
+from minillm.config import LlamaConfig
+from minillm.draft_free import PromptLookup
+from minillm.eagle import EagleDraft, EagleProposer
+from minillm.llama import Llama
+from minillm.speculative_chat import SpeculativeChat
+
+pytestmark = [pytest.mark.host_only, pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "8.1", "8.2", "8.3",
+                                                               "9.1", "9.2", "9.3")]
+MESSAGES = ["hello there", "and what of the king?", "the king, the king!", "say it again"]
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return CharChatTokenizer()
+
+
+@pytest.fixture(scope="module")
+def model(tok):
+    cfg = LlamaConfig(vocab_size=len(tok.token_bytes), block_size=512, n_layer=2, n_head=4, n_kv_head=2,
+                      n_embd=32, n_hidden=64, tie_embeddings=False)
+    m = Llama.init(cfg, seed=2)
+    m.params["lm_head.weight"] *= 3.0  # peaked: greedy text repeats itself, which lookup can copy
+    m.params["lm_head.weight"][tok.eos_token_id] *= 1.4  # two of the four replies end, inside a path or not
+    return m
+
+
+def proposers(model):
+    draft = EagleDraft.init(model, list(range(0, model.config.vocab_size, 2)), seed=1)
+    return {"eagle": EagleProposer(draft, depth=4), "lookup": PromptLookup()}
+
+
+def conversation(chat, n_new=40):
+    replies = [chat.turn(m, max_new_tokens=n_new, temperature=0.0) for m in MESSAGES]
+    return [(r.text, r.finish) for r in replies], chat
+
+
+def cache_contents(chat):
+    return [to_numpy(a)[..., : chat.cache.length, :] for a in (chat.cache.k, chat.cache.v)]
+
+
+@pytest.fixture(scope="module")
+def plain(model, tok):
+    return conversation(Chat(model, tok, max_len=512))
+
+
+@pytest.mark.parametrize("speculate", ["eagle", "lookup", "auto"])
+def test_a_speculative_chat_replies_as_plain_chat(model, tok, plain, speculate):
+    want, reference = plain
+    got, chat = conversation(SpeculativeChat(model, tok, proposers(model), speculate, max_len=512, trial_tokens=8))
+    assert got == want
+    assert "end of turn" in {finish for _, finish in want} and "max_new_tokens" in {finish for _, finish in want}
+    assert chat.cached_text == reference.cached_text and chat.pending == reference.pending
+    assert chat.seq == tok.encode(chat.cached_text)[: chat.cache.length] and len(chat.seq) == chat.cache.length
+    for a, b in zip(cache_contents(chat), cache_contents(reference)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_auto_measures_each_candidate_then_says_what_it_chose(model, tok):
+    chat = SpeculativeChat(model, tok, proposers(model), "auto", max_len=512, trial_tokens=8)
+    conversation(chat)
+    assert set(chat.measured) == {"plain", "eagle", "lookup"}
+    assert all(tokens >= 8 for _, tokens in chat.measured.values())
+    assert chat.chosen == min(chat.measured, key=chat.ms_per_token)
+    assert chat.choice_note.endswith(f"-> {chat.chosen}") and "ms/token" in chat.choice_note
+
+
+def test_the_draft_reads_every_cached_position_once(model, tok):
+    """The rows handed to the EAGLE draft cover the cache: after each turn the draft's synced positions plus
+    the rows it has not read equal the target's cache length."""
+    chat = SpeculativeChat(model, tok, proposers(model), "eagle", max_len=512)
+    for message in MESSAGES:
+        chat.turn(message, max_new_tokens=40, temperature=0.0)
+        proposer = chat.proposers["eagle"]
+        assert proposer.synced + len(chat.unsynced) == chat.cache.length
+
+
+def test_bad_choices_are_one_line_errors(model, tok):
+    with pytest.raises(ValueError, match="speculate must be 'auto' or one of"):
+        SpeculativeChat(model, tok, proposers(model), "medusa")
+    with pytest.raises(ValueError, match="trial_tokens must be an int in 1..4096"):
+        SpeculativeChat(model, tok, proposers(model), "auto", trial_tokens=0)
+
+
+def test_the_chat_command_speculates_and_says_what_auto_chose(model, tok, capsys):
+    """``chat --speculate lookup`` prints plain chat's reply; ``--speculate auto`` names its measured choice."""
+    from minillm.tools.chat_cli import main
+
+    def loader(name, weights):
+        return model, tok
+
+    outputs = []
+    for speculate in ("off", "lookup"):
+        assert main(["--prompt", MESSAGES[1], "--temperature", "0", "--max-new-tokens", "40", "--speculate",
+                     speculate], loader=loader) == 0
+        outputs.append(capsys.readouterr().out)
+    assert outputs[0] == outputs[1] and outputs[0].strip()
+    assert main(["--prompt", MESSAGES[1], "--temperature", "0", "--speculate", "auto"], loader=loader) == 1
+    assert "EAGLE draft" in capsys.readouterr().err  # the shipped draft was trained for another model: one line
