@@ -22,6 +22,7 @@ LAYERS = [  # lowest first; a module may import from its own layer and the ones 
     {"batch_speculative"},
     {"serving", "chat", "train"},
     {"medusa_train", "eagle_train"},  # drafts learn with train.py's AdamW, on text the target writes
+    {"speculative_chat"},  # chat's replies in token_tree's rounds, on the proposers of chapters 9 and 11
     {"tools", "__main__", ""},  # every module under minillm/tools/; the package re-exports the chapters
 ]
 MODEL = {"model", "llama"}
