@@ -17,9 +17,10 @@ Run it from a checkout of the project whenever a CUDA GPU is available (see docs
            error of each failure
 3. bench:  ``python -m minillm bench attention`` on the GPU (validates kernels v1 and v2 against naive
            attention, then times all three with CUDA events; TFLOP/s against the FP32 peak)
-4. decode: milliseconds per decoded token, greedy, of the shipped target (and of SmolLM2 when installed) by
-           path: the array code with each attention, the static step with fused kernels, eager and replayed
-           from a CUDA graph, and speculative decoding; each path's tokens first checked against NumPy's
+4. decode: milliseconds per decoded token, greedy, of the shipped target (and of SmolLM2 when installed), loaded
+           as ``--weights`` says, by path: the array code with each attention, the static step with fused kernels,
+           eager and replayed from a CUDA graph, and speculative decoding; each path's tokens first checked against
+           NumPy's
 5. quant:  the products from Q8_0 and Q4_1 blocks (kernels/quant.cu) against cuBLAS on the dequantized float32
            weight, SmolLM2-135M's weight shapes, n = 1 and 16 token rows: checked against cuBLAS, then timed
 Then a compact table. Exit status 1 when anything fails, including a CuPy that is installed but cannot
@@ -40,7 +41,7 @@ from pathlib import Path
 
 from ..backend import BACKEND_REASON, CUPY_PROBLEM, GPU_INSTALL_HINT, first_line, is_cupy
 from .benchmarks.common import BenchmarkError, add_output_args, figure_dir
-from .options import count, positive_int
+from .options import add_weights_option, count, positive_int
 from .project import ProjectRootError, project_root, pytest_outcomes
 
 TIME_BUDGET_S = 300
@@ -171,19 +172,20 @@ DECODE_ATTENTIONS = ("naive", "flash", "cuda", "cuda_v2")
 DECODE_PROMPTS = {"target": [1, 2, 3, 4, 5, 6, 7, 8], "smollm2-135m": [1, 504, 3575, 282, 4649, 314, 260, 1345]}
 HOST_TOKENS = """import json, sys
 from minillm import generate, load_model
-model, _ = load_model(sys.argv[1])
+model, _ = load_model(sys.argv[1], weights=sys.argv[4])
 print(json.dumps(generate(model, json.loads(sys.argv[2]), int(sys.argv[3]), temperature=0).tokens))"""
 
 
-def host_tokens(model_name: str, prompt: list, n: int) -> list:
-    """Greedy tokens of the model computed by NumPy, in a subprocess: the reference the device must give."""
+def host_tokens(model_name: str, prompt: list, n: int, weights: str) -> list:
+    """Greedy tokens of the model (its weights kept as ``weights`` says) computed by NumPy, in a subprocess: the
+    reference the device must give."""
     import json
     import os
     import subprocess
     import sys
 
     env = {**os.environ, "MINILLM_BACKEND": "numpy"}
-    out = subprocess.run([sys.executable, "-c", HOST_TOKENS, model_name, json.dumps(prompt), str(n)], env=env,
+    out = subprocess.run([sys.executable, "-c", HOST_TOKENS, model_name, json.dumps(prompt), str(n), weights], env=env,
                          capture_output=True, text=True, timeout=TEST_TIMEOUT_S, check=True)
     return json.loads(out.stdout)
 
@@ -236,26 +238,28 @@ def engine_decode(model, prompt: list):
 
 
 def run_decode_bench(steps: int = 32, models=("target", "smollm2-135m"), attentions=DECODE_ATTENTIONS,
-                     repeat: int = 3) -> tuple[str, float, bool]:
+                     repeat: int = 3, weights: str | None = None) -> tuple[str, float, bool]:
     """ms per decoded token on the GPU, greedy, for the shipped target (with its draft) and SmolLM2 (with its
-    EAGLE draft) when installed, by path; every path's tokens are first checked against a NumPy run's ->
-    (table, seconds, every path gave the host's tokens)."""
+    EAGLE draft) when installed, by path, every model loaded with ``weights`` (``--weights``; default
+    ``registry.DEFAULT_WEIGHTS``); every path's tokens are first checked against a NumPy run's of the same
+    load -> (table, seconds, every path gave the host's tokens)."""
     from ..gguf import GGUFError
     from ..notebook import format_table
-    from ..registry import SMOLLM2, load_model
+    from ..registry import DEFAULT_WEIGHTS, SMOLLM2, load_model
     from .benchmarks.device_calls import seconds_per_token
 
+    weights = DEFAULT_WEIGHTS if weights is None else weights
     t0, rows, ok = time.perf_counter(), [], True
     for name, draft_name in (("target", "draft"), (SMOLLM2, None)):
         if name not in models:
             continue
         try:
-            model, _ = load_model(name)
+            model, _ = load_model(name, weights=weights)
         except GGUFError as exc:
             rows.append({"model": name, "path": f"skipped: {first_line(exc)}"})
             continue
-        draft = load_model(draft_name)[0] if draft_name else None
-        want = host_tokens(name, DECODE_PROMPTS[name], steps + 1)
+        draft = load_model(draft_name, weights=weights)[0] if draft_name else None
+        want = host_tokens(name, DECODE_PROMPTS[name], steps + 1, weights)
         paths = decode_paths(model, name, draft, attentions)
         paths["serving engine, 3 requests at once"] = engine_decode(model, DECODE_PROMPTS[name])
         for path, decode in paths.items():
@@ -263,7 +267,7 @@ def run_decode_bench(steps: int = 32, models=("target", "smollm2-135m"), attenti
             ok &= same
             ms = 1e3 * seconds_per_token(decode, steps, repeat) if same else float("nan")
             rows.append({"model": name, "path": path, "tokens = NumPy's": "yes" if same else "NO", "ms / token": ms})
-    title = f"decode on the GPU: greedy, prompt 8 tokens, {steps} steps, best of {repeat}"
+    title = f"decode on the GPU: greedy, prompt 8 tokens, {steps} steps, best of {repeat}, weights {weights}"
     table = format_table(rows, ["model", "path", "tokens = NumPy's", "ms / token"])
     return f"{title}\n{table}", time.perf_counter() - t0, ok
 
@@ -320,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-n", type=positive_int, default=16384, help="largest N of the attention benchmark")
     p.add_argument("--repeat", type=count, default=5, help="timed repeats per benchmark point")
     p.add_argument("--root", default=None, help="the project checkout whose GPU tests to run (default: found)")
+    add_weights_option(p)  # the decode section's models
     add_output_args(p)
     p.add_argument("--record", default=None, help="append the summary to this markdown file (docs/gpu.md)")
     p.add_argument("--skip-tests", action="store_true")
@@ -360,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
     ok_bench, bench_out, secs = run_attention_bench(args.max_n, args.repeat, out_dir)
     summary.append(("bench attention (kernel vs naive)", "ok" if ok_bench else "FAIL (validation)", secs))
 
-    decode_table, secs, ok_decode = run_decode_bench()
+    decode_table, secs, ok_decode = run_decode_bench(weights=args.weights)
     summary.append(("decode (ms per token)", "ok" if ok_decode else "FAIL (tokens differ from NumPy's)", secs))
 
     quant_table, secs, ok_quant = run_quant_bench(repeat=args.repeat)

@@ -28,7 +28,7 @@ from ...backend import BACKEND_ENV, xp
 from ...decode_step import COUNTED, LAYER_BUDGET, OUTSIDE_BUDGET, PROMPT, launch_budget, per_token, static_per_token
 from ...notebook import format_table
 from ...registry import load_model
-from ..options import positive_int
+from ..options import add_weights_option, positive_int
 from .common import parse_args
 
 
@@ -53,6 +53,7 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m minillm bench device-calls", description=__doc__.split("\n")[0])
     p.add_argument("--model", default="target", help="a model name (target, smollm2-135m, ...) or a checkpoint path")
     p.add_argument("--steps", type=positive_int, default=8, help="decoded tokens counted")
+    add_weights_option(p)
     if xp.__name__ != "minillm.strict":  # count under the stand-in: start this benchmark again under it
         p.parse_args(argv)  # a usage error stops here, once
         command = [sys.executable, "-m", "minillm", "bench", "device-calls", *argv]
@@ -61,7 +62,7 @@ def main(argv: list[str]) -> int:
     emulated = shutil.which("g++") is not None  # the kernels run through the g++ emulation
     rows = []
     for attention in ["naive", "flash"] + (["cuda", "cuda_v2"] if emulated else []):
-        model, _ = load_model(args.model, attention)
+        model, _ = load_model(args.model, attention, args.weights)
         rows.append({"path": f"array code, attention {attention}", **per_token(model, args.steps)})
     if emulated:
         for graph in (False, True):

@@ -23,7 +23,7 @@ from ...measure import STEP_CONTEXT, time_pairs
 from ...notebook import format_table
 from ...registry import SMOLLM2, load_model
 from ...token_tree import tree_generate
-from ..options import count, nonnegative_count, positive_int, positive_int_list
+from ..options import add_weights_option, count, nonnegative_count, positive_int, positive_int_list
 from .common import BenchmarkError, new_tokens_in_context, parse_args
 
 FORWARD_PAIRS = 15  # alternating (1-token, n-token) forward pairs per cost measurement
@@ -46,6 +46,7 @@ def triple(text: str) -> tuple[int, int, int]:
 def build_parser():
     p = argparse.ArgumentParser(prog="python -m minillm bench lookahead", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="target", help=f"'target' (characters) or '{SMOLLM2}'")
+    add_weights_option(p)
     p.add_argument("--tokens", type=count, default=200, help="new tokens per prompt (default 200)")
     p.add_argument("--prompts", type=count, default=3, help="prompts (default 3)")
     p.add_argument("--prompt-len", type=count, default=48, help="characters per validation prompt (default 48)")
@@ -104,7 +105,7 @@ def methods(model, args) -> dict:
 
 def main(argv: list[str]) -> int:
     args = parse_args(build_parser(), argv)
-    model, tok = load_model(args.model)
+    model, tok = load_model(args.model, weights=args.weights)
     prompts = prompts_for(args, tok)
     n_new = new_tokens_in_context(args.tokens, max(len(p) for p in prompts), model.config.block_size)
     print(f"model {args.model}: {model.num_params():,} params; {len(prompts)} prompts x {n_new} new tokens, greedy")

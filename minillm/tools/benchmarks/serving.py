@@ -49,7 +49,15 @@ from ...serving import (
     replay,
     save_trace,
 )
-from ..options import count, kv_blocks, nonnegative_count, nonnegative_float, positive_float, seed_int
+from ..options import (
+    add_weights_option,
+    count,
+    kv_blocks,
+    nonnegative_count,
+    nonnegative_float,
+    positive_float,
+    seed_int,
+)
 from .common import BenchmarkError, add_output_args, figure_dir, save_figure
 from .common import parse_args as common_parse_args
 
@@ -256,6 +264,7 @@ def plot_timelines(results: dict, out_dir):
 def parse_args(argv):
     p = argparse.ArgumentParser(prog="python -m minillm bench serving", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="target", help="'target' (the shipped char model), 'smollm2-135m', ...")
+    add_weights_option(p)
     p.add_argument("--requests", type=count, default=40, help="requests in the generated trace")
     p.add_argument("--rate", type=positive_float, default=4.0, help="mean arrivals per second")
     p.add_argument("--mean-prompt", type=positive_float, default=40.0)
@@ -278,7 +287,7 @@ def parse_args(argv):
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    model, tok = load_model(args.model)
+    model, tok = load_model(args.model, weights=args.weights)
     context = model.config.block_size
     if args.trace:
         rows = load_trace(args.trace)

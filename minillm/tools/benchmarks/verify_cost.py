@@ -27,6 +27,10 @@ sequence. Then, in the order printed:
    both paths: n = 1 is a matrix-vector product (BLAS gemv, which streams W once); n > 1 a
    matrix-matrix product (gemm, which first copies W into its own blocked layout, "packing", then
    multiplies), or the streaming kernel (which never packs), beside their roofline.
+
+The model's matrices are kept as ``--weights`` says. Sections 3 and 4 time the float32 products, so they run
+only where the matrices are float32 arrays (``--weights fp32``); where they are kept for the kernels (``q``),
+every product is the weight's own on both paths, and sections 1 and 2 give v(n) of those kernels.
 """
 
 from __future__ import annotations
@@ -41,8 +45,9 @@ from ...kv_cache import KVCache, kv_cache_bytes
 from ...measure import STAND_INS, decode_step_parts, paired_ratio, timed
 from ...model import GPT
 from ...notebook import format_table
+from ...quantize import kept_in_blocks
 from ...registry import load_model
-from ..options import int_in, positive_int, positive_int_list
+from ..options import add_weights_option, int_in, positive_int, positive_int_list
 from .common import (
     BenchmarkError,
     add_json_arg,
@@ -70,8 +75,9 @@ FLOAT32_BYTES = 4
 
 def matmul_weights(model) -> list:
     """The weight matrices a forward reads in full: every 2-D parameter but the embedding tables
-    (looked up one row per token), plus the LM head (which may be the token embedding, tied)."""
-    tables = [a for name, a in model.params.items() if a.ndim == 2 and name not in EMBEDDING_TABLES]
+    (looked up one row per token), plus the LM head (which may be the token embedding, tied); arrays, or
+    weights kept for the CPU kernels (``--weights q``)."""
+    tables = [a for name, a in model.params.items() if len(a.shape) == 2 and name not in EMBEDDING_TABLES]
     return [*tables, model.lm_head]
 
 
@@ -324,6 +330,7 @@ def plot(rows, out_dir):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m minillm bench verify-cost", description=__doc__.splitlines()[0])
     p.add_argument("--model", default="target", help="a registry model: target (default), draft, smollm2-135m, ...")
+    add_weights_option(p)
     p.add_argument("--context", type=positive_int, default=100, help="tokens already cached (default 100)")
     p.add_argument("--ns", type=positive_int_list, default=NS, help=f"new tokens per forward (default {NS})")
     p.add_argument("--rounds", type=positive_int, default=15, help="timing rounds, each n once per round (default 15)")
@@ -342,7 +349,7 @@ def main(argv=None) -> int:
     if args.quick:
         args.ns, args.rounds, args.parts_ns, args.parts_rounds = [1, 2, 4, 8, 16], 5, [1, 8], 6
     ns = sorted(set(args.ns) | {1})  # v(n) is in units of n = 1
-    model, tok = load_model(args.model)
+    model, tok = load_model(args.model, weights=args.weights)
     cfg = model.config
     largest = max(ns + ([] if args.no_parts else args.parts_ns))
     if args.context + largest > cfg.block_size:
@@ -355,9 +362,15 @@ def run(args, model, tok, ns) -> int:
     cfg = model.config
     prefix = prefix_ids(tok, args.context)
     weights = matmul_weights(model)
-    w_bytes, w_elems = sum(int(a.nbytes) for a in weights), sum(int(a.size) for a in weights)
+    w_bytes, w_elems = sum(int(a.nbytes) for a in weights), sum(int(np.prod(a.shape)) for a in weights)
+    kept = any(kept_in_blocks(a) for a in weights)  # --weights q: the products are the kernels', on both paths
     print(f"model {args.model}: {model.num_params():,} params, {cfg.n_layer} layers, width {cfg.n_embd}; "
-          f"{w_elems:,} weights in matrices ({w_bytes / 2**20:.1f} MiB float32); {args.context} tokens cached\n")
+          f"{w_elems:,} weights in matrices ({w_bytes / 2**20:.1f} MiB, "
+          f"{'kept for the CPU kernels' if kept else 'float32'}); {args.context} tokens cached\n")
+    if kept:
+        print("--weights q: every product is the weight's own (w.product: the CPU kernels, on a device the blocks "
+              "dequantized), whichever float32 path is switched on, so the two paths time the same code; sections 3 "
+              "and 4 time the float32 products: --weights fp32\n")
 
     check_cached_forward(model, prefix, [(3 * t + 2) % cfg.vocab_size for t in range(max(ns))])
     print("validated: a cached forward over n tokens == the last n rows of a full forward\n")
@@ -400,6 +413,15 @@ def run(args, model, tok, ns) -> int:
     report["choices"] = [{"out": k[0], "in": k[1], "layout": k[2], "rows bucket": k[3], "path": v}
                          for k, v in sorted(choices.items())]
 
+    if not kept:
+        float32_sections(args, model, ns, peak, report)
+    if args.json:
+        write_json(args.json, report)
+    return 0
+
+
+def float32_sections(args, model, ns, peak, report) -> None:
+    """Sections 3 and 4, which time the float32 products (their stand-ins and their roofline assume arrays)."""
     if not args.no_parts and isinstance(model, GPT):
         print(f"\n3. where the time goes: each part swapped for a free stand-in ({args.parts_rounds} rounds "
               "in alternation; microseconds per forward)")
@@ -414,9 +436,6 @@ def run(args, model, tok, ns) -> int:
     mm_rows = matmul_rows(mm_times, block_elems, block_bandwidth, peak)
     print(format_table(mm_rows))
     report["block 0 products"] = mm_rows
-    if args.json:
-        write_json(args.json, report)
-    return 0
 
 
 def describe_choices(choices: dict) -> str:
