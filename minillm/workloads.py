@@ -7,6 +7,9 @@ here, so the measurement never sees a training prompt (``check_held_out``):
 - ``training_prompts(n, seed)``: n distinct prompts drawn reproducibly from the cartesian product of
   topics and question forms (chat), tasks and request forms (code), and passages of the Shakespeare
   training split with an instruction (grounded: rewrite, summarize or extract).
+- ``stdlib_prompts(n, seed)``: n prompts made from the Python standard library's docstrings and
+  source (write a function from its docstring, explain a function's source, say what a module is
+  for): far more varied than the templates, and on every machine that runs Python.
 - ``WORKLOADS``: fixed prompts of three kinds, written apart from the templates: ``chat``
   (questions), ``code`` (write a small Python function) and ``grounded`` (a paragraph given in the
   prompt to rewrite, summarize or extract from; prompt lookup's home ground).
@@ -104,6 +107,77 @@ def training_prompts(n: int, seed: int = 0, grounded_share: float = 0.15) -> lis
     order = rng.permutation(len(pool))[: n - n_grounded]
     prompts = [pool[i] for i in sorted(order)] + grounded
     return [prompts[i] for i in rng.permutation(len(prompts))]
+
+
+STDLIB_SKIP = {"site-packages", "test", "tests", "idlelib", "lib2to3", "turtledemo", "ensurepip", "__pycache__"}
+SOURCE_CHARS = 1200  # the longest function source a prompt quotes (about 300 tokens)
+STDLIB_FORMS = {
+    "code": ("Write a Python function {name}{args} that does this: {doc}",
+             "Implement {name}{args} in Python. {doc}"),
+    "grounded": ("Explain what this Python function does, step by step:\n\n```python\n{source}\n```",
+                 "Write a short docstring for this Python function:\n\n```python\n{source}\n```"),
+    "chat": ("What is the Python module {module} for? Its documentation begins:\n\n{doc}",),
+}
+
+
+def stdlib_files(root=None) -> list:
+    """The Python standard library's own modules, sorted by path (no tests, no installed packages)."""
+    import sysconfig
+
+    root = Path(root or sysconfig.get_paths()["stdlib"])
+    return sorted(p for p in root.rglob("*.py") if not STDLIB_SKIP & set(p.relative_to(root).parts[:-1]))
+
+
+def first_sentences(doc: str, limit: int = 300) -> str:
+    """A docstring's first paragraph on one line, cut at a sentence end within ``limit`` characters."""
+    text = " ".join(doc.strip().split("\n\n")[0].split())
+    if len(text) <= limit:
+        return text
+    cut = text.rfind(". ", 0, limit)
+    return text[: cut + 1] if cut > 0 else text[:limit]
+
+
+def stdlib_prompts(n: int, seed: int = 0, root=None) -> list[dict]:
+    """n distinct prompts {"prompt", "kind"} made from the standard library that ships with Python (its
+    licence: the PSF License): write a function from its docstring (code), explain or document a function
+    from its source (grounded: the answer may quote the prompt), say what a module is for (chat). A
+    reproducible draw for one Python version; the data's ``prompts_sha256`` records which."""
+    import ast
+
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"the number of standard-library prompts must be an int >= 1, got {n!r}")
+    pool = []
+    for path in stdlib_files(root):
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        module = ".".join(path.with_suffix("").parts[-2:]) if path.name == "__init__.py" else path.stem
+        doc = ast.get_docstring(tree)
+        if doc and len(doc) > 40:
+            pool.append(("chat", {"module": module, "doc": first_sentences(doc, 600)}))
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
+                continue
+            doc, text = ast.get_docstring(node), ast.get_source_segment(source, node)
+            if doc and len(doc) > 20:
+                pool.append(("code", {"name": node.name, "args": f"({ast.unparse(node.args)})",
+                                      "doc": first_sentences(doc)}))
+            if text and 80 < len(text) <= SOURCE_CHARS:
+                pool.append(("grounded", {"source": text}))
+    rng = np.random.default_rng(seed)
+    prompts, seen = [], set()
+    for i in rng.permutation(len(pool)):
+        kind, fields = pool[i]
+        forms = STDLIB_FORMS[kind]
+        prompt = forms[int(rng.integers(len(forms)))].format(**fields)
+        if prompt not in seen:
+            seen.add(prompt)
+            prompts.append({"prompt": prompt, "kind": kind})
+            if len(prompts) == n:
+                return prompts
+    raise ValueError(f"at most {len(prompts)} standard-library prompts can be made here, asked for {n}")
 
 
 WORKLOADS = (

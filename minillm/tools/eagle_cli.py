@@ -1,6 +1,6 @@
 """``python -m minillm eagle-data`` and ``eagle-train``: the EAGLE draft's training text, then the draft.
 
-    python -m minillm eagle-data --out DIR [--prompts 1200] [--resume]
+    python -m minillm eagle-data --out DIR [--prompts 1200] [--source templates|stdlib] [--resume]
     python -m minillm eagle-train --data DIR --out eagle.npz [--vocab 4096] [--steps 1500] [--resume]
 
 Both run for minutes to an hour on a laptop CPU; both write atomically as they go (data: one part
@@ -31,10 +31,11 @@ from ..eagle_train import (
 )
 from ..registry import SMOLLM2, SMOLLM2_SHA256, load_model
 from ..train import check_run_files, run_file
-from ..workloads import WORKLOADS, check_held_out, training_prompts
+from ..workloads import WORKLOADS, check_held_out, stdlib_prompts, training_prompts
 from .options import add_weights_option, nonnegative_count, nonnegative_float
 
 COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
+PROMPT_SOURCES = {"templates": training_prompts, "stdlib": stdlib_prompts}
 
 
 def add_data_arguments(p: argparse.ArgumentParser) -> None:
@@ -42,6 +43,9 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
     add_weights_option(p)
     p.add_argument("--out", required=True, help="folder for the data parts")
     p.add_argument("--prompts", type=nonnegative_count, default=1200, help="training prompts (default 1200)")
+    p.add_argument("--source", choices=PROMPT_SOURCES, default="templates",
+                   help="where the prompts come from: templates (topics x question forms, code tasks, passages of "
+                   "the corpus) or stdlib (the Python standard library's docstrings and source; default templates)")
     p.add_argument("--max-new-tokens", type=nonnegative_count, default=ANSWER_TOKENS,
                    help=f"most tokens per answer (default {ANSWER_TOKENS})")
     p.add_argument("--seed", type=nonnegative_count, default=0, help="the prompts' draw and the sampled answers")
@@ -52,7 +56,7 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
 def run_data(args) -> int:
     if args.prompts < 1 or args.max_new_tokens < 1:
         raise ValueError(f"--prompts and --max-new-tokens must be >= 1, got {args.prompts} and {args.max_new_tokens}")
-    prompts = training_prompts(args.prompts, args.seed)
+    prompts = PROMPT_SOURCES[args.source](args.prompts, args.seed)
     check_held_out(WORKLOADS, prompts)
     model, tokenizer = load_model(args.model, weights=args.weights)
     summary = write_answers(model, tokenizer, prompts, args.out, args.max_new_tokens, seed=args.seed,
