@@ -18,8 +18,10 @@ from minillm.eagle import EagleDraft, EagleProposer
 from minillm.llama import Llama
 from minillm.speculative_chat import SpeculativeChat
 
-pytestmark = [pytest.mark.host_only, pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "8.1", "8.2", "8.3",
-                                                               "9.1", "9.2", "9.3")]
+HOST = pytest.mark.host_only  # the chat's bookkeeping is host code; the last test runs on either backend
+USES = pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "8.1", "8.2", "8.3",
+                                                               "9.1", "9.2", "9.3")
+pytestmark = USES
 MESSAGES = ["hello there", "and what of the king?", "the king, the king!", "say it again"]
 
 
@@ -57,6 +59,7 @@ def plain(model, tok):
     return conversation(Chat(model, tok, max_len=512))
 
 
+@HOST
 @pytest.mark.parametrize("speculate", ["eagle", "lookup", "auto"])
 def test_a_speculative_chat_replies_as_plain_chat(model, tok, plain, speculate):
     want, reference = plain
@@ -69,6 +72,7 @@ def test_a_speculative_chat_replies_as_plain_chat(model, tok, plain, speculate):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
 
 
+@HOST
 def test_auto_measures_each_candidate_then_says_what_it_chose(model, tok):
     chat = SpeculativeChat(model, tok, proposers(model), "auto", max_len=512, trial_tokens=8)
     conversation(chat)
@@ -78,6 +82,7 @@ def test_auto_measures_each_candidate_then_says_what_it_chose(model, tok):
     assert chat.choice_note.endswith(f"-> {chat.chosen}") and "ms/token" in chat.choice_note
 
 
+@HOST
 def test_the_draft_reads_every_cached_position_once(model, tok):
     """The rows handed to the EAGLE draft cover the cache: after each turn the draft's synced positions plus
     the rows it has not read equal the target's cache length."""
@@ -88,6 +93,7 @@ def test_the_draft_reads_every_cached_position_once(model, tok):
         assert proposer.synced + len(chat.unsynced) == chat.cache.length
 
 
+@HOST
 def test_bad_choices_are_one_line_errors(model, tok):
     with pytest.raises(ValueError, match="speculate must be 'auto' or one of"):
         SpeculativeChat(model, tok, proposers(model), "medusa")
@@ -95,6 +101,7 @@ def test_bad_choices_are_one_line_errors(model, tok):
         SpeculativeChat(model, tok, proposers(model), "auto", trial_tokens=0)
 
 
+@HOST
 def test_the_chat_command_speculates_and_says_what_auto_chose(model, tok, capsys):
     """``chat --speculate lookup`` prints plain chat's reply; ``--speculate auto`` names its measured choice."""
     from minillm.tools.chat_cli import main
@@ -110,3 +117,21 @@ def test_the_chat_command_speculates_and_says_what_auto_chose(model, tok, capsys
     assert outputs[0] == outputs[1] and outputs[0].strip()
     assert main(["--prompt", MESSAGES[1], "--temperature", "0", "--speculate", "auto"], loader=loader) == 1
     assert "EAGLE draft" in capsys.readouterr().err  # the shipped draft was trained for another model: one line
+
+
+@pytest.mark.uses_exercise("13.1")
+def test_a_draft_in_the_targets_blocks_runs_on_either_backend():
+    """On the host its blocks are packed for the kernels; under the strict stand-in (and on a GPU) they are
+    uploaded and dequantized there. Either way the greedy output is the target's own."""
+    from test_quantized_model import TINY, tiny_params
+
+    from minillm.generate import generate
+    from minillm.token_tree import tree_generate
+
+    target = Llama(TINY, tiny_params()[0])
+    subset = list(range(0, TINY.vocab_size, 2))
+    params = {k: to_numpy(v) for k, v in EagleDraft.init(target, subset).params.items()}
+    draft = EagleDraft(target, params, subset, keep_blocks=True)
+    prompt = [3, 14, 15, 9, 26, 5]
+    out = tree_generate(target, prompt, 16, EagleProposer(draft, depth=3), temperature=0.0)
+    assert out.tokens == generate(target, prompt, 16, temperature=0.0).tokens
