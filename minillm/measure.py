@@ -159,14 +159,27 @@ def swapped(model, name: str, stand_in):
             delattr(model, name)
 
 
-def decode_step_parts(model, context: int, steps: int = 10, rounds: int = 10, tokens: int = 1) -> list[dict]:
+def llama_stand_ins(model) -> dict:
+    """``STAND_INS`` for a Llama: every weight product (``LlamaOps.product``: q|k|v, o, gate|up, down) and the LM
+    head (``logits``) by zeros of their output's shape, so the rest of the step is what is left: attention, the
+    norms, RoPE, SwiGLU's activation, the cache writes and Python."""
+    vocab = model.config.vocab_size
+    return {"weight products": ("product", lambda x, name: xp.zeros((*x.shape[:-1], model.matrix(name).shape[0]),
+                                                                    dtype=x.dtype)),
+            "LM head": ("logits", lambda h: xp.zeros((*h.shape[:-1], vocab), dtype=h.dtype))}
+
+
+def decode_step_parts(model, context: int, steps: int = 10, rounds: int = 10, tokens: int = 1,
+                      stand_ins: dict | None = None) -> list[dict]:
     """Where one decode step's time goes, by ablation: time the step with ``context`` tokens cached,
     then with one part swapped for a stand-in that returns its input (or zeros of the right shape);
     the difference is that part's cost *inside the loop*. Timing a part on its own would miss that
     every step streams all weights through the CPU caches and so evicts everything else. Variants
     are timed in alternation, ``steps`` decode steps per timing, medians over ``rounds``. ``tokens``
-    > 1 times a forward over that many new tokens instead (a speculative verification).
+    > 1 times a forward over that many new tokens instead (a speculative verification). ``stand_ins``:
+    the parts to swap ({part: (attribute, stand-in)}; ``STAND_INS``, GPT's, by default; ``llama_stand_ins``).
     """
+    stand_ins = STAND_INS if stand_ins is None else stand_ins
     cache = KVCache(model.config, max_len=context + tokens)
     model.forward(xp.asarray([[t % model.config.vocab_size for t in range(context)]]), cache)
     token = xp.asarray([[(t + 1) % model.config.vocab_size for t in range(tokens)]])
@@ -177,7 +190,7 @@ def decode_step_parts(model, context: int, steps: int = 10, rounds: int = 10, to
             model.forward(token, cache)
 
     variants = {"whole step": contextlib.nullcontext}  # part -> a function making its context
-    variants |= {part: partial(swapped, model, name, fn) for part, (name, fn) in STAND_INS.items()}
+    variants |= {part: partial(swapped, model, name, fn) for part, (name, fn) in stand_ins.items()}
     times = {part: [] for part in variants}
     for r in range(rounds):
         for part in list(variants)[:: 1 if r % 2 else -1]:

@@ -101,6 +101,33 @@ def test_each_stand_in_really_replaces_its_part(tiny_model):
             assert not np.array_equal(to_numpy(tiny_model.forward(idx)), before), name
 
 
+def test_llama_stand_ins_replace_every_product_and_leave_the_rest():
+    """With the products and the LM head swapped out a Llama's step returns zeros of the right shape and still
+    writes its cache (the rest of the step runs); afterwards the model is as before."""
+    from minillm.config import LlamaConfig
+    from minillm.kv_cache import KVCache
+    from minillm.llama import Llama
+    from minillm.measure import llama_stand_ins, swapped
+
+    model = Llama.init(LlamaConfig(vocab_size=16, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=16,
+                                   n_hidden=24))
+    idx = np.array([[1, 2, 3]])
+    before = to_numpy(model.forward(idx))
+    stand_ins = llama_stand_ins(model)
+    calls = {}
+    for part, (name, fn) in stand_ins.items():
+        calls[part] = []
+        stand_ins[part] = (name, lambda *a, fn=fn, part=part: calls[part].append(1) or fn(*a))
+    cache = KVCache(model.config, max_len=8)
+    with swapped(model, *stand_ins["weight products"]), swapped(model, *stand_ins["LM head"]):
+        out = to_numpy(model.forward(idx, cache))
+    assert out.shape == before.shape and not out.any() and cache.length == 3
+    assert len(calls["weight products"]) == 4 * model.config.n_layer and len(calls["LM head"]) == 1
+    rows = decode_step_parts(model, context=4, steps=2, rounds=2, stand_ins=llama_stand_ins(model))
+    assert [r["part"] for r in rows] == ["whole step", "weight products", "LM head"]
+    np.testing.assert_array_equal(to_numpy(model.forward(idx)), before)
+
+
 def test_figures_go_where_the_options_say(tmp_path, monkeypatch):
     """Default: a folder outside the project; --out DIR: that folder; --update-docs: the project's docs/figures."""
     parser = argparse.ArgumentParser()
