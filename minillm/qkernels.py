@@ -16,24 +16,30 @@ panel is stored input position by input position, so that the P weights of one p
     Q4_1   dm   [m/P, k/32, 2, P] fp16 bits   qs   [m/P, k/32, 16, P]  uint8 (q[j] | q[j + 16] << 4)
 
 The block formats keep their file's bytes per weight (the fp16 scales stay fp16). One position of a
-panel is one 16-lane vector: load it, dequantize it (``d * q + m`` for Q4_1: 8 instructions for the two
-positions a byte row holds), and add it times x[i, t] into R accumulators, one per token row:
+panel is one 16-lane vector on AVX-512 (two 8-lane ones on AVX2): load it, dequantize it (``d * q + m``
+for Q4_1: 8 instructions for the two positions a byte row holds), and add it times x[i, t] into R
+accumulators, one per token row:
 
-    for each panel (16 outputs):                       acc (U, R, P) lives in registers
-        for t in 0..k-1:                               (U copies of the R rows when R < 8, see below)
-            w = dequantize(panel[t])                   # [P]   once per pass
-            for r in 0..R-1:  acc[t % U, r] += x[r, t] * w        # vfmadd231ps zmm, broadcast x
-        y[:, panel] = sum over U of acc
+    for each panel (16 outputs), L of them at a time:  acc (U, R, L) lives in registers
+        for t in 0..k-1:                               (U copies of the R rows, see below)
+            w = dequantize(panel[t])                   # [L]   once per pass
+            for r in 0..R-1:  acc[t % U, r] += x[r, t] * w        # vfmadd231ps, broadcast x
+        y[:, outputs] = sum over U of acc
 
 Each step also asks the CPU for the panel's bytes PREFETCH_BYTES (16 KB) ahead (``prefetch``, one
 ``prefetcht0`` per 64-byte line): the hardware prefetcher alone left the loads waiting, most at n = 8
 (a pass 5 to 25 % faster with it, docs/quantization.md).
 
 R is the number of token rows (n rounded up to 1, 2, 4, 8 or 16; the missing rows are zeros), a
-compile-time constant so that the R x 16 sums stay in registers. An FMA takes 4 cycles and a core
-starts 2 per cycle, so 8 independent sums are needed to keep it busy: with R < 8 rows, positions
-t % U go to U = 8 / R separate sums. Past 16 rows the product runs in chunks of 16, dequantizing
-each weight once per chunk.
+compile-time constant so that the sums stay in registers. An FMA takes 4 cycles and a core starts 2
+per cycle, so 8 independent sums keep it busy: with R < 8 rows, positions t % U go to U separate sums.
+How many fit is the CPU's register file (``kernel_shape``, one rule for every caller): with AVX-512's
+32 zmm, U = 8 / R and L = 16, the whole panel. With AVX2's 16 ymm a panel row is two vectors, and 8
+sums of two vectors would be every register: U is 2 at R = 1 and 1 from R = 2, the kernels for 8 rows
+(and Q4_1's for 4) take the panel L = 8 outputs at a time (the second half reads the panel again from
+the cache), and 16 rows do not fit at all. Past the largest row tile (16, or 8 on AVX2) the product
+runs in chunks, dequantizing each weight once per chunk. ``stack_spills`` counts the stack loads and
+stores in a kernel's machine code; the tests require 0 for the kernels of one row.
 
 What numba needed (each setting is applied only while these kernels compile, ``vector_compile``):
 
@@ -53,7 +59,7 @@ With numba's default settings the same kernels compile to scalar FMAs (vfmadd231
 ``tests/test_qkernels.py`` reads the machine code (``vector_fma_count``) and fails if that happens.
 
 Compiled with ``cache=True``: the first use of a (format, R) compiles (0.3-0.8 s of CPU each on a 2-core
-EPYC, 20 kernels in all; docs/quantization.md), later processes load the machine code. Everything
+EPYC, 20 kernels in all, 16 on AVX2; docs/quantization.md), later processes load the machine code. Everything
 runs on the calling thread (no ``prange``).
 
 An option that is not exact, ``product(x, W, int8_x=True)`` for Q8_0 and Q4_1 on a CPU with AVX512-VNNI:
@@ -78,10 +84,12 @@ from numba.extending import intrinsic
 
 from .quantize import BF16, F32, Q4_1, Q4_1_BYTES, Q8_0, Q8_0_BYTES, QK, QuantError
 
-P = 16  # output channels per panel: one 512-bit vector of float32
+P = 16  # output channels per panel: one 512-bit vector of float32 (two 256-bit ones with AVX2)
 ROW_TILES = (1, 2, 4, 8, 16)  # token rows a kernel is compiled for (n is rounded up to one of these)
-MAX_ROWS = ROW_TILES[-1]  # rows per pass; more rows run in chunks
-FMA_CHAINS = 8  # independent sums that keep the FMA units busy (latency 4 x 2 per cycle)
+MAX_ROWS = ROW_TILES[-1]  # the most rows a kernel is compiled for; row_tiles() says which tiles fit this CPU
+FMA_CHAINS = 8  # independent sums that keep the FMA units busy (latency 4 x 2 per cycle); see kernel_shape
+WEIGHT_REGISTERS = {"F32": 1, "BF16": 1, "Q8_0": 2, "Q4_1": 4}  # vectors a format's dequantization holds per
+# vector of outputs: the weight (F32, BF16), d and the weight (Q8_0), d, m and the two weights of a byte (Q4_1)
 PREFETCH_BYTES = 16384  # how far ahead of the loads the kernels ask for the weight's next bytes (docs/quantization.md)
 FASTMATH = {"nnan", "ninf", "nsz", "arcp", "contract", "afn"}  # fastmath without "reassoc" (docstring)
 jit = numba.njit(cache=True, fastmath=FASTMATH, nogil=True, boundscheck=False)
@@ -166,142 +174,157 @@ def vector_compile():
 def zero(acc):
     for u in range(acc.shape[0]):
         for r in range(acc.shape[1]):
-            for p in range(P):
+            for p in range(acc.shape[2]):
                 acc[u, r, p] = 0.0
 
 
 @inline
 def add_rows(acc, u, xt, t, w):
-    """acc[u, r, :] += x[r, t] * w[:] for every row r.  acc (U, R, P), xt (k, R), w (P,)"""
+    """acc[u, r, :] += x[r, t] * w[:] for every row r.  acc (U, R, L), xt (k, R), w (L,)"""
     for r in range(acc.shape[1]):
         xr = xt[t, r]
-        for p in range(P):
+        for p in range(acc.shape[2]):
             acc[u, r, p] += xr * w[p]
 
 
 @inline
-def store(acc, y, panel):
-    """y[r, panel * P + p] = sum_u acc[u, r, p].  y (R, m)"""
+def store(acc, y, col):
+    """y[r, col + p] = sum_u acc[u, r, p].  acc (U, R, L), y (R, m)"""
     for r in range(acc.shape[1]):
-        for p in range(P):
+        for p in range(acc.shape[2]):
             s = acc[0, r, p]
             for u in range(1, acc.shape[0]):
                 s += acc[u, r, p]
-            y[r, panel * P + p] = s
+            y[r, col + p] = s
 
 
-# ---- one kernel per format (rows: the literal R; chains: U = FMA_CHAINS / R, at least 1) -------------
+# ---- one kernel per format (rows R, chains U, lanes L: the literals that kernel_shape chooses) --------
+#
+# A panel's P outputs are computed L at a time: L = P, the whole panel, where its sums fit the registers;
+# L = 8 on AVX2 for 8 rows (and Q4_1's 4): two sub-panels of one ymm each, the second reading the panel's
+# bytes again from the L1/L2 cache, so that the U x R accumulators are U x R vector registers.
 
 
 @jit
-def f32_kernel(xt, w, y, rows, chains):
+def f32_kernel(xt, w, y, rows, chains, lanes):
     """y = x @ W.T for W packed F32.  xt (k, R), w (m/P, k, P) float32, y (R, m)"""
     numba.literally(rows)
     numba.literally(chains)
-    acc = stack_tile(chains, rows, P)
+    numba.literally(lanes)
+    acc = stack_tile(chains, rows, lanes)
     k = w.shape[1]
     for panel in range(w.shape[0]):
-        zero(acc)
-        t = 0
-        while t + chains <= k:
-            if rows >= 4:  # with 1 or 2 rows the hints cost more than they save (docs/quantization.md)
-                ahead = (panel * k + t) * P * 4 + PREFETCH_BYTES  # one 64-byte line per position
+        for lane in range(0, P, lanes):  # L outputs at a time; only the first pass prefetches
+            zero(acc)
+            t = 0
+            while t + chains <= k:
+                if rows >= 4 and lane == 0:  # with 1 or 2 rows the hints cost more than they save
+                    ahead = (panel * k + t) * P * 4 + PREFETCH_BYTES  # one 64-byte line per position
+                    for u in range(chains):
+                        prefetch(w, ahead + 64 * u)
                 for u in range(chains):
-                    prefetch(w, ahead + 64 * u)
-            for u in range(chains):
-                add_rows(acc, u, xt, t + u, w[panel, t + u])
-            t += chains
-        while t < k:
-            add_rows(acc, 0, xt, t, w[panel, t])
-            t += 1
-        store(acc, y, panel)
+                    add_rows(acc, u, xt, t + u, w[panel, t + u, lane:lane + lanes])
+                t += chains
+            while t < k:
+                add_rows(acc, 0, xt, t, w[panel, t, lane:lane + lanes])
+                t += 1
+            store(acc, y, panel * P + lane)
 
 
 @jit
-def bf16_kernel(xt, bits, y, rows, chains):
+def bf16_kernel(xt, bits, y, rows, chains, lanes):
     """y = x @ W.T for W packed BF16.  xt (k, R), bits (m/P, k, P) uint16, y (R, m)"""
     numba.literally(rows)
     numba.literally(chains)
-    acc = stack_tile(chains, rows, P)
-    w = stack_tile(chains, 1, P)
+    numba.literally(lanes)
+    acc = stack_tile(chains, rows, lanes)
+    w = stack_tile(chains, 1, lanes)
     k = bits.shape[1]
     for panel in range(bits.shape[0]):
-        zero(acc)
-        t = 0
-        while t + chains <= k:
-            ahead = (panel * k + t) * P * 2 + PREFETCH_BYTES  # one line per two positions
-            for u in range(0, chains, 2):
-                prefetch(bits, ahead + 64 * (u // 2))
-            for u in range(chains):
-                for p in range(P):
-                    w[u, 0, p] = bits_to_f32(np.uint32(bits[panel, t + u, p]) << np.uint32(16))
-                add_rows(acc, u, xt, t + u, w[u, 0])
-            t += chains
-        while t < k:
-            for p in range(P):
-                w[0, 0, p] = bits_to_f32(np.uint32(bits[panel, t, p]) << np.uint32(16))
-            add_rows(acc, 0, xt, t, w[0, 0])
-            t += 1
-        store(acc, y, panel)
+        for lane in range(0, P, lanes):
+            zero(acc)
+            t = 0
+            while t + chains <= k:
+                if lane == 0:
+                    ahead = (panel * k + t) * P * 2 + PREFETCH_BYTES  # one line per two positions
+                    for u in range(0, chains, 2):
+                        prefetch(bits, ahead + 64 * (u // 2))
+                for u in range(chains):
+                    for p in range(lanes):
+                        w[u, 0, p] = bits_to_f32(np.uint32(bits[panel, t + u, lane + p]) << np.uint32(16))
+                    add_rows(acc, u, xt, t + u, w[u, 0])
+                t += chains
+            while t < k:
+                for p in range(lanes):
+                    w[0, 0, p] = bits_to_f32(np.uint32(bits[panel, t, lane + p]) << np.uint32(16))
+                add_rows(acc, 0, xt, t, w[0, 0])
+                t += 1
+            store(acc, y, panel * P + lane)
 
 
 @jit
-def q8_0_kernel(xt, d, q, y, rows, chains):
+def q8_0_kernel(xt, d, q, y, rows, chains, lanes):
     """y = x @ W.T for W packed Q8_0 (w = d * q).  xt (k, R), d (m/P, k/32, P) fp16 bits,
     q (m/P, k/32, 32, P) int8, y (R, m)"""
     numba.literally(rows)
     numba.literally(chains)
-    acc = stack_tile(chains, rows, P)
-    scale = stack_tile(1, 1, P)
-    w = stack_tile(chains, 1, P)
+    numba.literally(lanes)
+    acc = stack_tile(chains, rows, lanes)
+    scale = stack_tile(1, 1, lanes)
+    w = stack_tile(chains, 1, lanes)
     for panel in range(q.shape[0]):
-        zero(acc)
-        for b in range(q.shape[1]):
-            ahead = (panel * q.shape[1] + b) * QK * P + PREFETCH_BYTES  # a block of 16 outputs: 8 lines of q
-            for line in range(QK * P // 64):
-                prefetch(q, ahead + 64 * line)
-            prefetch(d, ahead // 16)  # and 32 bytes of d
-            for p in range(P):
-                scale[0, 0, p] = half_to_f32(d[panel, b, p])
-            for j in range(0, QK, chains):
-                for u in range(chains):
-                    for p in range(P):
-                        w[u, 0, p] = scale[0, 0, p] * np.float32(q[panel, b, j + u, p])
-                    add_rows(acc, u, xt, b * QK + j + u, w[u, 0])
-        store(acc, y, panel)
+        for lane in range(0, P, lanes):
+            zero(acc)
+            for b in range(q.shape[1]):
+                if lane == 0:
+                    ahead = (panel * q.shape[1] + b) * QK * P + PREFETCH_BYTES  # a block of 16 outputs: 8 lines of q
+                    for line in range(QK * P // 64):
+                        prefetch(q, ahead + 64 * line)
+                    prefetch(d, ahead // 16)  # and 32 bytes of d
+                for p in range(lanes):
+                    scale[0, 0, p] = half_to_f32(d[panel, b, lane + p])
+                for j in range(0, QK, chains):
+                    for u in range(chains):
+                        for p in range(lanes):
+                            w[u, 0, p] = scale[0, 0, p] * np.float32(q[panel, b, j + u, lane + p])
+                        add_rows(acc, u, xt, b * QK + j + u, w[u, 0])
+            store(acc, y, panel * P + lane)
 
 
 @jit
-def q4_1_kernel(xt, dm, qs, y, rows, chains):
+def q4_1_kernel(xt, dm, qs, y, rows, chains, lanes):
     """y = x @ W.T for W packed Q4_1 (w = d * q + m).  xt (k, R), dm (m/P, k/32, 2, P) fp16 bits,
     qs (m/P, k/32, 16, P) uint8 (low nibble: position j, high: j + 16), y (R, m)"""
     numba.literally(rows)
     numba.literally(chains)
-    acc = stack_tile(chains, rows, P)
-    scale = stack_tile(2, 1, P)  # d, m of the block
-    w = stack_tile(2, 1, P)  # positions j and j + 16
+    numba.literally(lanes)
+    acc = stack_tile(chains, rows, lanes)
+    scale = stack_tile(2, 1, lanes)  # d, m of the block
+    w = stack_tile(2, 1, lanes)  # positions j and j + 16
     half = QK // 2
     pairs = max(1, chains // 2)  # byte rows per step: 2 positions each, 2 * pairs sums in flight
     for panel in range(qs.shape[0]):
-        zero(acc)
-        for b in range(qs.shape[1]):
-            ahead = (panel * qs.shape[1] + b) * half * P + PREFETCH_BYTES  # a block of 16 outputs: 4 lines of qs
-            for line in range(half * P // 64):
-                prefetch(qs, ahead + 64 * line)
-            prefetch(dm, ahead // 4)  # and 64 bytes of dm
-            for p in range(P):
-                scale[0, 0, p] = half_to_f32(dm[panel, b, 0, p])
-                scale[1, 0, p] = half_to_f32(dm[panel, b, 1, p])
-            for j0 in range(0, half, pairs):
-                for v in range(pairs):
-                    j = j0 + v
-                    for p in range(P):
-                        byte = qs[panel, b, j, p]
-                        w[0, 0, p] = scale[0, 0, p] * np.float32(byte & np.uint8(0x0F)) + scale[1, 0, p]
-                        w[1, 0, p] = scale[0, 0, p] * np.float32(byte >> np.uint8(4)) + scale[1, 0, p]
-                    add_rows(acc, (2 * v) % chains, xt, b * QK + j, w[0, 0])
-                    add_rows(acc, (2 * v + 1) % chains, xt, b * QK + j + half, w[1, 0])
-        store(acc, y, panel)
+        for lane in range(0, P, lanes):
+            zero(acc)
+            for b in range(qs.shape[1]):
+                if lane == 0:
+                    ahead = (panel * qs.shape[1] + b) * half * P + PREFETCH_BYTES  # 16 outputs: 4 lines of qs
+                    for line in range(half * P // 64):
+                        prefetch(qs, ahead + 64 * line)
+                    prefetch(dm, ahead // 4)  # and 64 bytes of dm
+                for p in range(lanes):
+                    scale[0, 0, p] = half_to_f32(dm[panel, b, 0, lane + p])
+                    scale[1, 0, p] = half_to_f32(dm[panel, b, 1, lane + p])
+                for j0 in range(0, half, pairs):
+                    for v in range(pairs):
+                        j = j0 + v
+                        for p in range(lanes):
+                            byte = qs[panel, b, j, lane + p]
+                            w[0, 0, p] = scale[0, 0, p] * np.float32(byte & np.uint8(0x0F)) + scale[1, 0, p]
+                            w[1, 0, p] = scale[0, 0, p] * np.float32(byte >> np.uint8(4)) + scale[1, 0, p]
+                        add_rows(acc, (2 * v) % chains, xt, b * QK + j, w[0, 0])
+                        add_rows(acc, (2 * v + 1) % chains, xt, b * QK + j + half, w[1, 0])
+            store(acc, y, panel * P + lane)
 
 
 KERNELS = {"F32": f32_kernel, "BF16": bf16_kernel, "Q8_0": q8_0_kernel, "Q4_1": q4_1_kernel}
@@ -404,8 +427,8 @@ def quantize_x(xt, rows):
 
 
 @jit
-def q8_0_int8_kernel(xt, d, q, y, rows, chains):
-    """y ~ x @ W.T for W packed Q8_0, x quantized per block (above).  Shapes as q8_0_kernel's; chains unused."""
+def q8_0_int8_kernel(xt, d, q, y, rows, chains, lanes):
+    """y ~ x @ W.T for W packed Q8_0, x quantized per block (above).  Shapes as q8_0_kernel's; chains, lanes unused."""
     numba.literally(rows)
     acc = stack_tile(1, rows, P)
     isum = stack_tile(1, rows, P)  # sum_t (q_w + 128) q_x of one block, per row
@@ -427,12 +450,12 @@ def q8_0_int8_kernel(xt, d, q, y, rows, chains):
                 d_x, offset = dx[b, r], np.float32(128.0) * sq[b, r]
                 for p in range(P):
                     acc[0, r, p] += (scale[0, 0, p] * d_x) * (isum[0, r, p] - offset)
-        store(acc, y, panel)
+        store(acc, y, panel * P)
 
 
 @jit
-def q4_1_int8_kernel(xt, dm, qs, y, rows, chains):
-    """y ~ x @ W.T for W packed Q4_1, x quantized per block (above).  Shapes as q4_1_kernel's; chains unused."""
+def q4_1_int8_kernel(xt, dm, qs, y, rows, chains, lanes):
+    """y ~ x @ W.T for W packed Q4_1, x quantized per block (above).  Shapes as q4_1_kernel's; chains, lanes unused."""
     numba.literally(rows)
     acc = stack_tile(2, rows, P)  # 0: d dx sum(q_w q_x), 1: m dx sum(q_x) (two chains)
     isum = stack_tile(1, rows, P)
@@ -456,18 +479,23 @@ def q4_1_int8_kernel(xt, dm, qs, y, rows, chains):
                 for p in range(P):
                     acc[0, r, p] += (scale[0, 0, p] * d_x) * isum[0, r, p]
                     acc[1, r, p] += scale[1, 0, p] * s_x
-        store(acc, y, panel)
+        store(acc, y, panel * P)
 
 
 INT8_KERNELS = {"Q8_0": q8_0_int8_kernel, "Q4_1": q4_1_int8_kernel}
 
 
 @functools.cache
-def has_vnni() -> bool:
-    """Whether this CPU has AVX512-VNNI (vpdpbusd), which the int8 kernels are built on."""
+def host_features() -> frozenset:
+    """The instruction-set extensions of this CPU as LLVM names them ({"avx2", "fma", ...})."""
     import llvmlite.binding as llvm
 
-    return "+avx512vnni" in llvm.get_host_cpu_features().flatten().split(",")
+    return frozenset(f[1:] for f in llvm.get_host_cpu_features().flatten().split(",") if f.startswith("+"))
+
+
+def has_vnni() -> bool:
+    """Whether this CPU has AVX512-VNNI (vpdpbusd), which the int8 kernels are built on."""
+    return "avx512vnni" in host_features()
 
 
 # ---- packing: a format's weight -> the kernel's panels, once ------------------------------------------
@@ -568,8 +596,9 @@ def pack(weight) -> Packed:
 
 
 def row_tile(n: int) -> int:
-    """The compiled row count a product over n <= MAX_ROWS token rows runs with.  1 -> 1, 3 -> 4, 9 -> 16."""
-    return next(r for r in ROW_TILES if r >= n)
+    """The compiled row count a product over n <= row_tiles()[-1] token rows runs with.  1 -> 1, 3 -> 4, 9 -> 16
+    (AVX-512; on AVX2 the largest tile is 8)."""
+    return next(r for r in row_tiles() if r >= n)
 
 
 _COMPILED = {}  # (format, R, int8_x) -> the compiled function's entry point
@@ -589,21 +618,68 @@ def compiled(fmt: str, rows: int, int8_x: bool = False):
     return kernel
 
 
-def kernel_signature(fmt: str, rows: int) -> tuple:
-    """The argument types of ``fmt``'s kernel for ``rows`` token rows (rows and chains as literals)."""
+def host_vector() -> tuple[int, int]:
+    """(float32 lanes of one vector register, vector registers) on this CPU: (16, 32) with AVX-512 (zmm),
+    (8, 16) with AVX2 (ymm)."""
+    return (16, 32) if "avx512f" in host_features() else (8, 16)
+
+
+@functools.cache
+def kernel_shape(fmt: str, rows: int) -> tuple[int, int] | None:
+    """(U, L): the independent sums per output and the outputs computed at once (the whole panel, P, or one
+    vector's lanes) of ``fmt``'s kernel for ``rows`` token rows on this CPU; None when even one vector of
+    outputs does not fit the register file (16 rows on AVX2: the product then runs in chunks of 8).
+
+    The budget, in vector registers: a sub-panel row of L outputs is V = L / lanes vectors. The U x R x V
+    accumulators take at most a quarter of the register file and FMA_CHAINS sums (8 zmm on AVX-512), and
+    with the format's dequantized weights (``WEIGHT_REGISTERS`` x V) at most three quarters; the last
+    quarter holds x's broadcasts and the constants. The whole panel first (x is broadcast once per
+    position), one vector's lanes when the whole panel does not fit.
+
+        AVX-512 (16 lanes, 32 zmm):  U = 8 / R, L = 16 for R = 1 .. 16
+        AVX2 (8 lanes, 16 ymm):      R = 1: U = 2, L = 16;  R = 2: U = 1, L = 16;  R = 4: U = 1, L = 16
+                                     (Q4_1: L = 8);  R = 8: U = 1, L = 8;  R = 16: None
+
+    docs/quantization.md ("On an AVX2 CPU") has the measurements that chose these fractions."""
+    lanes, registers = host_vector()
+    for width in (P, lanes):
+        vectors = width // lanes  # V
+        u = max(1, min(FMA_CHAINS, registers // 4) // (rows * vectors))
+        if u * rows * vectors + WEIGHT_REGISTERS[fmt] * vectors <= registers * 3 // 4:
+            return u, width
+    return None
+
+
+@functools.cache
+def row_tiles() -> tuple:
+    """The ROW_TILES whose kernels fit this CPU's register file for every format (``kernel_shape``):
+    (1, 2, 4, 8, 16) with AVX-512, (1, 2, 4, 8) with AVX2."""
+    return tuple(r for r in ROW_TILES if all(kernel_shape(fmt, r) for fmt in KERNELS))
+
+
+def literals(fmt: str, rows: int) -> tuple[int, int, int]:
+    """The compile-time arguments of ``fmt``'s kernel for ``rows`` token rows on this CPU: (R, U, L)."""
+    return (rows, *kernel_shape(fmt, rows))
+
+
+def kernel_signature(fmt: str, rows: int, chains: int | None = None, lanes: int | None = None) -> tuple:
+    """The argument types of ``fmt``'s kernel for ``rows`` token rows: the arrays, then ``literals(fmt, rows)``
+    as literal types (or these chains and lanes instead, to compare other choices)."""
     weights = {"F32": (types.float32[:, :, ::1],), "BF16": (types.uint16[:, :, ::1],),
                "Q8_0": (types.uint16[:, :, ::1], types.int8[:, :, :, ::1]),
                "Q4_1": (types.uint16[:, :, :, ::1], types.uint8[:, :, :, ::1])}[fmt]
     return (types.float32[:, ::1], *weights, types.float32[:, ::1],
-            types.literal(rows), types.literal(max(1, FMA_CHAINS // rows)))
+            *(types.literal(v) for v in (rows, chains or literals(fmt, rows)[1], lanes or literals(fmt, rows)[2])))
 
 
-def machine_code(fmt: str, rows: int, fastmath=FASTMATH, int8_x: bool = False) -> str:
+def machine_code(fmt: str, rows: int, fastmath=FASTMATH, int8_x: bool = False, chains: int | None = None,
+                 lanes: int | None = None) -> str:
     """The assembly of ``fmt``'s kernel (the int8 one with ``int8_x``) for ``rows`` rows, freshly compiled (a
-    cached kernel keeps no assembly) under ``vector_compile`` with these fastmath flags."""
+    cached kernel keeps no assembly) under ``vector_compile`` with these fastmath flags (and these chains and
+    lanes, by default ``kernel_shape``'s)."""
     source = (INT8_KERNELS if int8_x else KERNELS)[fmt].py_func
     kernel = numba.njit(fastmath=fastmath, nogil=True, boundscheck=False)(source)
-    sig = kernel_signature(fmt, rows)
+    sig = kernel_signature(fmt, rows, chains, lanes)
     with vector_compile():
         kernel.compile(sig)
     return kernel.inspect_asm(kernel.signatures[0])
@@ -617,6 +693,14 @@ def vector_fma_count(asm: str) -> dict:
             "ymm": sum(1 for kind, reg in fmas if kind == "p" and reg == "ymm"),
             "scalar": sum(1 for kind, _ in fmas if kind == "s"),
             "vnni": len(re.findall(r"vpdpbusd\s+[^\n]*?%zmm", asm))}
+
+
+def stack_spills(asm: str) -> int:
+    """Vector instructions with a stack address ((%rsp) or (%rsp, index)) in the kernel itself, the listing's first
+    function (numba's Python wrapper follows it): registers spilled and reloaded, or a tile SROA left in memory.
+    0 when the accumulators and the dequantized weights fit in the register file."""
+    kernel = asm.split(".Lfunc_end0")[0]
+    return sum(1 for line in kernel.splitlines() if "(%rsp" in line and re.search(r"%[xyz]mm\d", line))
 
 
 def product(x, packed: Packed, int8_x: bool = False) -> np.ndarray:
@@ -640,10 +724,11 @@ def product(x, packed: Packed, int8_x: bool = False) -> np.ndarray:
     y = np.empty((n, m), dtype=np.float32)
     m_pad = packed.arrays[-1].shape[0] * P
     if n == 1 and m == m_pad and x.flags.c_contiguous:  # a decode step, the common case, with nothing to copy
-        compiled(packed.format, 1, int8_x)(x.reshape(k, 1), *packed.arrays, y, 1, FMA_CHAINS)
+        compiled(packed.format, 1, int8_x)(x.reshape(k, 1), *packed.arrays, y, *literals(packed.format, 1))
         return y
-    for start in range(0, n, MAX_ROWS):  # chunks of 16 rows; each reads every weight once
-        rows = min(MAX_ROWS, n - start)
+    chunk = row_tiles()[-1]
+    for start in range(0, n, chunk):  # chunks of 16 rows (8 on AVX2); each reads every weight once
+        rows = min(chunk, n - start)
         tile = row_tile(rows)
         if tile == 1:  # a decode step: x (1, k) is already xt (k, 1), a view
             xt = x[start:start + 1].reshape(k, 1)
@@ -653,7 +738,7 @@ def product(x, packed: Packed, int8_x: bool = False) -> np.ndarray:
         direct = tile == rows and m == m_pad  # the kernel can write y's rows itself
         out = y[start:start + rows] if direct else np.empty((tile, m_pad), dtype=np.float32)
         kernel = compiled(packed.format, tile, int8_x)
-        kernel(np.ascontiguousarray(xt), *packed.arrays, out, tile, max(1, FMA_CHAINS // tile))
+        kernel(np.ascontiguousarray(xt), *packed.arrays, out, *literals(packed.format, tile))
         if not direct:
             y[start:start + rows] = out[:rows, :m]
     return y

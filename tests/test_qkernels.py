@@ -49,7 +49,8 @@ def test_every_format_matches_the_reference_for_1_to_17_rows(fmt):
 @pytest.mark.parametrize("fmt", ["F32", "BF16"])
 @pytest.mark.parametrize("n", [1, 3])
 def test_float_formats_take_any_inner_size(fmt, n):
-    """k = 77 leaves a tail after the interleaved sums: 8 chains at n = 1, 2 at n = 3 (tile 4)."""
+    """k = 77 leaves a tail after the interleaved sums (77 is odd: a tail for every U > 1; U = 8 at n = 1 on
+    AVX-512, 2 on AVX2)."""
     rng = np.random.default_rng(1)
     w, x = rng.standard_normal((18, 77)).astype(np.float32), rng.standard_normal((n, 77)).astype(np.float32)
     check_product(fmt, w, x)
@@ -138,7 +139,47 @@ def test_the_vector_check_catches_scalar_code(monkeypatch):
 
 
 def test_row_tiles():
-    assert [qkernels.row_tile(n) for n in (1, 2, 3, 5, 8, 9, 16)] == [1, 2, 4, 8, 8, 16, 16]
+    """n rows run with the next compiled tile; 16 rows are a tile where they fit the registers (AVX-512)."""
+    assert [qkernels.row_tile(n) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    assert qkernels.row_tiles() in ((1, 2, 4, 8, 16), (1, 2, 4, 8))
+    if qkernels.row_tiles()[-1] == 16:
+        assert qkernels.row_tile(9) == qkernels.row_tile(16) == 16
+
+
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_the_chosen_kernel_keeps_its_sums_in_registers(fmt):
+    """The kernel for one row with the chains and lanes that kernel_shape chooses for this CPU (AVX-512: 32 zmm,
+    a panel row is one vector; AVX2: 16 ymm, two) stores no vector register to the stack: its accumulators and
+    its dequantized weights fit in the register file."""
+    asm = qkernels.machine_code(fmt, 1)
+    assert qkernels.vector_fma_count(asm)["scalar"] == 0
+    assert qkernels.stack_spills(asm) == 0, f"{fmt}: {qkernels.stack_spills(asm)} stack loads and stores"
+
+
+def test_the_spill_check_catches_too_many_sums():
+    """Planted: as many sums per output as the CPU has vector registers (32 zmm accumulators on AVX-512, 32 ymm
+    on AVX2: the whole panel is two) cannot all live in registers, and the count above sees the spills."""
+    registers = qkernels.host_vector()[1]
+    assert qkernels.stack_spills(qkernels.machine_code("Q8_0", 1, chains=registers, lanes=qkernels.P)) > 0
+
+
+@pytest.mark.parametrize("host, shapes", [
+    ((16, 32), {1: (8, 16), 2: (4, 16), 4: (2, 16), 8: (1, 16), 16: (1, 16)}),  # AVX-512: U = 8 / R, whole panels
+    ((8, 16), {1: (2, 16), 2: (1, 16), 4: (1, 16), 8: (1, 8), 16: None})])  # AVX2 (Q8_0)
+def test_kernel_shape_follows_the_vector_registers(monkeypatch, host, shapes):
+    """The rule on either kind of CPU, whichever this one is: the accumulators within a quarter of the register
+    file, with the weights within three quarters; on AVX2 a Q4_1 kernel for 4 rows takes sub-panels of 8 lanes
+    (its whole-panel weights need 8 ymm) and 16 rows do not fit at all (the product runs in chunks of 8)."""
+    monkeypatch.setattr(qkernels, "host_vector", lambda: host)
+    qkernels.kernel_shape.cache_clear()
+    qkernels.row_tiles.cache_clear()
+    try:
+        assert {r: qkernels.kernel_shape("Q8_0", r) for r in qkernels.ROW_TILES} == shapes
+        assert qkernels.kernel_shape("Q4_1", 4) == ((2, 16) if host[1] == 32 else (1, 8))
+        assert qkernels.row_tiles()[-1] == (16 if host[1] == 32 else 8)
+    finally:
+        qkernels.kernel_shape.cache_clear()
+        qkernels.row_tiles.cache_clear()
 
 
 def test_benchmark_pass_and_table(tmp_path, capsys):

@@ -137,6 +137,22 @@ def kernel_fma_rate(rng, repeat: int) -> float:
     return MAX_ROWS * CACHE_WEIGHT[0] * CACHE_WEIGHT[1] / best
 
 
+def kernel_choices(formats: list[str], rows_n: list[int]) -> str:
+    """What the kernels chose on this CPU (``qkernels.kernel_shape``): U sums x L outputs at once, per format and n."""
+    from ...qkernels import host_vector, kernel_shape, row_tile, row_tiles
+
+    lanes, registers = host_vector()
+    chunk = row_tiles()[-1]
+
+    def shape(fmt: str, n: int) -> str:
+        u, width = kernel_shape(fmt, row_tile(min(n, chunk)))
+        passes = -(-n // chunk)
+        return f"{n}: {u}x{width}" + (f" ({passes} chunks of {chunk} rows)" if passes > 1 else "")
+
+    return "\n".join([f"kernels for {registers} vector registers of {lanes} float32 lanes, U sums x L outputs by n:"]
+                     + [f"  {fmt:>4}  " + ", ".join(shape(fmt, n) for n in rows_n) for fmt in formats])
+
+
 def _timed(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -389,6 +405,7 @@ def main(argv=None) -> int:
     bandwidth = max(read_bandwidth(), copy_bandwidth())
     fma_rate = max(gemm_peak() / 2, kernel_fma_rate(rng, args.repeat))
     print(f"bandwidth {bandwidth / 1e9:.1f} GB/s (one thread), FMA rate {fma_rate / 1e9:.1f} G/s (one core)")
+    print(kernel_choices(args.formats, rows_n))
     table = []
     for fmt in args.formats:
         packed = pack_pass(fmt, rng)
