@@ -374,6 +374,23 @@ def check_run_files(files: list, overwrite: bool, resume: bool) -> None:
         check_destination(path, overwrite or resume)
 
 
+def check_add_on_run(args, suffixes: tuple) -> list[Path]:
+    """The opening of a run that trains an add-on for a frozen model (``eagle-train``, ``medusa-train``), before
+    any work: its steps, batch and learning rate in range, ``args.out`` not a shipped file unless
+    ``--overwrite-shipped``, and replaced only with ``--overwrite``; its own files (``suffixes``, beside
+    ``out``: state, log, ...) new unless resumed or overwritten -> their paths, in order."""
+    if args.steps < 1 or args.batch_size < 1:
+        raise ValueError(f"--steps and --batch-size must be >= 1, got {args.steps} and {args.batch_size}")
+    if not 0 < args.lr < 1:
+        raise ValueError(f"--lr must be in (0, 1), got {args.lr}")
+    check_not_shipped(args.out, args.overwrite_shipped)
+    files = [run_file(args.out, suffix) for suffix in suffixes]
+    overwrite = args.overwrite or args.overwrite_shipped
+    check_destination(args.out, overwrite)  # the add-on: replaced only when asked, --resume or not
+    check_run_files(files, overwrite, args.resume)  # the run's own files: --resume continues them
+    return files
+
+
 def read_state(path, fmt: str = "minillm-train-state-1") -> tuple[dict, dict]:
     """``read_npz`` of a run's state file of format ``fmt``, refused (one line) when the file is
     something else (a model, another run's file)."""

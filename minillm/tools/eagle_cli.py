@@ -18,7 +18,6 @@ from dataclasses import asdict, replace
 import numpy as np
 
 from ..backend import to_numpy
-from ..checkpoint import check_destination, check_not_shipped
 from ..eagle import DEFAULT_SUBSET, EagleDraft, frequency_subset, subset_coverage, token_counts
 from ..eagle_train import (
     ANSWER_TOKENS,
@@ -30,7 +29,7 @@ from ..eagle_train import (
     write_answers,
 )
 from ..registry import SMOLLM2, SMOLLM2_SHA256, load_model
-from ..train import check_run_files, run_file
+from ..train import check_add_on_run
 from ..workloads import WORKLOADS, check_held_out, stdlib_prompts, training_prompts
 from .options import add_weights_option, nonnegative_count, nonnegative_float
 
@@ -88,15 +87,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_train(args) -> int:
-    if args.steps < 1 or args.batch_size < 1:
-        raise ValueError(f"--steps and --batch-size must be >= 1, got {args.steps} and {args.batch_size}")
-    if not 0 < args.lr < 1:
-        raise ValueError(f"--lr must be in (0, 1), got {args.lr}")
-    check_not_shipped(args.out, args.overwrite_shipped)
-    state_path, log_path = run_file(args.out, ".eagle-train.npz"), run_file(args.out, ".log.json")
-    overwrite = args.overwrite or args.overwrite_shipped
-    check_destination(args.out, overwrite)  # the draft: replaced only when asked, --resume or not
-    check_run_files([state_path, log_path], overwrite, args.resume)  # the run's own files: --resume continues them
+    state_path, log_path = check_add_on_run(args, (".eagle-train.npz", ".log.json"))
     t_start = time.perf_counter()
     model, tokenizer = load_model(args.model, weights=args.weights)
     data = read_answers(args.data, model, args.parts)

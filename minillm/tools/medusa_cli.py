@@ -12,11 +12,10 @@ from dataclasses import asdict, replace
 import numpy as np
 
 from ..backend import to_numpy, xp
-from ..checkpoint import check_destination, check_not_shipped
 from ..medusa import MAX_HEADS, MedusaHeads, check_n_heads
 from ..medusa_train import HEADS_TRAIN, head_data, load_text, save_text, train_heads, training_text
 from ..registry import SMOLLM2, SMOLLM2_SHA256, load_model
-from ..train import check_run_files, run_file
+from ..train import check_add_on_run
 from .options import add_weights_option, nonnegative_count, nonnegative_float
 
 
@@ -44,16 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args) -> int:
     """Check the options (before any work), make the training text, train, save heads + a log -> 0."""
     n_heads = check_n_heads(args.heads)
-    if args.steps < 1 or args.batch_size < 1:
-        raise ValueError(f"--steps and --batch-size must be >= 1, got {args.steps} and {args.batch_size}")
-    if not 0 < args.lr < 1:
-        raise ValueError(f"--lr must be in (0, 1), got {args.lr}")
-    check_not_shipped(args.out, args.overwrite_shipped)
-    state_path, text_path, log_path = (run_file(args.out, s) for s in (".medusa-train.npz", ".medusa-text.npz",
-                                                                        ".log.json"))
-    overwrite = args.overwrite or args.overwrite_shipped
-    check_destination(args.out, overwrite)  # the heads: replaced only when asked, --resume or not
-    check_run_files([state_path, text_path, log_path], overwrite, args.resume)  # the run's own: --resume continues
+    state_path, text_path, log_path = check_add_on_run(args, (".medusa-train.npz", ".medusa-text.npz", ".log.json"))
     t_start = time.perf_counter()
     model, tokenizer = load_model(args.model, weights=args.weights)
     progress = not args.quiet
