@@ -39,7 +39,7 @@ sums of two vectors would be every register: U is 2 at R = 1 and 1 from R = 2, t
 (and Q4_1's for 4) take the panel L = 8 outputs at a time (the second half reads the panel again from
 the cache), and 16 rows do not fit at all. Past the largest row tile (16, or 8 on AVX2) the product
 runs in chunks, dequantizing each weight once per chunk. ``stack_spills`` counts the stack loads and
-stores in a kernel's machine code; the tests require 0 for the kernels of one row.
+stores in a kernel's inner loop; the tests require 0 for the kernels of one row.
 
 What numba needed (each setting is applied only while these kernels compile, ``vector_compile``):
 
@@ -62,9 +62,10 @@ Compiled with ``cache=True``: the first use of a (format, R) compiles (0.3-0.8 s
 EPYC, 20 kernels in all, 16 on AVX2; docs/quantization.md), later processes load the machine code. Everything
 runs on the calling thread (no ``prange``).
 
-An option that is not exact, ``product(x, W, int8_x=True)`` for Q8_0 and Q4_1 on a CPU with AVX512-VNNI:
-x is quantized to int8 per block of 32, as llama.cpp does, and the kernels (``INT8_KERNELS``) multiply
-integers with vpdpbusd on the same panels (section "int8 activations" below). The default stays exact.
+An option that is not exact, ``product(x, W, int8_x=True)`` for Q8_0 and Q4_1 on a CPU with AVX512-VNNI or
+AVX2 (``int8_isa``): x is quantized to int8 per block of 32, as llama.cpp does, and the kernels
+(``INT8_KERNELS``) multiply integers on the same panels, with vpdpbusd or with vpmaddubsw and vpmaddwd
+(section "int8 activations" below). The default stays exact.
 """
 
 from __future__ import annotations
@@ -337,9 +338,130 @@ KERNELS = {"F32": f32_kernel, "BF16": bf16_kernel, "Q8_0": q8_0_kernel, "Q4_1": 
 # x's block b of row i becomes dx q_x with dx = max |x| / 127 and q_x = round(x / dx) in -127..127 (llama.cpp's
 # q8_1 / q8_0 for activations), so the product is x_hat @ W.T, within sum_b (dx / 2) sum_t |w| of x @ W.T.
 # vpdpbusd (AVX512-VNNI) multiplies 64 unsigned weight bytes by 64 signed x bytes and adds each 4 products into
-# an int32 lane: one instruction per 64 weights, where the float kernels spend 5 to 6 per 16.
+# an int32 lane: one instruction per 64 weights, where the float kernels spend 5 to 6 per 16. With AVX2 the same
+# sums take vpmaddubsw (32 byte products, added in pairs into int16) and vpmaddwd by ones (pairs into int32),
+# llama.cpp's AVX2 route, plus the shuffles that bring each output's 4 bytes together (``avx2_block_dot``).
 
 INT8_TRANSPOSE = [16 * (lane % 4) + lane // 4 for lane in range(64)]  # 4 byte rows x 16 outputs -> 16 dwords of 4
+AVX2_PAIRS = [16 * (i // 16) + i % 16 // 2 + 8 * (i % 2) for i in range(32)]  # in each 128-bit lane: bytes p, 8 + p
+AVX2_WORDS = [8 * (i // 8) + i % 8 // 2 + 16 * (i % 2) for i in range(16)]  # vpunpcklwd (+ 4: vpunpckhwd)
+AVX2_OUTPUTS = [0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15]  # (0-3 | 8-11), (4-7 | 12-15) -> 0..15
+
+
+def load_vector(builder, base, offset: int, vector):
+    """The ``vector``-typed value at byte ``offset`` of the i8 pointer ``base`` (unaligned)."""
+    at = builder.gep(base, [ir.Constant(ir.IntType(64), offset)])
+    return builder.load(builder.bitcast(at, vector.as_pointer()), align=1)
+
+
+def splat_dword(builder, xbase, t: int, lanes: int):
+    """x bytes t..t+3 in every one of ``lanes`` dword lanes."""
+    i32 = ir.IntType(32)
+    dwords = ir.VectorType(i32, lanes)
+    one = builder.insert_element(ir.Constant(dwords, None), load_vector(builder, xbase, t, i32), ir.Constant(i32, 0))
+    return builder.shuffle_vector(one, ir.Constant(dwords, None), ir.Constant(dwords, [0] * lanes))
+
+
+def vnni_block_dot(builder, wbase, xbase, is_q8_0: bool):
+    """int8_block_dot's sums with AVX512-VNNI: one vpermb per 4 byte rows puts each output's 4 bytes in a dword
+    lane, one vpdpbusd multiplies them by 4 bytes of x and adds.  -> <16 x i32>"""
+    i8, i32 = ir.IntType(8), ir.IntType(32)
+    bytes64, dwords16 = ir.VectorType(i8, 64), ir.VectorType(i32, 16)
+    dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(dwords16, [dwords16] * 3),
+                                         "llvm.x86.avx512.vpdpbusd.512")
+
+    def weight_rows(g):  # rows 4g..4g+3 -> dword p holds output p's 4 bytes
+        v = load_vector(builder, wbase, 64 * g, bytes64)
+        transpose = ir.Constant(ir.VectorType(i32, 64), INT8_TRANSPOSE)
+        return builder.shuffle_vector(v, ir.Constant(bytes64, None), transpose)  # vpermb
+
+    sums = [ir.Constant(dwords16, 0), ir.Constant(dwords16, 0)]  # two chains of vpdpbusd
+    if is_q8_0:  # 8 groups of 4 positions
+        for g in range(QK // 4):
+            w = builder.xor(weight_rows(g), ir.Constant(bytes64, [0x80] * 64))  # q + 128 as an unsigned byte
+            x4 = splat_dword(builder, xbase, 4 * g, 16)
+            sums[g % 2] = builder.call(dot, [sums[g % 2], builder.bitcast(w, dwords16), x4])
+    else:  # 4 groups of 4 byte rows: low nibbles are positions 4g.., high nibbles 16 + 4g..
+        for g in range(QK // 8):
+            v = weight_rows(g)
+            low = builder.and_(v, ir.Constant(bytes64, [0x0F] * 64))
+            high = builder.lshr(v, ir.Constant(bytes64, [4] * 64))
+            sums[0] = builder.call(dot, [sums[0], builder.bitcast(low, dwords16),
+                                         splat_dword(builder, xbase, 4 * g, 16)])
+            sums[1] = builder.call(dot, [sums[1], builder.bitcast(high, dwords16),
+                                         splat_dword(builder, xbase, QK // 2 + 4 * g, 16)])
+    return builder.add(sums[0], sums[1])
+
+
+def avx2_block_dot(builder, wbase, xbase, is_q8_0: bool):
+    """int8_block_dot's sums with AVX2, as llama.cpp's AVX2 dot products do them: vpmaddubsw multiplies unsigned
+    weight bytes by signed x bytes and adds pairs into int16, vpmaddwd by ones adds pairs of those into int32.
+
+    The panel's rows are positions, so each output's 4 bytes are first brought into one dword lane: per two rows
+    (one 32-byte load) a vpermq and a vpshufb pair up the rows' bytes of one output, and a vpunpcklwd /
+    vpunpckhwd of two such pairs gives outputs (0-3 | 8-11) and (4-7 | 12-15), put back in order at the end.
+    Q8_0's signed weights go in as |q| with x's sign flipped where q < 0 (vpsignb): each int16 pair sum is then
+    at most 2 x 128 x 127, no saturation; the result is sum (q + 128) x_q, as vpdpbusd's, by adding 128 sum x_q.
+    -> <16 x i32>"""
+    i1, i8, i16, i32, i64 = ir.IntType(1), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+    bytes32, words16, dwords8 = ir.VectorType(i8, 32), ir.VectorType(i16, 16), ir.VectorType(i32, 8)
+    qwords4 = ir.VectorType(i64, 4)
+    module = builder.module
+    maddubs = cgutils.get_or_insert_function(module, ir.FunctionType(words16, [bytes32, bytes32]),
+                                             "llvm.x86.avx2.pmadd.ub.sw")
+    madd = cgutils.get_or_insert_function(module, ir.FunctionType(dwords8, [words16, words16]),
+                                          "llvm.x86.avx2.pmadd.wd")
+    ones = ir.Constant(words16, [1] * 16)
+
+    def row_pairs(offset):  # rows j, j + 1 (32 bytes) -> per 128-bit lane the two bytes of each of 8 outputs
+        v = builder.bitcast(load_vector(builder, wbase, offset, bytes32), qwords4)
+        v = builder.shuffle_vector(v, ir.Constant(qwords4, None), ir.Constant(ir.VectorType(i32, 4), [0, 2, 1, 3]))
+        v = builder.shuffle_vector(builder.bitcast(v, bytes32), ir.Constant(bytes32, None),
+                                   ir.Constant(ir.VectorType(i32, 32), AVX2_PAIRS))  # vpermq, vpshufb
+        return builder.bitcast(v, words16)
+
+    def weight_rows(g):  # rows 4g..4g+3 -> outputs (0-3 | 8-11), (4-7 | 12-15), a dword of 4 bytes each
+        a, b = row_pairs(64 * g), row_pairs(64 * g + 32)
+        return [builder.bitcast(builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, 16), [w + shift for w in
+                                                                                                    AVX2_WORDS])),
+                                bytes32) for shift in (0, 4)]
+
+    def x_splat(t):
+        return builder.bitcast(splat_dword(builder, xbase, t, 8), bytes32)
+
+    if is_q8_0:  # 8 groups of 4 positions
+        absolute = cgutils.get_or_insert_function(module, ir.FunctionType(bytes32, [bytes32, i1]), "llvm.abs.v32i8")
+        sign = cgutils.get_or_insert_function(module, ir.FunctionType(bytes32, [bytes32, bytes32]),
+                                              "llvm.x86.avx2.psign.b")
+        sums = [ir.Constant(dwords8, 0), ir.Constant(dwords8, 0)]
+        for g in range(QK // 4):
+            xs = x_splat(4 * g)
+            for h, v in enumerate(weight_rows(g)):
+                pairs = builder.call(maddubs, [builder.call(absolute, [v, ir.Constant(i1, 0)]),
+                                               builder.call(sign, [xs, v])])
+                sums[h] = builder.add(sums[h], builder.call(madd, [pairs, ones]))
+        psadbw = cgutils.get_or_insert_function(module, ir.FunctionType(qwords4, [bytes32, bytes32]),
+                                                "llvm.x86.avx2.psad.bw")
+        biased = builder.xor(load_vector(builder, xbase, 0, bytes32), ir.Constant(bytes32, [0x80] * 32))
+        eights = builder.call(psadbw, [biased, ir.Constant(bytes32, [0] * 32)])  # sums of x + 128 over 8 bytes
+        total = builder.extract_element(eights, ir.Constant(i32, 0))
+        for e in range(1, 4):
+            total = builder.add(total, builder.extract_element(eights, ir.Constant(i32, e)))
+        offset = builder.shl(builder.trunc(builder.sub(total, ir.Constant(i64, 128 * QK)), i32), ir.Constant(i32, 7))
+        offset = builder.shuffle_vector(builder.insert_element(ir.Constant(dwords8, None), offset, ir.Constant(i32, 0)),
+                                        ir.Constant(dwords8, None), ir.Constant(dwords8, [0] * 8))
+        sums = [builder.add(s, offset) for s in sums]  # + 128 sum x_q
+    else:  # 4 groups of 4 byte rows: low nibbles are positions 4g.., high nibbles 16 + 4g..
+        acc = [ir.Constant(words16, 0), ir.Constant(words16, 0)]  # int16: 8 pair sums of 2 x 15 x 127 at most
+        for g in range(QK // 8):
+            xl, xh = x_splat(4 * g), x_splat(QK // 2 + 4 * g)
+            for h, v in enumerate(weight_rows(g)):
+                low = builder.and_(v, ir.Constant(bytes32, [0x0F] * 32))
+                high = builder.lshr(v, ir.Constant(bytes32, [4] * 32))
+                acc[h] = builder.add(acc[h], builder.add(builder.call(maddubs, [low, xl]),
+                                                         builder.call(maddubs, [high, xh])))
+        sums = [builder.call(madd, [a, ones]) for a in acc]
+    return builder.shuffle_vector(sums[0], sums[1], ir.Constant(ir.VectorType(i32, 16), AVX2_OUTPUTS))
 
 
 @intrinsic
@@ -348,49 +470,23 @@ def int8_block_dot(typingctx, tile, row, weights, w_byte, signed, xq, x_byte):
     of a panel.  weights: the panel's block as packed (Q4_1: 16 byte rows of two nibbles, Q8_0 (signed=True):
     32 rows of int8) from byte w_byte; xq: the row's 32 int8 values of x from byte x_byte.
 
-    Each 64-byte load holds 4 rows of 16 outputs; one vpermb puts each output's 4 bytes in one dword lane.
-    Q8_0's weights go in as q + 128 (unsigned); the kernel takes 128 sum(q_x) off again."""
+    Q8_0's weights count as q + 128 (unsigned); the kernel takes 128 sum(q_x) off again. The integer sums are
+    this CPU's (``int8_isa``): ``vnni_block_dot`` or ``avx2_block_dot``, both exact."""
     if not isinstance(signed, types.BooleanLiteral):
         return None
     is_q8_0 = signed.literal_value
 
     def codegen(context, builder, sig, args):
         tile_a, row_v, w_a, w_off, _, x_a, x_off = args
-        i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
-        bytes64, dwords16 = ir.VectorType(i8, 64), ir.VectorType(i32, 16)
-        dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(dwords16, [dwords16] * 3),
-                                             "llvm.x86.avx512.vpdpbusd.512")
+        i8 = ir.IntType(8)
 
         def base(k, value, offset):
             data = context.make_array(sig.args[k])(context, builder, value).data
             return builder.gep(builder.bitcast(data, i8.as_pointer()), [offset])
 
-        wbase, xbase = base(2, w_a, w_off), base(5, x_a, x_off)
-
-        def weight_rows(g):  # rows 4g..4g+3 -> dword p holds output p's 4 bytes
-            rows4 = builder.gep(wbase, [ir.Constant(i64, 64 * g)])
-            v = builder.load(builder.bitcast(rows4, bytes64.as_pointer()), align=1)
-            transpose = ir.Constant(ir.VectorType(i32, 64), INT8_TRANSPOSE)
-            return builder.shuffle_vector(v, ir.Constant(bytes64, None), transpose)  # vpermb
-
-        def x_splat(t):  # x bytes t..t+3 in every dword lane
-            word = builder.load(builder.bitcast(builder.gep(xbase, [ir.Constant(i64, t)]), i32.as_pointer()), align=1)
-            one = builder.insert_element(ir.Constant(dwords16, None), word, ir.Constant(i32, 0))
-            return builder.shuffle_vector(one, ir.Constant(dwords16, None), ir.Constant(dwords16, [0] * 16))
-
-        sums = [ir.Constant(dwords16, 0), ir.Constant(dwords16, 0)]  # two chains of vpdpbusd
-        if is_q8_0:  # 8 groups of 4 positions
-            for g in range(QK // 4):
-                w = builder.xor(weight_rows(g), ir.Constant(bytes64, [0x80] * 64))  # q + 128 as an unsigned byte
-                sums[g % 2] = builder.call(dot, [sums[g % 2], builder.bitcast(w, dwords16), x_splat(4 * g)])
-        else:  # 4 groups of 4 byte rows: low nibbles are positions 4g.., high nibbles 16 + 4g..
-            for g in range(QK // 8):
-                v = weight_rows(g)
-                low = builder.and_(v, ir.Constant(bytes64, [0x0F] * 64))
-                high = builder.lshr(v, ir.Constant(bytes64, [4] * 64))
-                sums[0] = builder.call(dot, [sums[0], builder.bitcast(low, dwords16), x_splat(4 * g)])
-                sums[1] = builder.call(dot, [sums[1], builder.bitcast(high, dwords16), x_splat(QK // 2 + 4 * g)])
-        total = builder.sitofp(builder.add(sums[0], sums[1]), ir.VectorType(ir.FloatType(), P))
+        block_dot = vnni_block_dot if int8_isa() == "avx512vnni" else avx2_block_dot
+        sums = block_dot(builder, base(2, w_a, w_off), base(5, x_a, x_off), is_q8_0)
+        total = builder.sitofp(sums, ir.VectorType(ir.FloatType(), P))
         out = builder.gep(context.make_array(sig.args[0])(context, builder, tile_a).data,
                           [builder.mul(row_v, ir.Constant(row_v.type, P))])
         builder.store(total, builder.bitcast(out, total.type.as_pointer()), align=4)
@@ -493,9 +589,11 @@ def host_features() -> frozenset:
     return frozenset(f[1:] for f in llvm.get_host_cpu_features().flatten().split(",") if f.startswith("+"))
 
 
-def has_vnni() -> bool:
-    """Whether this CPU has AVX512-VNNI (vpdpbusd), which the int8 kernels are built on."""
-    return "avx512vnni" in host_features()
+def int8_isa() -> str | None:
+    """The integer dot product the int8 kernels are built on here: "avx512vnni" (vpdpbusd), "avx2" (vpmaddubsw and
+    vpmaddwd), or None (no int8 kernel for this CPU)."""
+    features = host_features()
+    return "avx512vnni" if "avx512vnni" in features else "avx2" if "avx2" in features else None
 
 
 # ---- packing: a format's weight -> the kernel's panels, once ------------------------------------------
@@ -686,21 +784,36 @@ def machine_code(fmt: str, rows: int, fastmath=FASTMATH, int8_x: bool = False, c
 
 
 def vector_fma_count(asm: str) -> dict:
-    """{'zmm': n, 'ymm': n, 'scalar': n} FMA instructions in an assembly listing, and 'vnni': n zmm integer
-    dot products (vpdpbusd, the int8 kernels')."""
+    """{'zmm': n, 'ymm': n, 'scalar': n} FMA instructions in an assembly listing, and the int8 kernels' integer
+    dot products: 'vnni': n zmm vpdpbusd, 'maddubs': n ymm vpmaddubsw (AVX2)."""
     fmas = re.findall(r"vfmadd\d+(p|s)s\s+[^\n]*?%([xyz]mm)", asm)
     return {"zmm": sum(1 for kind, reg in fmas if kind == "p" and reg == "zmm"),
             "ymm": sum(1 for kind, reg in fmas if kind == "p" and reg == "ymm"),
             "scalar": sum(1 for kind, _ in fmas if kind == "s"),
-            "vnni": len(re.findall(r"vpdpbusd\s+[^\n]*?%zmm", asm))}
+            "vnni": len(re.findall(r"vpdpbusd\s+[^\n]*?%zmm", asm)),
+            "maddubs": len(re.findall(r"vpmaddubsw\s+[^\n]*?%ymm", asm))}
+
+
+def inner_loop(asm: str) -> list[str]:
+    """The lines of a kernel's inner loop in its listing: of the innermost loops (a label and a later jump back to
+    it, with no loop inside) of the first function (the kernel; numba's Python wrapper follows it), the one with
+    the most vector FMAs."""
+    kernel = asm.split(".Lfunc_end0")[0].splitlines()
+    labels = {line[:-1]: i for i, line in enumerate(kernel) if re.fullmatch(r"\.LBB\w+:", line)}
+    loops = [(labels[m[1]], j) for j, line in enumerate(kernel)
+             if (m := re.fullmatch(r"\s+j\w+\s+(\.LBB\w+)", line)) and labels.get(m[1], j) < j]
+    innermost = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
+    if not innermost:
+        return kernel
+    a, b = max(innermost, key=lambda ab: sum(1 for line in kernel[ab[0]:ab[1]] if re.search(r"vfmadd\d+ps", line)))
+    return kernel[a:b + 1]
 
 
 def stack_spills(asm: str) -> int:
-    """Vector instructions with a stack address ((%rsp) or (%rsp, index)) in the kernel itself, the listing's first
-    function (numba's Python wrapper follows it): registers spilled and reloaded, or a tile SROA left in memory.
-    0 when the accumulators and the dequantized weights fit in the register file."""
-    kernel = asm.split(".Lfunc_end0")[0]
-    return sum(1 for line in kernel.splitlines() if "(%rsp" in line and re.search(r"%[xyz]mm\d", line))
+    """Vector instructions with a stack address ((%rsp) or (%rsp, index)) in a kernel's inner loop: registers
+    spilled and reloaded on every step, or a tile that SROA left in memory. 0 when the accumulators and the
+    dequantized weights fit in the register file. (Outside the loop, LLVM may still park a few registers.)"""
+    return sum(1 for line in inner_loop(asm) if "(%rsp" in line and re.search(r"%[xyz]mm\d", line))
 
 
 def product(x, packed: Packed, int8_x: bool = False) -> np.ndarray:
@@ -709,17 +822,18 @@ def product(x, packed: Packed, int8_x: bool = False) -> np.ndarray:
     The reference is ``x @ weight.dequantize().T``. (3, 64) @ Q8_0 (5, 64) -> (3, 5): one pass with
     R = 4 (a zero fourth row), m padded to 16 outputs inside the panels.
 
-    ``int8_x=True`` (Q8_0 and Q4_1, a CPU with AVX512-VNNI) quantizes x to int8 per block of 32 and multiplies
-    integers, as llama.cpp does: NOT exact, within sum_b (max_b |x| / 254) sum_{t in b} |w| of x @ W.T."""
+    ``int8_x=True`` (Q8_0 and Q4_1, a CPU with an int8 kernel: ``int8_isa``) quantizes x to int8 per block of 32
+    and multiplies integers, as llama.cpp does: NOT exact, within sum_b (max_b |x| / 254) sum_{t in b} |w| of
+    x @ W.T."""
     m, k = packed.shape
     x = np.asarray(x)
     if x.ndim != 2 or x.shape[1] != k or x.shape[0] == 0:
         raise QuantError(f"product: x {x.shape} does not match the weight {packed.shape} (x (n, {k}) @ W.T)")
     if x.dtype != np.float32:
         raise QuantError(f"product: x must be float32, got {x.dtype}")
-    if int8_x and (packed.format not in INT8_KERNELS or not has_vnni()):
+    if int8_x and (packed.format not in INT8_KERNELS or int8_isa() is None):
         raise QuantError(f"product: int8_x needs a {' or '.join(INT8_KERNELS)} weight (got {packed.format}) and a CPU "
-                         f"with AVX512-VNNI ({'present' if has_vnni() else 'absent'} here)")
+                         f"with AVX512-VNNI or AVX2 (here: {int8_isa() or 'neither'})")
     n = x.shape[0]
     y = np.empty((n, m), dtype=np.float32)
     m_pad = packed.arrays[-1].shape[0] * P

@@ -91,10 +91,10 @@ def test_inner_loop_is_vector_code(fmt, rows):
     assert counts["zmm"] + counts["ymm"] >= rows and counts["scalar"] == 0, counts
 
 
-needs_vnni = pytest.mark.skipif(not qkernels.has_vnni(), reason="the int8 kernels need AVX512-VNNI")
+needs_int8 = pytest.mark.skipif(qkernels.int8_isa() is None, reason="the int8 kernels need AVX512-VNNI or AVX2")
 
 
-@needs_vnni
+@needs_int8
 @pytest.mark.parametrize("fmt", ["Q8_0", pytest.param("Q4_1", marks=pytest.mark.uses_exercise("13.1"))])
 def test_int8_x_stays_within_its_bound_and_is_not_the_default(fmt):
     """int8_x=True quantizes x per block of 32 (dx = max |x| / 127): the product is x_hat @ W.T, so it errs by at
@@ -122,12 +122,35 @@ def test_int8_x_stays_within_its_bound_and_is_not_the_default(fmt):
                          int8_x=True)
 
 
-@needs_vnni
+@needs_int8
+@pytest.mark.parametrize("fmt", ["Q8_0", pytest.param("Q4_1", marks=pytest.mark.uses_exercise("13.1"))])
+def test_int8_x_is_the_product_of_the_quantized_x(fmt):
+    """The integer sums are exact: the int8_x product equals x_hat @ W.T up to float32 rounding, x_hat being
+    quantize_x's own int8 values times their scales (a wrong shuffle of the 4-byte groups, a saturated int16
+    pair sum or Q8_0's missing 128 sum(q_x) would be off by far more)."""
+    rng = np.random.default_rng(6)
+    weight = FORMATS[fmt].quantize(rng.standard_normal((37, 3 * QK)).astype(np.float32))
+    ref_w = weight.dequantize().astype(np.float64)
+    packed = qkernels.pack(weight)
+    for n in (1, 3, 8, 17):
+        x = 4 * rng.standard_normal((n, 3 * QK)).astype(np.float32)
+        xq, dx, _ = qkernels.quantize_x(np.ascontiguousarray(x.T), n)  # (n, k), (nb, n)
+        x_hat = (xq.reshape(n, -1, QK) * dx.T[:, :, None].astype(np.float64)).reshape(n, -1)
+        scale = np.abs(x_hat) @ np.abs(ref_w).T
+        error = np.abs(qkernels.product(x, packed, int8_x=True) - x_hat @ ref_w.T)
+        assert np.all(error <= TOL * scale + 1e-30), f"{fmt} n={n}: {(error / scale).max():.3g}"
+
+
+@needs_int8
 @pytest.mark.parametrize("fmt, rows", [("Q4_1", 1), ("Q8_0", 4)])
-def test_int8_kernels_use_vnni(fmt, rows):
-    """The int8 kernels' dot products are zmm vpdpbusd: 8 per block of 16 outputs and each row."""
+def test_int8_kernels_use_integer_dot_products(fmt, rows):
+    """The int8 kernels' dot products are this CPU's: zmm vpdpbusd with AVX512-VNNI (8 per block of 16 outputs and
+    each row), ymm vpmaddubsw with AVX2 (16 per block of 16 outputs; LLVM keeps the loop over rows a loop)."""
     counts = qkernels.vector_fma_count(qkernels.machine_code(fmt, rows, int8_x=True))
-    assert counts["vnni"] >= 8 * rows, counts
+    if qkernels.int8_isa() == "avx512vnni":
+        assert counts["vnni"] >= 8 * rows, counts
+    else:
+        assert counts["maddubs"] >= 16 and counts["vnni"] == 0, counts
 
 
 def test_the_vector_check_catches_scalar_code(monkeypatch):
@@ -149,8 +172,8 @@ def test_row_tiles():
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_the_chosen_kernel_keeps_its_sums_in_registers(fmt):
     """The kernel for one row with the chains and lanes that kernel_shape chooses for this CPU (AVX-512: 32 zmm,
-    a panel row is one vector; AVX2: 16 ymm, two) stores no vector register to the stack: its accumulators and
-    its dequantized weights fit in the register file."""
+    a panel row is one vector; AVX2: 16 ymm, two) stores no vector register to the stack in its inner loop: its
+    accumulators and its dequantized weights fit in the register file."""
     asm = qkernels.machine_code(fmt, 1)
     assert qkernels.vector_fma_count(asm)["scalar"] == 0
     assert qkernels.stack_spills(asm) == 0, f"{fmt}: {qkernels.stack_spills(asm)} stack loads and stores"
@@ -158,7 +181,8 @@ def test_the_chosen_kernel_keeps_its_sums_in_registers(fmt):
 
 def test_the_spill_check_catches_too_many_sums():
     """Planted: as many sums per output as the CPU has vector registers (32 zmm accumulators on AVX-512, 32 ymm
-    on AVX2: the whole panel is two) cannot all live in registers, and the count above sees the spills."""
+    on AVX2: the whole panel is two) cannot all live in registers, and the count above sees the spills in the
+    inner loop."""
     registers = qkernels.host_vector()[1]
     assert qkernels.stack_spills(qkernels.machine_code("Q8_0", 1, chains=registers, lanes=qkernels.P)) > 0
 

@@ -17,9 +17,10 @@ Then, per format and n = 1, 2, 4, 8, 16 token rows, in the order printed:
   rate observed on this core (BLAS's large float32 GEMM, or the F32 kernel with 16 rows on a weight
   that fits in the cache, whichever is faster); "x floor" = ms / max(the two floors).
 
-Then, where the CPU has AVX512-VNNI, Q8_0 and Q4_1 once more with ``int8_x`` (rows "Q8_0 int8 x", "Q4_1 int8
-x"): x quantized to int8 per block of 32 and integer products, as llama.cpp does. Not exact: validated
-against its own bound, sum_b (max_b |x| / 254) sum_{t in b} |w| (``--no-int8-x`` leaves these rows out).
+Then, where the CPU has an int8 kernel (AVX512-VNNI or AVX2, ``qkernels.int8_isa``), Q8_0 and Q4_1 once more
+with ``int8_x`` (rows "Q8_0 int8 x", "Q4_1 int8 x"): x quantized to int8 per block of 32 and integer products,
+as llama.cpp does. Not exact: validated against its own bound, sum_b (max_b |x| / 254) sum_{t in b} |w|
+(``--no-int8-x`` leaves these rows out).
 
 ``--json OUT`` also writes every number. The numbers are only as quiet as the machine: the first
 line printed says the load.
@@ -379,7 +380,8 @@ def main(argv=None) -> int:
     p.add_argument("--rows", type=list_of(int_in(1, 16)), default=list(ROWS), help="token rows n per pass (1..16)")
     p.add_argument("--repeat", type=int_in(1, 100), default=5, help="timed passes per (format, n); the best counts")
     p.add_argument("--no-int8-x", action="store_true",
-                   help="leave out the rows of the int8_x option (x quantized to int8; Q8_0 and Q4_1, AVX512-VNNI)")
+                   help="leave out the rows of the int8_x option (x quantized to int8; Q8_0 and Q4_1; AVX512-VNNI "
+                        "or AVX2)")
     add_json_arg(p, "also write the table and the floors as JSON")
     args = common_parse_args(p, argv)
     if args.decode:
@@ -393,11 +395,11 @@ def main(argv=None) -> int:
     unknown = sorted(set(args.formats) - set(FORMATS))
     if unknown:
         p.error(f"unknown format(s) {', '.join(unknown)}: choose from {', '.join(FORMATS)}")
-    from ...qkernels import INT8_KERNELS, has_vnni
+    from ...qkernels import INT8_KERNELS, int8_isa
 
     rows_n = sorted(set(args.rows) | {1})  # v(n) needs t(1)
     rng = np.random.default_rng(0)
-    int8_formats = [] if args.no_int8_x or not has_vnni() else [f for f in args.formats if f in INT8_KERNELS]
+    int8_formats = [] if args.no_int8_x or not int8_isa() else [f for f in args.formats if f in INT8_KERNELS]
     for fmt in args.formats:
         validate(fmt, rng)
     for fmt in int8_formats:
