@@ -110,10 +110,16 @@ class SpeculativeChat(Chat):
 
     # ---- the reply ---------------------------------------------------------------------------------------
 
+    def plain_decode(self, logits, max_new_tokens: int, settings, emit, t0: float) -> tuple:
+        """Plain chat's loop (``Chat.decode``), ``seq`` brought up to what it fed the cache."""
+        tokens, times, finish = super().decode(logits, max_new_tokens, settings, emit, t0)
+        self.seq += tokens if finish == "end of turn" else tokens[:-1]  # a reply cut short leaves its last pending
+        return tokens, times, finish
+
     def decode(self, logits, max_new_tokens: int, settings, emit, t0: float) -> tuple:
         """``Chat.decode``'s contract, in rounds of the current proposer (plain chat's loop once plain is chosen)."""
         if self.chosen == PLAIN:
-            return super().decode(logits, max_new_tokens, settings, emit, t0)
+            return self.plain_decode(logits, max_new_tokens, settings, emit, t0)
         tokens, times = [], []
         token = settings.next_token(logits, self.rng)
         times.append(time.perf_counter() - t0)
@@ -131,17 +137,21 @@ class SpeculativeChat(Chat):
                 return tokens, times, "context full" if cache_room < 0 else "max_new_tokens"
             name = self.current()
             if name == PLAIN and self.chosen == PLAIN:  # chosen just now: plain chat's loop from the root on
-                self.seq.pop()
-                rest, rest_times, finish = super().decode(self.model.forward(xp.asarray([[token]]), self.cache)[0, -1],
-                                                          max_new_tokens - len(tokens), settings, emit, t0)
+                logits = self.model.forward(xp.asarray([[token]]), self.cache)[0, -1]
+                rest, rest_times, finish = self.plain_decode(logits, max_new_tokens - len(tokens), settings, emit, t0)
                 return tokens + rest, times + rest_times, finish
-            room = min(cache_room, max_new_tokens - len(tokens) - 1)  # a path of depth d emits d + 1 tokens
-            proposer = self.proposers[name]
             start, cached = time.perf_counter(), self.cache.length
-            state = Round(self.seq, 1, self.cache, None, room, self.unsynced, settings)
-            emitted, _, _, kept = verify_round(self.model, state, proposer, self.rng, "exact", cache_room)
+            if name == PLAIN:  # on trial: plain chat's step, its hidden state kept for the draft
+                kept = self.model.hidden(xp.asarray([[token]]), self.cache)[0]  # (1, C)
+                emitted = [settings.next_token(self.model.logits(kept)[-1], self.rng)]
+                self.seq += emitted
+            else:
+                room = min(cache_room, max_new_tokens - len(tokens) - 1)  # a path of depth d emits d + 1 tokens
+                state = Round(self.seq, 1, self.cache, None, room, self.unsynced, settings)
+                proposer = self.proposers[name]
+                emitted, _, _, kept = verify_round(self.model, state, proposer, self.rng, "exact", cache_room)
             now = time.perf_counter()
-            self.keep_rows(kept, read=getattr(proposer, "synced", None) == cached)  # the draft read the rows
+            self.keep_rows(kept, read=getattr(self.proposers[name], "synced", None) == cached)  # the draft read them
             if self.chosen is None:
                 self.measured[name][0] += now - start
                 self.measured[name][1] += len(emitted)

@@ -135,3 +135,16 @@ def test_a_draft_in_the_targets_blocks_runs_on_either_backend():
     prompt = [3, 14, 15, 9, 26, 5]
     out = tree_generate(target, prompt, 16, EagleProposer(draft, depth=3), temperature=0.0)
     assert out.tokens == generate(target, prompt, 16, temperature=0.0).tokens
+
+
+@HOST
+@pytest.mark.parametrize("winner", ["plain", "eagle", "lookup"])
+def test_whatever_auto_chooses_the_replies_and_the_cache_stay_plain_chats(model, tok, plain, winner, monkeypatch):
+    """The choice made in the middle of a reply (and plain chat's own loop from then on, when plain wins)."""
+    monkeypatch.setattr(SpeculativeChat, "ms_per_token", lambda self, name: 0.0 if name == winner else 1.0)
+    want, reference = plain
+    got, chat = conversation(SpeculativeChat(model, tok, proposers(model), "auto", max_len=512, trial_tokens=5))
+    assert chat.chosen == winner and got == want
+    assert chat.seq == tok.encode(chat.cached_text)[: chat.cache.length] and len(chat.seq) == chat.cache.length
+    for a, b in zip(cache_contents(chat), cache_contents(reference)):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)

@@ -27,6 +27,7 @@ TOPICS = {
     "serve-load": "minillm.tools.benchmarks.serve_load",
     "quantized": "minillm.tools.benchmarks.quantized",
     "quant-quality": "minillm.tools.benchmarks.quant_quality",
+    "chat-speculation": "minillm.tools.benchmarks.chat_speculation",
 }
 
 

@@ -1,0 +1,129 @@
+"""``python -m minillm bench chat-speculation``: SmolLM2's chat replies, plain and speculative, beside llama.cpp.
+
+    python -m minillm bench chat-speculation [--prompts FILE.jsonl] [--engines plain,eagle,lookup,auto,llama.cpp]
+
+Engines, each answering every prompt in a fresh conversation, greedy, one thread, the order alternating
+prompt by prompt:
+
+    plain       ``chat.Chat``: one token per forward, the file's blocks on chapter 13's kernels
+    eagle       ``speculative_chat.SpeculativeChat`` with the shipped EAGLE draft (kept in the target's blocks)
+    lookup      the same with prompt lookup
+    auto        the same, timing plain, eagle and lookup on its first replies and keeping the fastest
+    llama.cpp   the same GGUF through llama-cpp-python (when installed), plain decoding, as many tokens as
+                minillm's plain reply
+
+A reply's ms/token is its decode time after the first token over the tokens after the first; an engine's
+figure is the median over prompts and repeats, beside llama.cpp's. Every speculative reply must equal
+the plain reply token for token (``BenchmarkError`` otherwise: nothing wrong is timed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import time
+
+from ...chat import Chat
+from ...draft_free import PromptLookup
+from ...eagle import EagleProposer, load_draft
+from ...notebook import format_table
+from ...registry import SMOLLM2, load_model
+from ...speculative_chat import SpeculativeChat
+from ...workloads import KINDS, WORKLOADS, read_prompts
+from ..options import count, list_of
+from .common import BenchmarkError, add_json_arg, parse_args, write_json
+from .quantized import LlamaCppEngine, cpu_name, llama_cpp_available
+
+ENGINES = ("plain", "eagle", "lookup", "auto", "llama.cpp")
+MINILLM = ENGINES[:4]
+
+
+def new_chat(engine: str, model, tok, draft_path=None):
+    if engine == "plain":
+        return Chat(model, tok)
+    proposers = {}
+    if engine in ("eagle", "auto"):
+        proposers["eagle"] = EagleProposer(load_draft(model, SMOLLM2, draft_path))
+    if engine in ("lookup", "auto"):
+        proposers["lookup"] = PromptLookup()
+    return SpeculativeChat(model, tok, proposers, engine)
+
+
+def reply(chat, text: str, max_new_tokens: int) -> dict:
+    """One greedy turn in a fresh conversation -> {tokens, ms/token after the first}."""
+    chat.reset()
+    r = chat.turn(text, max_new_tokens, temperature=0.0)
+    return {"tokens": r.tokens, "ms_per_token": 1e3 * r.stats.tpot_s}
+
+
+def llama_cpp_reply(engine, tok, text: str, n: int) -> dict:
+    ids = tok.encode_pieces(tok.chat_pieces([{"role": "user", "content": text}]))
+    tokens, _, decode_s = engine.answer(ids, max(n, 2))
+    return {"tokens": tokens, "ms_per_token": 1e3 * decode_s}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m minillm bench chat-speculation", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompts", metavar="FILE.jsonl", default=None,
+                   help='one {"prompt": "...", "kind": "chat|code|grounded"} per line (default: the workloads)')
+    p.add_argument("--engines", type=list_of(str), default=None,
+                   help=f"comma-separated, from {', '.join(ENGINES)} (default: all available)")
+    p.add_argument("--kinds", type=list_of(str), default=list(KINDS), help="comma-separated workload kinds")
+    p.add_argument("--max-new-tokens", type=count, default=96, help="longest reply (default 96)")
+    p.add_argument("--repeat", type=count, default=1, help="timed answers per prompt and engine (default 1)")
+    p.add_argument("--draft", default=None, help="an EAGLE draft file (default: the one shipped for SmolLM2)")
+    add_json_arg(p, "also write the rows and the replies' timings as JSON")
+    args = parse_args(p, argv)
+    engines = args.engines or [e for e in ENGINES if e != "llama.cpp" or llama_cpp_available()]
+    unknown = sorted(set(engines) - set(ENGINES)) + sorted(set(args.kinds) - set(KINDS))
+    if unknown:
+        raise ValueError(f"unknown engine or kind {unknown[0]!r}: engines {', '.join(ENGINES)}; "
+                         f"kinds {', '.join(KINDS)}")
+    if "llama.cpp" in engines and not llama_cpp_available():
+        raise ValueError("engine llama.cpp needs llama-cpp-python (pip install llama-cpp-python)")
+    prompts = [q for q in (read_prompts(args.prompts) if args.prompts else WORKLOADS) if q["kind"] in args.kinds]
+    if not prompts:
+        raise ValueError(f"no prompt of the kinds {', '.join(args.kinds)}")
+    load_before = os.getloadavg()[0]
+    model, tok = load_model(SMOLLM2)
+    chats = {e: new_chat(e, model, tok, args.draft) for e in engines if e in MINILLM}
+    cpp = LlamaCppEngine() if "llama.cpp" in engines else None
+    plain = Chat(model, tok)
+    runs = {e: [] for e in engines}
+    t0 = time.perf_counter()
+    for i, q in enumerate(prompts):
+        reference = reply(plain, q["prompt"], args.max_new_tokens)  # the warm-up, and the tokens to match
+        for engine, chat in chats.items():
+            if engine != "plain" and reply(chat, q["prompt"], args.max_new_tokens)["tokens"] != reference["tokens"]:
+                raise BenchmarkError(f"engine {engine}: its greedy reply to prompt {i} differs from plain chat's")
+        for r in range(args.repeat):
+            order = engines if (i + r) % 2 == 0 else engines[::-1]
+            for engine in order:
+                run = (llama_cpp_reply(cpp, tok, q["prompt"], len(reference["tokens"])) if engine == "llama.cpp"
+                       else reply(chats[engine], q["prompt"], args.max_new_tokens))
+                runs[engine].append({"kind": q["kind"], "prompt": i, **run})
+    base = {k: statistics.median(r["ms_per_token"] for r in runs["llama.cpp"] if r["kind"] == k)
+            for k in args.kinds} if cpp else {}
+    rows = []
+    for engine in engines:
+        for kind in args.kinds:
+            ms = statistics.median(r["ms_per_token"] for r in runs[engine] if r["kind"] == kind)
+            row = {"engine": engine, "kind": kind, "ms/token": ms, "x llama.cpp": ms / base[kind] if base else None}
+            if engine == "auto":
+                row["chose"] = chats["auto"].chosen
+            rows.append(row)
+    load_after = os.getloadavg()[0]
+    print(f"SmolLM2-135M chat replies, greedy, up to {args.max_new_tokens} tokens, {len(prompts)} prompts x "
+          f"{args.repeat}, one thread each; {cpu_name()}, {os.cpu_count()} cores, load average {load_before:.2f} "
+          f"before, {load_after:.2f} after, {time.perf_counter() - t0:.0f} s")
+    print("every speculative reply equal to plain chat's, token for token")
+    print(format_table(rows))
+    if "auto" in chats and chats["auto"].choice_note:
+        print(chats["auto"].choice_note)
+    if args.json:
+        write_json(args.json, {"cpu": cpu_name(), "load_before": load_before, "load_after": load_after,
+                               "rows": rows, "runs": {e: [{k: v for k, v in r.items() if k != "tokens"} for r in rs]
+                                                      for e, rs in runs.items()}})
+    return 0
