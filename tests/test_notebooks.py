@@ -182,6 +182,13 @@ QUICK_EDITS = {
     "10_serving.ipynb": (
         ('"--duration", "4"', '"--duration", "1"'),
     ),
+    "11_eagle_on_a_cpu.ipynb": (
+        ("context=128, repeat=5)", "context=128, repeat=2)"),
+        ("context=128, repeat=3)", "context=128, repeat=1)"),
+        ("K, N_NEW = 5, 32", "K, N_NEW = 5, 12"),
+        ('decode_all(kind, "in blocks"), repeat=2)', 'decode_all(kind, "in blocks"), repeat=1)'),
+        ("context=context, repeat=5)", "context=context, repeat=2)"),
+    ),
     "13_quantization.ipynb": (
         ("N_BLOCKS, ROWS, ROUNDS = 16, (1, 2, 4, 8, 16), 4", "N_BLOCKS, ROWS, ROUNDS = 2, (1, 2, 4, 8, 16), 1"),
         ("N_WINDOWS, N_GREEDY = 8, 200", "N_WINDOWS, N_GREEDY = 2, 48"),
