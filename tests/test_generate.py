@@ -5,6 +5,7 @@ import pytest
 from minillm import KVCache, generate
 
 
+@pytest.mark.uses_exercise("3.1", "3.3")  # the cache's attend and the context policy of every loop
 @pytest.mark.parametrize(
     "prompt_len, new, cache_len",
     # fits; no new token; exactly full; overflows; a prompt longer than the window
