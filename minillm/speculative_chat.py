@@ -26,12 +26,24 @@ import time
 
 from .backend import xp
 from .chat import Chat
-from .eagle import EagleProposer
+from .draft_free import PromptLookup
+from .eagle import EagleProposer, load_draft
 from .generate import PREFILL_CHUNK
 from .token_tree import NoProposal, Round, verify_round
 
 PLAIN = "plain"
 TRIAL_TOKENS = 32  # reply tokens each candidate decodes before "auto" compares them
+
+
+def chat_proposers(model, speculate: str, model_name: str, draft_path=None) -> dict:
+    """The proposers ``speculate`` names: "eagle" (the draft at ``draft_path``, or the one shipped for
+    ``model_name``), "lookup" (prompt lookup), or both for "auto"."""
+    proposers = {}
+    if speculate in ("eagle", "auto"):
+        proposers["eagle"] = EagleProposer(load_draft(model, model_name, draft_path))
+    if speculate in ("lookup", "auto"):
+        proposers["lookup"] = PromptLookup()
+    return proposers
 
 
 class SpeculativeChat(Chat):

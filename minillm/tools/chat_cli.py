@@ -39,15 +39,9 @@ def new_chat(args, model, tokenizer):
     options = {"system": args.system, "max_len": args.context, "seed": args.seed}
     if args.speculate == "off":
         return Chat(model, tokenizer, **options)
-    from ..draft_free import PromptLookup
-    from ..eagle import EagleProposer, load_draft
-    from ..speculative_chat import SpeculativeChat
+    from ..speculative_chat import SpeculativeChat, chat_proposers
 
-    proposers = {}
-    if args.speculate in ("eagle", "auto"):
-        proposers["eagle"] = EagleProposer(load_draft(model, args.model, args.eagle_draft))
-    if args.speculate in ("lookup", "auto"):
-        proposers["lookup"] = PromptLookup()
+    proposers = chat_proposers(model, args.speculate, args.model, args.eagle_draft)
     return SpeculativeChat(model, tokenizer, proposers, args.speculate, **options)
 
 

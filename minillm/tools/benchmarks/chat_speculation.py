@@ -25,11 +25,9 @@ import statistics
 import time
 
 from ...chat import Chat
-from ...draft_free import PromptLookup
-from ...eagle import EagleProposer, load_draft
 from ...notebook import format_table
 from ...registry import SMOLLM2, load_model
-from ...speculative_chat import SpeculativeChat
+from ...speculative_chat import SpeculativeChat, chat_proposers
 from ...workloads import KINDS, WORKLOADS, read_prompts
 from ..options import count, list_of
 from .common import BenchmarkError, add_json_arg, parse_args, write_json
@@ -42,12 +40,7 @@ MINILLM = ENGINES[:4]
 def new_chat(engine: str, model, tok, draft_path=None):
     if engine == "plain":
         return Chat(model, tok)
-    proposers = {}
-    if engine in ("eagle", "auto"):
-        proposers["eagle"] = EagleProposer(load_draft(model, SMOLLM2, draft_path))
-    if engine in ("lookup", "auto"):
-        proposers["lookup"] = PromptLookup()
-    return SpeculativeChat(model, tok, proposers, engine)
+    return SpeculativeChat(model, tok, chat_proposers(model, engine, SMOLLM2, draft_path), engine)
 
 
 def reply(chat, text: str, max_new_tokens: int) -> dict:
