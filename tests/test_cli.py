@@ -136,7 +136,8 @@ DEMO_ARGS = [["--max-new-tokens", "12", "--k", "3", "--answer-tokens", "12", "--
 @pytest.mark.skipif(not shipped_path("target").is_file(), reason="shipped models not trained yet")
 @pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "5.2", "5.3")  # the demo runs generate and speculative decoding
 @pytest.mark.parametrize("args", [pytest.param(DEMO_ARGS[0], id="with_real_model",  # and opens with SmolLM2
-                                               marks=pytest.mark.uses_exercise("8.1", "8.2", "8.3", "8.4")),
+                                               marks=[pytest.mark.uses_exercise("8.1", "8.2", "8.3", "8.4"),
+                                                      pytest.mark.slow]),
                                   pytest.param(DEMO_ARGS[1], id="demo_only")])
 def test_demo_options_with_and_without_the_demo_command(args, capsys):
     """`python -m minillm --k 3` and `python -m minillm demo --k 3` both run the demo with K = 3; the

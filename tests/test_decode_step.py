@@ -255,6 +255,7 @@ def test_a_position_passed_from_the_host_is_replayed_stale(monkeypatch):
 
 
 @REFERENCES
+@pytest.mark.slow
 def test_the_real_model_decodes_on_the_static_step():
     """SmolLM2-135M (30 layers, GQA 9/3, RoPE at theta 1e5), loaded as by default (its matrices in the file's
     blocks): the static step's greedy tokens equal generate's, through the fused kernels and a captured graph under

@@ -65,6 +65,7 @@ def test_headers_must_match_nvrtcs_cuda_version(tmp_path):
 
 
 @pytest.mark.skipif(not is_gpu(), reason="runs the device paths: CuPy, or the strict stand-in")
+@pytest.mark.slow
 def test_decode_bench_checks_every_path_against_numpy():
     """gpu_check's decode table: each path (array code with each attention, the static step eager and as a
     graph, speculative decoding on static steps, the serving engine) first gives a NumPy run's greedy tokens,

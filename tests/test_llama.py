@@ -428,6 +428,7 @@ def early_exit_draft(model, n_layer):
 
 
 @pytest.mark.uses_exercise("8.1", "8.2", "8.3")
+@pytest.mark.slow
 def test_real_model_paged_and_speculative_equal_plain_greedy(real_model):
     """SmolLM2 on a paged cache, and with speculative decoding (its own first 8 layers as the draft),
     writes exactly plain KV-cached greedy decoding's tokens."""

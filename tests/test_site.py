@@ -17,7 +17,7 @@ import pytest
 
 from minillm.tools import site
 
-pytestmark = pytest.mark.host_only  # the site's pages and a browser; no array code
+pytestmark = [pytest.mark.host_only, pytest.mark.slow]  # the site's pages and a browser; no array code
 
 if shutil.which("chromium") is None and not os.environ.get("MINILLM_REQUIRE_BROWSER"):  # .ci/run requires it
     pytest.skip("no chromium here: apt-get install chromium", allow_module_level=True)
