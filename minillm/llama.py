@@ -32,6 +32,8 @@ from .model import DEFAULT_ATTENTION, INIT_STD, check_layers, check_params, get_
 from .nn import apply_rope, merge_heads, repeat_kv, rms_norm, rope_cos_sin, silu, split_heads
 from .quantize import Blocks, as_blocks, concat_rows, kept_in_blocks
 
+ACTIVATIONS = ("float32", "int8")  # what the CPU kernels multiply a weight kept in blocks by (``set_activations``)
+
 
 def model_weight(weight):
     """A Q8_0 / Q4_1 weight as a model keeps it: packed once for ``minillm.qkernels``'s kernels on NumPy; on
@@ -195,6 +197,7 @@ class Llama(LlamaOps):
         super().__init__(config, params, None, stacked)
         self.lm_head = self.params["embed_tokens.weight" if config.tie_embeddings else "lm_head.weight"]  # (V, C)
         self.set_attention(attention)
+        self.activations = "float32"
 
     @classmethod
     def init(cls, config: LlamaConfig, seed: int = 0, attention: str = DEFAULT_ATTENTION) -> Llama:
@@ -208,6 +211,26 @@ class Llama(LlamaOps):
         """Switch the attention implementation; every choice gives the same logits."""
         self.attention_name = name
         self.attention = grouped_attention(get_attention(name), self.config.n_head // self.config.n_kv_head)
+
+    def set_activations(self, name: str) -> None:
+        """What a product by a Q8_0 / Q4_1 weight multiplies: "float32" (exact, the default) or "int8", its input
+        rounded to int8 per block of 32 and integer dot products, as llama.cpp does (``qkernels.with_int8_x``).
+        "int8" is NOT the same model: ``bench quant-quality`` measures what it costs. It needs the weights
+        packed for the CPU kernels (``weights="q"`` on NumPy)."""
+        if name not in ACTIVATIONS:
+            raise ValueError(f"activations={name!r}: choose from {', '.join(ACTIVATIONS)}")
+        if is_gpu() or not any(kept_in_blocks(w) for w in self.params.values()):
+            raise ValueError(f"activations={name!r} switches the CPU kernels' products: load the model with "
+                             "weights='q' (--weights q) on NumPy")
+        from .qkernels import with_int8_x
+
+        def switched(w):
+            return with_int8_x(w, name == "int8") if kept_in_blocks(w) else w
+
+        self.params = {n: switched(w) for n, w in self.params.items()}
+        self.stacked = {n: switched(w) for n, w in self.stacked.items()}
+        self.lm_head = switched(self.lm_head)
+        self.activations = name
 
     def num_params(self) -> int:
         return self.config.num_params()

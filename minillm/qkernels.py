@@ -74,7 +74,7 @@ import contextlib
 import functools
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numba
 import numpy as np
@@ -609,6 +609,7 @@ class Packed:
     format: str
     shape: tuple[int, int]  # (m, k) of the weight; m is padded to a multiple of P in the panels
     arrays: tuple
+    int8_x: bool = False  # products quantize x to int8 per block of 32 (``with_int8_x``): not exact
 
     @property
     def nbytes(self) -> int:
@@ -620,7 +621,7 @@ class Packed:
         Dequantizing W panel by panel into BLAS instead measured 3 to 8 times slower for prompts of 17 to
         256 tokens (docs/quantization.md), so the kernels take every product."""
         x2 = x.reshape(-1, x.shape[-1])  # (B, T, k) -> (B*T, k): every token row is one row of the product
-        return product(x2, self).reshape(*x.shape[:-1], self.shape[0])
+        return product(x2, self, self.int8_x).reshape(*x.shape[:-1], self.shape[0])
 
     def unpack(self, ids):
         """The rows ``ids`` as the file's blocks (the inverse of ``pack``): (n,) ints -> Q8_0 / Q4_1 (n, k)."""
@@ -653,7 +654,17 @@ class Packed:
         m, k = self.shape
         if start % P or (stop % P and stop != m):
             return pack(self.unpack(np.arange(start, stop)))
-        return Packed(self.format, (stop - start, k), tuple(a[start // P:-(-stop // P)] for a in self.arrays))
+        return Packed(self.format, (stop - start, k), tuple(a[start // P:-(-stop // P)] for a in self.arrays),
+                      self.int8_x)
+
+
+def with_int8_x(packed: Packed, on: bool = True) -> Packed:
+    """The same panels, their products taking x quantized to int8 per block of 32 (``on``) or exact: llama.cpp's
+    route (``product(..., int8_x=True)``), for Q8_0 and Q4_1 on a CPU with an int8 kernel (``int8_isa``); other
+    formats (F32, BF16) keep their exact products.  Nothing is copied."""
+    if on and packed.format in INT8_KERNELS and int8_isa() is None:
+        raise QuantError("int8 activations need a CPU with AVX512-VNNI or AVX2 (this one has neither)")
+    return replace(packed, int8_x=on and packed.format in INT8_KERNELS)
 
 
 def panels(a, m: int):

@@ -273,3 +273,20 @@ def test_decode_benchmark_table(tmp_path, capsys):
     with pytest.raises(SystemExit):
         quantized.main(["--decode", "--engines", "vllm"])
     assert "unknown engine" in capsys.readouterr().err
+
+
+def test_decode_benchmark_engines_load_what_they_name(monkeypatch):
+    """"q" loads the blocks as they are; "q-int8" the same blocks with int8 activations; "fp32" the reference."""
+    from minillm import registry
+    from minillm.tools.benchmarks import quantized
+
+    class Loaded:
+        activations = "float32"
+
+        def set_activations(self, name):
+            self.activations = name
+
+    loads = []
+    monkeypatch.setattr(registry, "load_model", lambda name, weights: (loads.append(weights) or Loaded(), None))
+    engines = {e: quantized.MinillmEngine(e).model.activations for e in ("q", "q-int8", "fp32")}
+    assert engines == {"q": "float32", "q-int8": "int8", "fp32": "float32"} and loads == ["q", "q", "fp32"]

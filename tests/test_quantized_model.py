@@ -109,6 +109,50 @@ def test_mixed_formats_cannot_share_a_product():
         Llama(TINY, blocks)
 
 
+# int8 activations (llama.cpp's route): each product's input rounded to int8 per block of 32. On the tiny
+# model the logits measured within 0.66-0.81 % of the largest exact logit (seeds 4-6), far above the exact
+# kernels' rounding (LOGIT_TOL); 5 % leaves 6x room. The kernels themselves are checked against their bound
+# in tests/test_qkernels.py.
+INT8_LOGIT_TOL = 0.05
+
+
+@pytest.mark.skipif(is_gpu(), reason="int8 activations switch the NumPy kernels' products")
+@pytest.mark.uses_exercise("13.1")  # Q4_1.quantize
+def test_int8_activations_switch_every_block_product_and_back():
+    """set_activations("int8"): every Q8_0 / Q4_1 product (the stacks, the rest, the tied head) takes int8 x,
+    the logits move off the exact ones but stay within INT8_LOGIT_TOL with the same argmax almost everywhere;
+    "float32" gives the exact logits back bit for bit."""
+    from minillm.qkernels import Packed
+
+    blocks, _ = tiny_params(4)
+    q = Llama(TINY, blocks)
+    ids = np.array([[(5 * t + 3) % TINY.vocab_size for t in range(20)]])
+    exact = q.forward(ids)
+    q.set_activations("int8")
+    packed = [*q.stacked.values(), *(w for w in q.params.values() if isinstance(w, Packed)), q.lm_head]
+    assert all(isinstance(w, Packed) and w.int8_x for w in packed) and q.activations == "int8"
+    int8 = q.forward(ids)
+    assert not np.array_equal(int8, exact), "the switch changed no product"
+    error = np.abs(int8 - exact).max()
+    assert error <= INT8_LOGIT_TOL * np.abs(exact).max(), f"{error:.3g} > {INT8_LOGIT_TOL} * {np.abs(exact).max():.3g}"
+    assert (int8.argmax(-1) == exact.argmax(-1)).mean() >= 0.9
+    q.set_activations("float32")
+    np.testing.assert_array_equal(q.forward(ids), exact)
+
+
+@pytest.mark.uses_exercise("13.1")  # Q4_1.quantize
+def test_int8_activations_are_refused_where_there_are_no_cpu_kernels():
+    """A float32 load (and, on a device, any load), or an unknown name: a ValueError naming what to do."""
+    blocks, dense = tiny_params(5)
+    with pytest.raises(ValueError, match="weights='q'"):
+        Llama(TINY, dense).set_activations("int8")
+    if is_gpu():
+        with pytest.raises(ValueError, match="on NumPy"):
+            Llama(TINY, blocks).set_activations("int8")
+    with pytest.raises(ValueError, match="choose from float32, int8"):
+        Llama(TINY, blocks).set_activations("int4")
+
+
 # ---- SmolLM2 from its own file -----------------------------------------------------------------------
 
 

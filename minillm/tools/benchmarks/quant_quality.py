@@ -45,6 +45,10 @@ held-out prompts and seeds for every draft: acceptance rate, tokens per target c
 over the target's own cached decoding (medians of alternating runs). A fake-quantized draft runs at
 float32 speed, so only its acceptance changes; on a busy machine the acceptance is the robust number.
 
+Then, for SmolLM2 on a CPU with an int8 kernel (AVX512-VNNI or AVX2), the model in its blocks through the real
+kernels (no fake quantization): each product's input exact, or rounded to int8 per block of 32 as llama.cpp
+does (``Llama.set_activations("int8")``): the same quality figures against the float32 reference.
+
 ``--json OUT`` writes every number to a new file. ``--quick``: fewer windows, tokens and prompts.
 """
 
@@ -59,12 +63,13 @@ from pathlib import Path
 
 import numpy as np
 
-from ...backend import runtime_summary, to_numpy, xp
+from ...backend import is_gpu, runtime_summary, to_numpy, xp
 from ...data import corpus_tokenizer, train_val_split, validation_prompts
 from ...generate import generate
 from ...gguf import GGUFError
 from ...kv_cache import KVCache
 from ...kv_quant import Int8KVCache
+from ...llama import ACTIVATIONS
 from ...measure import time_paired
 from ...model import GPT
 from ...notebook import format_table
@@ -256,6 +261,21 @@ def kv_quality(model, heldout: list, prompt: list, n_tokens: int) -> list[dict]:
     return rows
 
 
+def activation_quality(ref_model, heldout: list, prompt: list, n_tokens: int) -> list[dict]:
+    """SmolLM2 in its blocks (the real kernels, not fake quantization), its products' inputs exact ("float32")
+    or rounded to int8 per block of 32 ("int8", llama.cpp's route): loss, KL, top-1, greedy agreement against
+    the float32 reference ``ref_model``."""
+    windows = [w for _, w in heldout]
+    ref_logits, ref_tokens = window_logits(ref_model, windows), greedy(ref_model, prompt, n_tokens)
+    model, _ = load_model(SMOLLM2, weights="q")
+    rows = []
+    for name in ACTIVATIONS:
+        model.set_activations(name)
+        rows.append({"activations": name, **compare(ref_logits, window_logits(model, windows), heldout),
+                     **agreement(ref_tokens, greedy(model, prompt, n_tokens))})
+    return rows
+
+
 def draft_quality(target, draft, prompts: list, n_new: int, repeat: int, temperatures=(0.0, 1.0),
                   formats=DRAFT_FORMATS) -> list[dict]:
     """The draft fake-quantized in each format, drafting for the float32 target: alpha, tokens per
@@ -362,7 +382,14 @@ def measure_model(name: str, model, tok, args) -> dict:
     kv = kv_quality(model, plan.long, plan.long_prompt, args.tokens)
     print_tables(f"KV cache at {len(plan.long[0][1]) - 1} tokens of context (greedy: {args.tokens} tokens "
                  f"after a {len(plan.long_prompt)}-token prompt)", kv)
-    return {"weights": weights, "kv_cache": kv}
+    report = {"weights": weights, "kv_cache": kv}
+    from ...qkernels import int8_isa  # numba, imported when SmolLM2's kernels are measured
+
+    if name == SMOLLM2 and not is_gpu() and int8_isa() is not None:
+        report["activations"] = activation_quality(model, plan.heldout, plan.prompt, args.tokens)
+        print_tables("SmolLM2 in its Q8_0 / Q4_1 blocks through the CPU kernels: each product's input exact "
+                     "(float32) or rounded to int8 per block of 32 (llama.cpp's route)", report["activations"])
+    return report
 
 
 def plot(report: dict, out_dir) -> Path:

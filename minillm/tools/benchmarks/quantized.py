@@ -26,9 +26,11 @@ as llama.cpp does. Not exact: validated against its own bound, sum_b (max_b |x| 
 line printed says the load.
 
 ``--decode``: SmolLM2-135M itself, greedy, one thread per engine: "fp32" (every matrix dequantized at
-load, the reference), "q" (the file's Q8_0 / Q4_1 blocks, the default load) and, when ``llama_cpp`` is
-importable, llama.cpp on the same file. Each engine runs in a fresh process of its own (its memory is
-its own: VmRSS after loading, and VmRSS / VmHWM after answering, from /proc/self/status). After a
+load, the reference), "q" (the file's Q8_0 / Q4_1 blocks, the default load), "q-int8" (the same blocks,
+each product's input rounded to int8 per block of 32 as llama.cpp does: ``Llama.set_activations``, not
+exact; where the CPU has an int8 kernel) and, when ``llama_cpp`` is importable, llama.cpp on the same file.
+Each engine runs in a fresh process of its own (its memory is its own: VmRSS after loading, and VmRSS /
+VmHWM after answering, from /proc/self/status). After a
 warm-up answer each, every chat prompt is answered by every engine in turn, the order alternating from
 one prompt to the next, ``--rounds`` times; the table has the medians: decode ms per new token (after
 the first), tokens/s, and prefill tokens/s (prompt tokens over the time to the first new token). The
@@ -174,7 +176,7 @@ def format_rows(fmt: str, nbytes: int, times: dict, bandwidth: float, fma_rate: 
 
 # ---- --decode: the model itself, side by side with llama.cpp ------------------------------------------
 
-ENGINES = ("fp32", "q", "llama.cpp")  # minillm's two loads of the same file, and llama.cpp when importable
+ENGINES = ("fp32", "q", "q-int8", "llama.cpp")  # minillm's loads of the same file, and llama.cpp when importable
 CHAT_PROMPTS = ("What is the capital of France?", "Give me three tips for sleeping better.",
                 "Write a haiku about the sea.", "Explain what a CPU cache is in two sentences.",
                 "How do I boil an egg?")
@@ -212,10 +214,13 @@ def llama_cpp_available() -> bool:
 class MinillmEngine:
     """SmolLM2 through minillm's own forward, greedy (``generate`` with a cache of prompt + answer)."""
 
-    def __init__(self, weights: str):
+    def __init__(self, engine: str):
         from ...registry import SMOLLM2, load_model
 
+        weights, _, activations = engine.partition("-")  # "q-int8" -> the blocks, int8 activations
         self.model, _ = load_model(SMOLLM2, weights=weights)
+        if activations:
+            self.model.set_activations(activations)
 
     def answer(self, prompt: list[int], new_tokens: int) -> tuple[list[int], float, float]:
         """-> (new tokens, seconds to the first new token (the prefill), seconds per later token)."""
@@ -385,12 +390,17 @@ def main(argv=None) -> int:
     add_json_arg(p, "also write the table and the floors as JSON")
     args = common_parse_args(p, argv)
     if args.decode:
-        engines = args.engines or [e for e in ENGINES if e != "llama.cpp" or llama_cpp_available()]
+        from ...qkernels import int8_isa
+
+        available = {"llama.cpp": llama_cpp_available(), "q-int8": int8_isa() is not None}
+        engines = args.engines or [e for e in ENGINES if available.get(e, True)]
         unknown = sorted(set(engines) - set(ENGINES))
         if unknown:
             p.error(f"unknown engine(s) {', '.join(unknown)}: choose from {', '.join(ENGINES)}")
         if "llama.cpp" in engines and not llama_cpp_available():
             p.error("engine llama.cpp needs llama-cpp-python (pip install llama-cpp-python)")
+        if "q-int8" in engines and not available["q-int8"]:
+            p.error("engine q-int8 needs a CPU with AVX512-VNNI or AVX2")
         return decode_main(args, engines)
     unknown = sorted(set(args.formats) - set(FORMATS))
     if unknown:
