@@ -52,9 +52,17 @@ def grouped_attention(attention, n_rep: int):
     """attention(q, k, v) with k, v of n_kv_head heads: each group of n_rep query heads shares one.
 
     Returns f(q, k, v, causal=True, mask=None): (B, nh, Tq, hs), (B, nh / n_rep, Tk, hs) x 2 -> (B, nh, Tq, hs).
+
+    A decode step (Tq = 1: its query sees every key, so causal changes nothing) attends without copying k and
+    v: the n_rep query heads of a group become n_rep query rows of their one key/value head, (B, nh, 1, hs)
+    -> (B, nh / n_rep, n_rep, hs), the way llama.cpp broadcasts. Every other call repeats k and v
+    (``repeat_kv``). SmolLM2 at 128 cached tokens: the copies cost more than the rest of its attention.
     """
 
     def grouped(q, k, v, causal=True, mask=None):
+        B, nh, Tq, hs = q.shape
+        if Tq == 1 and mask is None and 1 < n_rep <= k.shape[2]:  # (each attention takes Tq <= Tk query rows)
+            return attention(q.reshape(B, nh // n_rep, n_rep, hs), k, v, causal=False).reshape(B, nh, 1, hs)
         return attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), causal=causal, mask=mask)
 
     return grouped

@@ -22,6 +22,7 @@ from minillm.checkpoint import CheckpointError
 from minillm.config import LlamaConfig
 from minillm.gguf import GGUFError
 from minillm.llama import Llama, apply_rope, grouped_attention, repeat_kv, rms_norm, rope_cos_sin
+from minillm.model import get_attention
 
 TINY = LlamaConfig(vocab_size=50, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=64, n_hidden=96,
                    rope_theta=10000.0)
@@ -175,6 +176,26 @@ def test_repeat_kv_grouped_attention_with_one_group_each_is_multi_head(rng):
     q, k, v = (xp.asarray(t) for t in rng.standard_normal((3, 2, 4, 6, 8)).astype(np.float32))
     np.testing.assert_array_equal(to_numpy(grouped_attention(naive_attention, 1)(q, k, v)),
                                   to_numpy(naive_attention(q, k, v)))
+
+
+@pytest.mark.uses_exercise("8.3")  # fewer keys than a group's heads: the copies
+@pytest.mark.parametrize("name", ["naive", "flash"])
+@pytest.mark.parametrize("Tk", [1, 2, 3, 7])
+def test_a_decode_step_attends_each_group_without_copies(name, Tk, rng, monkeypatch):
+    """One query (a decode step), 6 query heads on 2 key/value heads: the same as attention over k and v
+    copied per query head (np.repeat, head h reading h // 3); with at least 3 keys k and v are never
+    copied (repeat_kv is not called). Fails for the group's heads taken as h % 2, or a causal mask
+    applied to the group's rows as if they were 3 positions."""
+    from minillm import llama
+
+    attention = get_attention(name)
+    q = rng.standard_normal((2, 6, 1, 8)).astype(np.float32)
+    k, v = rng.standard_normal((2, 2, 2, Tk, 8)).astype(np.float32)
+    ref = naive_attention(*(xp.asarray(t) for t in (q, np.repeat(k, 3, axis=1), np.repeat(v, 3, axis=1))))
+    if Tk >= 3:
+        monkeypatch.setattr(llama, "repeat_kv", lambda *a: pytest.fail("k, v copied for a decode step"))
+    out = grouped_attention(attention, 3)(*(xp.asarray(t) for t in (q, k, v)))
+    np.testing.assert_allclose(to_numpy(out), to_numpy(ref), rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.exercise("8.3")
