@@ -416,6 +416,8 @@ def test_info_lists_a_damaged_smollm2_file_as_unavailable(tmp_path, monkeypatch,
     (["bench", "paged", "--model", "/nope.npz", "--no-plots"], "checkpoint not found: /nope.npz"),
     (["demo", "--question", " "], "--question is empty"),
     (["bench", "speculative", "--prompt-len", "100000", "--no-plot"], "longer than the model's context (256 tokens)"),
+    (["generate", "--activations", "int8", "--max-new-tokens", "3"], "--activations int8 is for a GGUF model"),
+    (["chat", "--model", "target", "--activations", "int8", "--prompt", "hi"], "--activations int8 is for a GGUF"),
 ])
 def test_bad_inputs_are_one_line_before_any_work(argv, message, capsys):
     """`bench paged --model /nope.npz` ran on random weights (exit 0); `demo --question ""` failed after

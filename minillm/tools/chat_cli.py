@@ -9,7 +9,16 @@ from ..chat import COMMANDS, DEFAULT_MODEL, Chat, turn_summary
 from ..kv_cache import CacheFullError
 from ..registry import load_model
 from ..sampling import SamplingSettings
-from .options import MAX_NEW_TOKENS, add_weights_option, finite_float, new_tokens, positive_int, seed_int
+from .options import (
+    MAX_NEW_TOKENS,
+    add_activations_option,
+    add_weights_option,
+    finite_float,
+    new_tokens,
+    positive_int,
+    seed_int,
+    set_activations,
+)
 
 SPECULATE = ("off", "eagle", "lookup", "auto")
 
@@ -18,6 +27,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     """The chat options, for this module's parser and for a ``chat`` subcommand of the CLI."""
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"model name or .gguf path (default {DEFAULT_MODEL})")
     add_weights_option(p)
+    add_activations_option(p)
     p.add_argument("--system", help="system prompt (default: the model's own)")
     p.add_argument("--temperature", type=finite_float, default=0.2, help="0 = greedy (default 0.2)")
     p.add_argument("--top-p", type=finite_float, default=0.9, help="nucleus sampling mass (default 0.9)")
@@ -72,6 +82,7 @@ def run(args, loader=load_model, read=input) -> int:
     if args.prompt is not None:
         check_message(args.prompt, "--prompt")
     model, tokenizer = loader(args.model, weights=args.weights)
+    set_activations(model, args.activations)
     chat = new_chat(args, model, tokenizer)
     told = [False]
 

@@ -16,7 +16,17 @@ import sys
 from functools import partial
 from pathlib import Path
 
-from .options import MAX_NEW_TOKENS, add_weights_option, chapter_list, finite_float, new_tokens, positive_int, seed_int
+from .options import (
+    MAX_NEW_TOKENS,
+    add_activations_option,
+    add_weights_option,
+    chapter_list,
+    finite_float,
+    new_tokens,
+    positive_int,
+    seed_int,
+    set_activations,
+)
 
 DEMO_DEFAULT = "demo"  # `python -m minillm [demo options]` runs the demo
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, what a shell reports for a command stopped by Ctrl-C
@@ -47,6 +57,7 @@ def cmd_generate(args) -> int:
 
     SamplingSettings(args.temperature, args.top_k, args.top_p)  # refuses bad values before anything is printed
     model, tok = load_model(args.model, weights=args.weights)
+    set_activations(model, args.activations)
     prompt = tok.encode(args.prompt)  # ValueError naming unknown characters
     # a cache just big enough: SmolLM2's full 8192-token context would be 377 MB of float32 K/V
     size = min(model.config.block_size, len(prompt) + args.max_new_tokens)
@@ -262,6 +273,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default="target",
                    help="'target', 'draft', 'smollm2-135m', a checkpoint file (.npz) or a Llama .gguf")
     add_weights_option(p)
+    add_activations_option(p)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--no-cache", action="store_true", help="recompute the whole context each step")
     mode.add_argument("--speculate", choices=["eagle", "lookup", "layer-skip", "medusa", "lookahead"],

@@ -105,6 +105,25 @@ def add_weights_option(p: argparse.ArgumentParser) -> None:
                    "packed once), or fp32, float32 arrays (a GGUF's dequantized at load: the reference)")
 
 
+def add_activations_option(p: argparse.ArgumentParser) -> None:
+    """``--activations float32|int8``: what a GGUF model's products by its Q8_0 / Q4_1 blocks multiply
+    (``Llama.set_activations``); ``set_activations`` applies it."""
+    from ..llama import ACTIVATIONS
+
+    p.add_argument("--activations", choices=ACTIVATIONS, default=ACTIVATIONS[0],
+                   help="float32 (exact, the default) or int8: each product's input rounded to int8 per block of "
+                   "32 as llama.cpp does, faster and not exact (docs/quantization.md); a GGUF model with --weights q")
+
+
+def set_activations(model, name: str) -> None:
+    """``model.set_activations(name)``; float32 for any model; ValueError for int8 on a model without blocks."""
+    if name == "float32":
+        return
+    if not hasattr(model, "set_activations"):
+        raise ValueError(f"--activations {name} is for a GGUF model in its blocks (smollm2-135m or a .gguf)")
+    model.set_activations(name)
+
+
 def list_of(item):
     """An argparse type: a comma-separated list, each value checked by the type ``item``."""
 
