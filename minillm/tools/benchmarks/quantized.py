@@ -397,7 +397,7 @@ def main(argv=None) -> int:
         unknown = sorted(set(engines) - set(ENGINES))
         if unknown:
             p.error(f"unknown engine(s) {', '.join(unknown)}: choose from {', '.join(ENGINES)}")
-        if "llama.cpp" in engines and not llama_cpp_available():
+        if "llama.cpp" in engines and not available["llama.cpp"]:
             p.error("engine llama.cpp needs llama-cpp-python (pip install llama-cpp-python)")
         if "q-int8" in engines and not available["q-int8"]:
             p.error("engine q-int8 needs a CPU with AVX512-VNNI or AVX2")
