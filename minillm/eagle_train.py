@@ -4,8 +4,10 @@ Data (``write_answers``): the target answers training prompts (``minillm.workloa
 template, greedy and sampled, B prompts of one length at a time in one batched cache; every forward
 also gives the target's final hidden state at each token, so one pass yields the text the target
 writes AND the features the draft must predict (at prompt positions: the text it reads, teacher
-forced). The answers go to part files, one per batch, written atomically: a stopped run
-``--resume``s at the first missing part.
+forced). Fixed conversations (a question and an answer the target did not write) are read the
+same way with one new token: the target's features on text it did not write, a prefill each, as
+EAGLE trains on fixed data. The answers go to part files, one per batch, written atomically: a
+stopped run ``--resume``s at the first missing part.
 
 Loss, per position t of a training window (input: the target's feature f_t and token x_{t+1}):
 
@@ -139,7 +141,9 @@ def data_parts(data_dir) -> dict:
 
 def write_answers(model, tokenizer, prompts: list, out_dir, max_new_tokens: int = ANSWER_TOKENS,
                   batch: int = DATA_BATCH, seed: int = 0, resume: bool = False, progress: bool = True) -> dict:
-    """The target's answers to ``prompts`` ({"prompt", "kind"}) -> part files in out_dir; a summary.
+    """The target's answers to ``prompts`` ({"prompt", "kind"}) -> part files in out_dir; a summary. A prompt
+    with an "answer" (``workloads.stdlib_texts``) gets that fixed text as the start of its answer, read
+    teacher-forced, then ``max_new_tokens`` of the target's own.
 
     Each part (one batch) holds ids and features (sum(n - 1), C) float16; its header the answers'
     lengths, prompt lengths, kinds and temperature, the target's identity and the arguments of the
@@ -152,8 +156,8 @@ def write_answers(model, tokenizer, prompts: list, out_dir, max_new_tokens: int 
     if not 1 <= batch <= MAX_DATA_BATCH or max_new_tokens < 1:
         raise ValueError(f"batch must be in 1..{MAX_DATA_BATCH} and max_new_tokens >= 1, got {batch}, {max_new_tokens}")
     out_dir = Path(out_dir)
-    ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}]))
-           for p in prompts]
+    ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p["prompt"]}])
+                            + p.get("answer", "")) for p in prompts]
     temps = [TEMPERATURES[i % len(TEMPERATURES)] for i in range(len(prompts))]
     groups = answer_batches(ids, temps, batch)
     header_len = len(os.path.commonprefix(ids))  # the chat template's system turn and "user\n"
@@ -227,13 +231,24 @@ def read_part(path, model, arguments=None, index=None) -> tuple[dict, dict]:
     return header, arrays
 
 
-def read_answers(data_dir, model, max_parts: int | None = None) -> dict:
-    """``write_answers``' parts for ``model`` (the first ``max_parts``, all by default) -> {"sequences": [ids],
-    "features": [(n - 1, C) float16], "kinds", "temperatures", "prompt_lengths", "parts"}, in part order.
+def read_answers(data_dirs, model, max_parts: int | None = None) -> dict:
+    """``write_answers``' parts for ``model`` in one folder or several (the first ``max_parts`` of each, all by
+    default) -> {"sequences": [ids], "features": [(n - 1, C) float16], "kinds", "temperatures",
+    "prompt_lengths", "parts"}, folder after folder, in part order (``read_folder``)."""
+    dirs = [data_dirs] if isinstance(data_dirs, (str, os.PathLike)) else list(data_dirs)
+    if not dirs:
+        raise ValueError("no EAGLE data folder given")
+    out = {"sequences": [], "features": [], "kinds": [], "temperatures": [], "prompt_lengths": [], "parts": 0}
+    for data_dir in dirs:
+        for key, value in read_folder(data_dir, model, max_parts).items():
+            out[key] += value
+    return out
 
-    Every part read is checked whole (``read_part``), all must come from one run (part 0's arguments),
-    and none may be missing: a folder that eagle-data has not finished is refused.
-    """
+
+def read_folder(data_dir, model, max_parts: int | None = None) -> dict:
+    """One folder of ``read_answers``. Every part read is checked whole (``read_part``), all must come from
+    one run (part 0's arguments), and none may be missing: a folder that eagle-data has not finished is
+    refused."""
     if max_parts is not None and max_parts < 1:
         raise ValueError(f"the number of data parts to read must be >= 1, got {max_parts}")
     found = data_parts(data_dir)
@@ -423,7 +438,8 @@ class DraftData:
 
     Training pairs leave out those that predict a token of the chat template's header (the system
     turn every prompt starts with: the draft would only learn it by heart); held-out pairs are the
-    greedy answers' own tokens, the ones speculation must guess.
+    greedy answers' own tokens, the ones speculation must guess (never fixed text's: it was not
+    written by the target).
     """
 
     def __init__(self, data: dict, draft, n_train_tokens: int | None = None):
@@ -441,7 +457,7 @@ class DraftData:
         self.starts = np.concatenate([[0], np.cumsum([len(f) for f in data["features"]])])
         header = len(os.path.commonprefix([list(s) for s in data["sequences"]])) if n > 1 else 0
         self.train = self.split(data, train, draft, [header] * len(train), n_train_tokens)
-        greedy = [i for i in held if data["temperatures"][i] == 0.0] or held
+        greedy = [i for i in held if data["temperatures"][i] == 0.0 and data["kinds"][i] != "text"] or held
         self.held = self.split(data, greedy, draft, [data["prompt_lengths"][i] for i in greedy])
         if len(self.held[0]) == 0:
             raise ValueError(f"the {len(greedy)} held-out answers hold no position to score the draft on: "

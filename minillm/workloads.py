@@ -10,6 +10,9 @@ here, so the measurement never sees a training prompt (``check_held_out``):
 - ``stdlib_prompts(n, seed)``: n prompts made from the Python standard library's docstrings and
   source (write a function from its docstring, explain a function's source, say what a module is
   for): far more varied than the templates, and on every machine that runs Python.
+- ``stdlib_texts(n, seed)``: n conversations whose answer is fixed text the target did not write (a piece
+  of a standard-library module's source, or a docstring, as the answer to a question about it): the
+  target reads them teacher-forced, one prefill each, so its features on them cost no decoding.
 - ``WORKLOADS``: fixed prompts of three kinds, written apart from the templates: ``chat``
   (questions), ``code`` (write a small Python function) and ``grounded`` (a paragraph given in the
   prompt to rewrite, summarize or extract from; prompt lookup's home ground).
@@ -19,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -137,6 +141,49 @@ def first_sentences(doc: str, limit: int = 300) -> str:
     return text[: cut + 1] if cut > 0 else text[:limit]
 
 
+LINE = re.compile(r"[^\r\n]*(?:\r\n|\r|\n)|[^\r\n]+\Z")  # a line with its end, as ast splits source
+
+
+def source_segment(lines: list, node) -> str | None:
+    """``ast.get_source_segment(source, node)`` from the source's lines (``LINE.findall(source)``), split once
+    per file: ast splits the whole source again on every call, minutes over the standard library."""
+    if getattr(node, "end_lineno", None) is None or getattr(node, "end_col_offset", None) is None:
+        return None
+    a, b = node.lineno - 1, node.end_lineno - 1
+    if a == b:
+        return lines[a].encode()[node.col_offset:node.end_col_offset].decode()
+    return "".join([lines[a].encode()[node.col_offset:].decode(), *lines[a + 1:b],
+                    lines[b].encode()[:node.end_col_offset].decode()])
+
+
+def stdlib_modules(root=None):
+    """(module name, source, parsed tree) of every standard-library module that parses (``stdlib_files``)."""
+    import ast
+
+    for path in stdlib_files(root):
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        yield (".".join(path.with_suffix("").parts[-2:]) if path.name == "__init__.py" else path.stem), source, tree
+
+
+def distinct_draw(pool: list, n: int, seed: int, make, what: str) -> list[dict]:
+    """n distinct items ``make(pool[i], rng)`` for pool indices in a reproducible random order."""
+    rng = np.random.default_rng(seed)
+    out, seen = [], set()
+    for i in rng.permutation(len(pool)):
+        item = make(pool[i], rng)
+        key = (item["prompt"], item.get("answer"))
+        if key not in seen:
+            seen.add(key)
+            out.append(item)
+            if len(out) == n:
+                return out
+    raise ValueError(f"at most {len(out)} {what} can be made here, asked for {n}")
+
+
 def stdlib_prompts(n: int, seed: int = 0, root=None) -> list[dict]:
     """n distinct prompts {"prompt", "kind"} made from the standard library that ships with Python (its
     licence: the PSF License): write a function from its docstring (code), explain or document a function
@@ -147,37 +194,73 @@ def stdlib_prompts(n: int, seed: int = 0, root=None) -> list[dict]:
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"the number of standard-library prompts must be an int >= 1, got {n!r}")
     pool = []
-    for path in stdlib_files(root):
-        try:
-            source = path.read_text(encoding="utf-8")
-            tree = ast.parse(source)
-        except (SyntaxError, UnicodeDecodeError, ValueError):
-            continue
-        module = ".".join(path.with_suffix("").parts[-2:]) if path.name == "__init__.py" else path.stem
+    for module, source, tree in stdlib_modules(root):
+        lines = LINE.findall(source)
         doc = ast.get_docstring(tree)
         if doc and len(doc) > 40:
             pool.append(("chat", {"module": module, "doc": first_sentences(doc, 600)}))
         for node in ast.walk(tree):
             if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) or node.name.startswith("_"):
                 continue
-            doc, text = ast.get_docstring(node), ast.get_source_segment(source, node)
+            doc, text = ast.get_docstring(node), source_segment(lines, node)
             if doc and len(doc) > 20:
                 pool.append(("code", {"name": node.name, "args": f"({ast.unparse(node.args)})",
                                       "doc": first_sentences(doc)}))
             if text and 80 < len(text) <= SOURCE_CHARS:
                 pool.append(("grounded", {"source": text}))
-    rng = np.random.default_rng(seed)
-    prompts, seen = [], set()
-    for i in rng.permutation(len(pool)):
-        kind, fields = pool[i]
+
+    def make(entry, rng):
+        kind, fields = entry
         forms = STDLIB_FORMS[kind]
-        prompt = forms[int(rng.integers(len(forms)))].format(**fields)
-        if prompt not in seen:
-            seen.add(prompt)
-            prompts.append({"prompt": prompt, "kind": kind})
-            if len(prompts) == n:
-                return prompts
-    raise ValueError(f"at most {len(prompts)} standard-library prompts can be made here, asked for {n}")
+        return {"prompt": forms[int(rng.integers(len(forms)))].format(**fields), "kind": kind}
+
+    return distinct_draw(pool, n, seed, make, "standard-library prompts")
+
+
+TEXT_CHARS = 1600  # the longest fixed answer (about 400 tokens): a piece of source cut at line ends, or a docstring
+TEXT_QUESTIONS = {
+    "source": "Show me part of the source code of the Python module {module}.",
+    "module": "What is the Python module {module} for?",
+    "function": "What does {module}.{name} do?",
+}
+
+
+def source_pieces(source: str, limit: int = TEXT_CHARS) -> list[str]:
+    """A module's source cut at line ends into pieces of at most ``limit`` characters (longer lines dropped)."""
+    pieces, current = [], ""
+    for line in source.splitlines(keepends=True):
+        if len(current) + len(line) > limit and current.strip():
+            pieces.append(current.strip("\n"))
+            current = ""
+        if len(line) <= limit:
+            current += line
+    return pieces + [current.strip("\n")] if current.strip() else pieces
+
+
+def stdlib_texts(n: int, seed: int = 0, root=None) -> list[dict]:
+    """n distinct conversations {"prompt", "answer", "kind": "text"} whose answer is fixed text from the standard
+    library (PSF License): a piece of a module's source for "show me the source of M", a module's docstring for
+    "what is M for?", a function's docstring for "what does M.f do?". The target reads each teacher-forced
+    (``eagle_train.write_answers`` with one new token): its features on text it did not write, as EAGLE
+    trains on fixed conversations."""
+    import ast
+
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"the number of standard-library texts must be an int >= 1, got {n!r}")
+    pool = []
+    for module, source, tree in stdlib_modules(root):
+        pool += [("source", {"module": module}, piece) for piece in source_pieces(source) if len(piece) > 200]
+        doc = ast.get_docstring(tree)
+        if doc and len(doc) > 80:
+            pool.append(("module", {"module": module}, doc[:TEXT_CHARS]))
+        for node in ast.walk(tree):
+            named = isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+            if named and not node.name.startswith("_"):
+                doc = ast.get_docstring(node)
+                if doc and len(doc) > 80:
+                    pool.append(("function", {"module": module, "name": node.name}, doc[:TEXT_CHARS]))
+    return distinct_draw(pool, n, seed, lambda e, rng: {"prompt": TEXT_QUESTIONS[e[0]].format(**e[1]),
+                                                       "answer": e[2], "kind": "text"}, "standard-library texts")
 
 
 WORKLOADS = (

@@ -214,6 +214,38 @@ def test_reading_refuses_a_folder_with_a_part_missing(target, data_dir, tmp_path
     assert read_answers(out, target, max_parts=1)["parts"] == 1  # the first part alone is whole
 
 
+TEXTS = [{"prompt": p, "answer": a, "kind": "text"} for p, a in (("a", "bcab"), ("b", "caab"), ("c", "abba"))]
+
+
+@USES
+def test_fixed_texts_are_read_teacher_forced_and_join_the_answers(target, data_dir, tmp_path):
+    """A fixed answer (``stdlib_texts``) is read as text, not written by the target: its tokens are the text's
+    own and its features are the target's hidden states on them; a second folder joins the first, in order,
+    and never lends the held-out set a position of fixed text."""
+    write_answers(target, ByteTokenizer(), TEXTS, tmp_path, max_new_tokens=1, batch=2, seed=0, progress=False)
+    texts = read_answers(tmp_path, target)
+    tok = ByteTokenizer()
+    for item, seq, feats in zip(sorted(TEXTS, key=lambda t: t["prompt"]), texts["sequences"], texts["features"]):
+        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": item["prompt"]}]) + item["answer"])
+        assert list(seq[:len(ids)]) == ids and len(seq) == len(ids) + 1  # the text, then one token of its own
+        expected = to_numpy(target.hidden(np.array([seq[:-1]])))[0].astype(np.float16)
+        np.testing.assert_allclose(feats.astype(np.float32), expected.astype(np.float32), atol=2e-3)
+    both = read_answers([data_dir, tmp_path], target)
+    answers = read_answers(data_dir, target)
+    assert both["parts"] == answers["parts"] + texts["parts"]
+    assert both["kinds"] == answers["kinds"] + ["text"] * len(TEXTS)
+    for i in range(len(both["sequences"])):
+        assert both["sequences"][i].tobytes() == (answers["sequences"] + texts["sequences"])[i].tobytes()
+    draft = EagleDraft.init(target, SUBSET, seed=1)
+    data = synthetic_data(target, [36] * 40)
+    data["kinds"] = ["text"] * 39 + ["chat"]  # every 20th is held out: answers 19 (text) and 39 (chat)
+    rows, _, _ = DraftData(data, draft).held
+    starts = np.cumsum([0] + [len(f) for f in data["features"]])
+    assert len(rows) and (rows >= starts[39]).all()  # only the target's own answer is scored
+    with pytest.raises(ValueError, match="no EAGLE data folder given"):
+        read_answers([], target)
+
+
 # ----------------------------------------------------------------------------------------------
 # training on the data
 

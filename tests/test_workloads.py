@@ -1,10 +1,24 @@
-"""Training prompts and workloads (``minillm.workloads``): reproducible, distinct, held apart; prompt file errors."""
+"""Training prompts, fixed texts and workloads (``minillm.workloads``): reproducible, distinct, held apart;
+prompt file errors."""
 
+import ast
 import json
 
 import pytest
 
-from minillm.workloads import KINDS, WORKLOADS, check_held_out, read_prompts, stdlib_prompts, training_prompts
+from minillm.workloads import (
+    KINDS,
+    LINE,
+    TEXT_CHARS,
+    WORKLOADS,
+    check_held_out,
+    read_prompts,
+    source_pieces,
+    source_segment,
+    stdlib_prompts,
+    stdlib_texts,
+    training_prompts,
+)
 
 
 def test_training_prompts_are_reproducible_distinct_and_of_every_kind():
@@ -63,3 +77,36 @@ def test_stdlib_prompts_come_from_docstrings_and_source(tmp_path):
     assert "_private" not in text and "test_skipped" not in text
     with pytest.raises(ValueError, match="at most 4 standard-library prompts"):
         stdlib_prompts(50, root=root)
+
+
+def test_source_segment_is_asts_on_every_line_ending_and_wide_characters():
+    """ast.get_source_segment splits the whole source again on every call (53 s over the standard library);
+    the segment from lines split once must be the same, for \\r\\n, \\r, form feeds and non-ASCII columns."""
+    source = ('def f(x):\r\n    """Größe."""\r\n    return x\n\x0c\nclass C:\r    def g(self, é="ü"): return é\n'
+              'y = [1,\n     2]  # no newline at the end')
+    lines = LINE.findall(source)
+    assert "".join(lines) == source
+    nodes = [n for n in ast.walk(ast.parse(source)) if hasattr(n, "end_col_offset")]
+    assert len(nodes) > 15
+    for node in nodes:
+        assert source_segment(lines, node) == ast.get_source_segment(source, node), ast.dump(node)
+
+
+def test_stdlib_texts_answer_questions_with_the_librarys_own_text(tmp_path):
+    root = stdlib_like(tmp_path)
+    doc = "Read and write the tables of a spreadsheet, one row at a time, in any of its three dialects."
+    (root / "sheet.py").write_text(f'"""{doc}"""\n\nclass Reader:\n    """{doc}"""\n')
+    texts = stdlib_texts(4, seed=0, root=root)  # two modules' source, sheet's two docstrings
+    assert texts == stdlib_texts(4, seed=0, root=root) and {t["kind"] for t in texts} == {"text"}
+    by_prompt = {t["prompt"]: t["answer"] for t in texts}
+    assert by_prompt["Show me part of the source code of the Python module mod."] in (root / "mod.py").read_text()
+    assert by_prompt["What is the Python module sheet for?"] == doc == by_prompt["What does sheet.Reader do?"]
+    assert "What is the Python module mod for?" not in by_prompt  # its docstring is under 80 characters
+    assert "test_skipped" not in "".join(by_prompt.values())
+    sheet = by_prompt["Show me part of the source code of the Python module sheet."]
+    assert sheet == (root / "sheet.py").read_text().strip("\n")
+    with pytest.raises(ValueError, match="at most 4 standard-library texts"):
+        stdlib_texts(5, root=root)
+    long = "".join(f"line {i:04d} of a module's source\n" for i in range(200))
+    pieces = source_pieces(long)
+    assert "\n".join(pieces) == long.strip("\n") and max(map(len, pieces)) <= TEXT_CHARS

@@ -1,7 +1,7 @@
 """``python -m minillm eagle-data`` and ``eagle-train``: the EAGLE draft's training text, then the draft.
 
-    python -m minillm eagle-data --out DIR [--prompts 1200] [--source templates|stdlib] [--resume]
-    python -m minillm eagle-train --data DIR --out eagle.npz [--vocab 4096] [--steps 1500] [--resume]
+    python -m minillm eagle-data --out DIR [--prompts 1200] [--source templates|stdlib|texts] [--resume]
+    python -m minillm eagle-train --data DIR [DIR ...] --out eagle.npz [--vocab 4096] [--steps 1500] [--resume]
 
 Both run for minutes to an hour on a laptop CPU; both write atomically as they go (data: one part
 file per batch of answers; training: a state file every 100 steps), so ``--resume`` continues a
@@ -30,11 +30,12 @@ from ..eagle_train import (
 )
 from ..registry import SMOLLM2, SMOLLM2_SHA256, load_model
 from ..train import check_add_on_run
-from ..workloads import WORKLOADS, check_held_out, stdlib_prompts, training_prompts
+from ..workloads import WORKLOADS, check_held_out, stdlib_prompts, stdlib_texts, training_prompts
 from .options import add_weights_option, nonnegative_count, nonnegative_float
 
 COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
-PROMPT_SOURCES = {"templates": training_prompts, "stdlib": stdlib_prompts}
+PROMPT_SOURCES = {"templates": training_prompts, "stdlib": stdlib_prompts, "texts": stdlib_texts}
+FIXED_TEXT_TOKENS = 1  # --source texts: the answer is fixed text, read teacher-forced; one token of the target's own
 
 
 def add_data_arguments(p: argparse.ArgumentParser) -> None:
@@ -44,21 +45,24 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompts", type=nonnegative_count, default=1200, help="training prompts (default 1200)")
     p.add_argument("--source", choices=PROMPT_SOURCES, default="templates",
                    help="where the prompts come from: templates (topics x question forms, code tasks, passages of "
-                   "the corpus) or stdlib (the Python standard library's docstrings and source; default templates)")
-    p.add_argument("--max-new-tokens", type=nonnegative_count, default=ANSWER_TOKENS,
-                   help=f"most tokens per answer (default {ANSWER_TOKENS})")
+                   "the corpus), stdlib (the Python standard library's docstrings and source) or texts (questions "
+                   "about the standard library answered with its own source and docstrings: fixed text the target "
+                   "reads, a prefill each; default templates)")
+    p.add_argument("--max-new-tokens", type=nonnegative_count, default=None,
+                   help=f"most tokens per answer (default {ANSWER_TOKENS}; {FIXED_TEXT_TOKENS} for --source texts)")
     p.add_argument("--seed", type=nonnegative_count, default=0, help="the prompts' draw and the sampled answers")
     p.add_argument("--resume", action="store_true", help="keep the parts already in --out, write the rest")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
 
 
 def run_data(args) -> int:
-    if args.prompts < 1 or args.max_new_tokens < 1:
+    new_tokens = args.max_new_tokens or (FIXED_TEXT_TOKENS if args.source == "texts" else ANSWER_TOKENS)
+    if args.prompts < 1 or new_tokens < 1:
         raise ValueError(f"--prompts and --max-new-tokens must be >= 1, got {args.prompts} and {args.max_new_tokens}")
     prompts = PROMPT_SOURCES[args.source](args.prompts, args.seed)
     check_held_out(WORKLOADS, prompts)
     model, tokenizer = load_model(args.model, weights=args.weights)
-    summary = write_answers(model, tokenizer, prompts, args.out, args.max_new_tokens, seed=args.seed,
+    summary = write_answers(model, tokenizer, prompts, args.out, new_tokens, seed=args.seed,
                             resume=args.resume, progress=not args.quiet)
     print(json.dumps(summary))
     return 0
@@ -67,7 +71,8 @@ def run_data(args) -> int:
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=SMOLLM2, help=f"the target (default {SMOLLM2})")
     add_weights_option(p)  # either load: one model, one identity (checkpoint.model_identity)
-    p.add_argument("--data", required=True, help="a folder written by eagle-data")
+    p.add_argument("--data", required=True, nargs="+", metavar="DIR",
+                   help="folders written by eagle-data (e.g. the target's answers, then fixed texts)")
     p.add_argument("--out", required=True, help="draft file to write (.npz)")
     p.add_argument("--vocab", type=nonnegative_count, default=DEFAULT_SUBSET,
                    help=f"V': the draft's vocabulary, the most frequent tokens of the data (default {DEFAULT_SUBSET})")
@@ -76,7 +81,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="windows of 128 positions per step")
     p.add_argument("--lr", type=nonnegative_float, default=EAGLE_TRAIN.lr, help="peak learning rate")
     p.add_argument("--parts", type=nonnegative_count, default=None,
-                   help="read only the first N data parts (answers are written by temperature: greedy first)")
+                   help="read only the first N data parts of each folder (answers are written by temperature: "
+                   "greedy first)")
     p.add_argument("--train-tokens", type=nonnegative_count, default=None,
                    help="train on the first N positions only (a data-scaling curve)")
     p.add_argument("--resume", action="store_true", help="continue from <out>.eagle-train.npz")
