@@ -14,6 +14,7 @@ import contextlib
 import numpy as np
 import pytest
 
+from minillm.kv_cache import common_prefix_length
 from minillm.quantize import BF16, F32, Q4_1, Q8_0, QK, Int8PerChannel, QuantError
 
 qkernels = pytest.importorskip("minillm.qkernels")  # needs numba
@@ -255,7 +256,7 @@ def test_decode_benchmark_table(tmp_path, capsys):
     the first difference, the memory read from /proc; an unknown engine is refused before anything runs."""
     from minillm.tools.benchmarks import quantized
 
-    assert quantized.agreeing([1, 2, 3], [1, 2, 4]) == 2 and quantized.agreeing([5], [5, 6]) == 1
+    assert common_prefix_length([1, 2, 3], [1, 2, 4]) == 2 and common_prefix_length([5], [5, 6]) == 1
     prompts = [[1] * 10, [1] * 20]
     def run(tokens, prefill_s, decode_s):
         return {"tokens": tokens, "prefill_s": prefill_s, "decode_s": decode_s}

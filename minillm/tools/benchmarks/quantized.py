@@ -51,6 +51,7 @@ import time
 import numpy as np
 
 from ... import quantize
+from ...kv_cache import common_prefix_length
 from ...notebook import format_table
 from ..options import int_in, list_of
 from .common import BenchmarkError, add_json_arg, write_json
@@ -346,14 +347,10 @@ def decode_rows(runs: dict, memory: dict, prompts: list[list[int]]) -> list[dict
                "RSS answered MB": memory[engine]["after answering"]["rss_mb"],
                "peak MB": memory[engine]["after answering"]["peak_mb"]}
         if reference is not None:
-            row["same tokens as fp32"] = sum(agreeing(r["tokens"], f["tokens"]) for r, f in zip(engine_runs, reference))
+            pairs = zip(engine_runs, reference)
+            row["same tokens as fp32"] = sum(common_prefix_length(r["tokens"], f["tokens"]) for r, f in pairs)
         rows.append(row)
     return rows
-
-
-def agreeing(a: list[int], b: list[int]) -> int:
-    """How many leading tokens of a and b are equal.  [1, 2, 3], [1, 2, 4] -> 2"""
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def decode_main(args, engines: list[str]) -> int:
