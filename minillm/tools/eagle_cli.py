@@ -56,7 +56,9 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_data(args) -> int:
-    new_tokens = args.max_new_tokens or (FIXED_TEXT_TOKENS if args.source == "texts" else ANSWER_TOKENS)
+    new_tokens = args.max_new_tokens
+    if new_tokens is None:
+        new_tokens = FIXED_TEXT_TOKENS if args.source == "texts" else ANSWER_TOKENS
     if args.prompts < 1 or new_tokens < 1:
         raise ValueError(f"--prompts and --max-new-tokens must be >= 1, got {args.prompts} and {args.max_new_tokens}")
     prompts = PROMPT_SOURCES[args.source](args.prompts, args.seed)

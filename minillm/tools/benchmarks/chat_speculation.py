@@ -125,9 +125,8 @@ def main(argv=None) -> int:
             rows.append(row)
     load_after = os.getloadavg()[0]
     print(f"SmolLM2-135M chat replies, greedy, {args.activations} activations, up to {args.max_new_tokens} tokens, "
-          f"{len(prompts)} prompts x "
-          f"{args.repeat}, one thread each; {cpu_name()}, {os.cpu_count()} cores, load average {load_before:.2f} "
-          f"before, {load_after:.2f} after, {time.perf_counter() - t0:.0f} s")
+          f"{len(prompts)} prompts x {args.repeat}, one thread each; {cpu_name()}, {os.cpu_count()} cores, "
+          f"load average {load_before:.2f} before, {load_after:.2f} after, {time.perf_counter() - t0:.0f} s")
     print("every speculative reply equal to plain chat's, token for token" if exact else
           "int8 activations: replies need not equal plain chat's (the last column counts what they share)")
     print(format_table(rows))
