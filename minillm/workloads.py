@@ -80,6 +80,12 @@ GROUNDED_FORMS = (
 PASSAGE_CHARS = 400  # a grounded prompt's passage: about a hundred tokens
 
 
+def check_count(n, what: str) -> None:
+    """ValueError unless n, how many ``what`` to make, is an int >= 1."""
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"the number of {what} must be an int >= 1, got {n!r}")
+
+
 def passages(text: str, n: int, seed: int) -> list[str]:
     """n passages of about PASSAGE_CHARS characters, each starting and ending at a line break."""
     rng = np.random.default_rng(seed)
@@ -95,8 +101,7 @@ def training_prompts(n: int, seed: int = 0, grounded_share: float = 0.15) -> lis
     """n distinct prompts {"prompt", "kind"}, a reproducible draw (chat and code: about 2:1)."""
     from .data import TRAIN_FRACTION, load_corpus
 
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"the number of training prompts must be an int >= 1, got {n!r}")
+    check_count(n, "training prompts")
     rng = np.random.default_rng(seed)
     chat = [{"prompt": f.format(t=t), "kind": "chat"} for t, f in itertools.product(CHAT_TOPICS, CHAT_FORMS)]
     code = [{"prompt": f.format(t=t), "kind": "code"} for t, f in itertools.product(CODE_TASKS, CODE_FORMS)]
@@ -191,8 +196,7 @@ def stdlib_prompts(n: int, seed: int = 0, root=None) -> list[dict]:
     reproducible draw for one Python version; the data's ``prompts_sha256`` records which."""
     import ast
 
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"the number of standard-library prompts must be an int >= 1, got {n!r}")
+    check_count(n, "standard-library prompts")
     pool = []
     for module, source, tree in stdlib_modules(root):
         lines = LINE.findall(source)
@@ -245,8 +249,7 @@ def stdlib_texts(n: int, seed: int = 0, root=None) -> list[dict]:
     trains on fixed conversations."""
     import ast
 
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"the number of standard-library texts must be an int >= 1, got {n!r}")
+    check_count(n, "standard-library texts")
     pool = []
     for module, source, tree in stdlib_modules(root):
         pool += [("source", {"module": module}, piece) for piece in source_pieces(source) if len(piece) > 200]
