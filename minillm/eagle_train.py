@@ -231,16 +231,22 @@ def read_part(path, model, arguments=None, index=None) -> tuple[dict, dict]:
     return header, arrays
 
 
-def read_answers(data_dirs, model, max_parts: int | None = None) -> dict:
-    """``write_answers``' parts for ``model`` in one folder or several (the first ``max_parts`` of each, all by
-    default) -> {"sequences": [ids], "features": [(n - 1, C) float16], "kinds", "temperatures",
-    "prompt_lengths", "parts"}, folder after folder, in part order (``read_folder``)."""
+def read_answers(data_dirs, model, max_parts=None) -> dict:
+    """``write_answers``' parts for ``model`` in one folder or several (the first ``max_parts`` of each: one
+    number for every folder, or one per folder; all by default) -> {"sequences": [ids], "features":
+    [(n - 1, C) float16], "kinds", "temperatures", "prompt_lengths", "parts"}, folder after folder, in part
+    order (``read_folder``)."""
     dirs = [data_dirs] if isinstance(data_dirs, (str, os.PathLike)) else list(data_dirs)
     if not dirs:
         raise ValueError("no EAGLE data folder given")
+    limits = list(max_parts) if isinstance(max_parts, (list, tuple)) else [max_parts]
+    if len(limits) == 1:
+        limits *= len(dirs)
+    if len(limits) != len(dirs):
+        raise ValueError(f"{len(limits)} part counts for {len(dirs)} data folders: give one, or one per folder")
     out = {"sequences": [], "features": [], "kinds": [], "temperatures": [], "prompt_lengths": [], "parts": 0}
-    for data_dir in dirs:
-        for key, value in read_folder(data_dir, model, max_parts).items():
+    for data_dir, limit in zip(dirs, limits):
+        for key, value in read_folder(data_dir, model, limit).items():
             out[key] += value
     return out
 
@@ -366,6 +372,7 @@ class LlamaRecording(Recording):
         B, nh, T, hs = q.shape
         nkv = cfg.n_kv_head
         dq, dkr, dvr = attention_backward(split_heads(dy, nh), q, kr, vr, att)
+        dkr, dvr = dkr[:, :, -T:], dvr[:, :, -T:]  # the keys before a step's own (``AheadContext``) stay fixed
         dk = dkr.reshape(B, nkv, nh // nkv, T, hs).sum(axis=2)
         dv = dvr.reshape(B, nkv, nh // nkv, T, hs).sum(axis=2)
         cos, sin = self.cos_sin
@@ -378,21 +385,56 @@ def stacked_names(n_layer: int) -> dict:
     return stacked_weights({}, n_layer, lambda params, names: names)
 
 
-def draft_forward_backward(params: dict, config, embed, lm_subset, feats, next_tokens, next_feats, targets,
-                           feature_weight: float = FEATURE_WEIGHT):
-    """EAGLE's loss on windows and its gradient for every draft parameter (``eagle.draft_param_shapes``).
+class AheadContext:
+    """The keys and values of a training-time test's earlier steps (EAGLE-3), read by its later ones.
 
-    feats (B, T, C): the target's features f_t; next_tokens (B, T): x_{t+1}; next_feats (B, T, C):
-    f_{t+1}; targets (B, T): the subset index of x_{t+2}, -1 outside the subset (no token loss).
-    embed (V, C) and lm_subset (V', C) are frozen. Causal attention within each window.
-    -> (loss, {"token": CE, "feature": SmoothL1}, grads). Works in the params' dtype.
+    Drafting, the draft's s-th guess of a round from position t sits at position t + s - 1: it reads its
+    own feature f^ from the guess before, and attends to the cache of positions 0..t-1 (written from the
+    target's features), to the first guess's entry at t and to each later guess's entry of this round.
+    Training the same way, step 1 runs the window causally (row i at position i) and step s's row i (at
+    position i + s - 1) attends to step 1's keys 0..i and to row i's keys of steps 2..s. ``advance``
+    counts the steps; the gradient stops at earlier steps' keys and features (each step's backward
+    reaches its own). Also a cache for ``EagleDraft.step``: the same guesses from the inference layer.
     """
+
+    def __init__(self):
+        self.steps, self.keys = 0, {}  # layer -> [(k, v) of each step so far]
+
+    def positions(self, T: int):
+        return xp.arange(self.steps, self.steps + T)
+
+    def advance(self, T: int) -> None:
+        self.steps += 1
+
+    def attend(self, layer: int, q, k, v, attention):
+        kv = self.keys.setdefault(layer, [])
+        kv.append((k, v))
+        if len(kv) == 1:
+            return attention(q, k, v, causal=True)
+        R = q.shape[2]  # step s has T - s + 1 rows
+        mask = self.mask(R, kv[0][0].shape[2], len(kv))
+        keys = xp.concatenate([kv[0][0]] + [k_[:, :, :R] for k_, _ in kv[1:]], axis=2)
+        values = xp.concatenate([kv[0][1]] + [v_[:, :, :R] for _, v_ in kv[1:]], axis=2)
+        return attention(q, keys, values, mask=mask)
+
+    @staticmethod
+    def mask(R: int, T: int, step: int):
+        """Step ``step``'s R rows over step 1's T keys, then R keys of each step 2..step: row i sees step 1's
+        keys 0..i (positions up to its round's first guess) and its own round's key of every later step."""
+        return np.concatenate([np.tri(R, T, dtype=bool)] + [np.eye(R, dtype=bool)] * (step - 1), axis=1)
+
+
+def draft_step_loss(params: dict, config, embed, lm_subset, feats, next_tokens, next_feats, targets,
+                    context: AheadContext, feature_weight: float = FEATURE_WEIGHT):
+    """One step of ``draft_forward_backward`` at the positions ``context`` gives it
+    -> (loss, {"token", "feature"}, grads, f^ (B, T, C))."""
     B, T, C = feats.shape
     # forward: the input projection, then the Llama block itself, recorded
     a = xp.concatenate([embed[next_tokens], feats], axis=-1)  # (B, T, 2C)
     u = a @ params["fc.weight"].T  # (B, T, C)
     tape = LlamaRecording(config, params)
-    f_hat = llama_blocks(tape, u, xp.arange(T), None, DRAFT_LAYERS)  # (B, T, C)
+    f_hat = llama_blocks(tape, u, context.positions(T), context, DRAFT_LAYERS)  # (B, T, C)
+    context.advance(T)
     # the two losses
     rows = xp.nonzero(targets.reshape(-1) >= 0)[0]
     logits = f_hat.reshape(-1, C)[rows] @ lm_subset.T  # (N, V')
@@ -404,8 +446,34 @@ def draft_forward_backward(params: dict, config, embed, lm_subset, feats, next_t
     # backward: the tape in reverse, then the input projection
     du, grads = tape.backward(df.reshape(B, T, C))
     grads["fc.weight"] = du.reshape(-1, C).T @ a.reshape(-1, 2 * C)
-    loss = ce + feature_weight * feat_loss
-    return loss, {"token": ce, "feature": feat_loss}, grads
+    return ce + feature_weight * feat_loss, {"token": ce, "feature": feat_loss}, grads, f_hat
+
+
+def draft_forward_backward(params: dict, config, embed, lm_subset, feats, next_tokens, next_feats, targets,
+                           feature_weight: float = FEATURE_WEIGHT, ahead: int = 1):
+    """EAGLE's loss on windows and its gradient for every draft parameter (``eagle.draft_param_shapes``).
+
+    feats (B, T, C): the target's features f_t; next_tokens (B, T): x_{t+1}; next_feats (B, T, C):
+    f_{t+1}; targets (B, T): the subset index of x_{t+2}, -1 outside the subset (no token loss).
+    embed (V, C) and lm_subset (V', C) are frozen. Causal attention within each window.
+    ``ahead`` > 1: EAGLE-3's training-time test, steps 2..ahead on the draft's own features f^ (row i of
+    step s guesses x_{i+s+1} from f^_{i+s-1} and x_{i+s}; ``AheadContext``), their losses added.
+    -> (loss, {"token": CE, "feature": SmoothL1, then "token_s", "feature_s" of each later step}, grads).
+    Works in the params' dtype.
+    """
+    if not 1 <= ahead < feats.shape[1]:
+        raise ValueError(f"a training-time test of {ahead} steps needs 1 <= steps < the window ({feats.shape[1]})")
+    context = AheadContext()
+    loss, parts, grads, f_hat = draft_step_loss(params, config, embed, lm_subset, feats, next_tokens, next_feats,
+                                                targets, context, feature_weight)
+    for s in range(2, ahead + 1):
+        more, terms, step_grads, f_hat = draft_step_loss(
+            params, config, embed, lm_subset, f_hat[:, :-1], next_tokens[:, s - 1 :], next_feats[:, s - 1 :],
+            targets[:, s - 1 :], context, feature_weight)
+        loss += more
+        parts |= {f"{k}_{s}": v for k, v in terms.items()}
+        grads = {k: g + step_grads[k] for k, g in grads.items()}
+    return loss, parts, grads
 
 
 # ----------------------------------------------------------------------------------------------
@@ -488,27 +556,40 @@ class DraftData:
         return f, xp.asarray(x1[idx]), f_next, xp.asarray(y[idx])
 
 
-def held_out_accuracy(draft, data: DraftData, max_windows: int = 64) -> float:
-    """Share of held-out answer positions where the draft's first guess is the target's next token
-    (teacher forced: the draft reads the target's features, as in its first step of a round). Every
-    position of the first ``max_windows`` (>= 1) windows counts, those of a short last window too."""
+def held_out_accuracy(draft, data: DraftData, max_windows: int = 64, step: int = 1) -> float:
+    """Share of held-out answer positions where the draft's guess number ``step`` of a round is the target's
+    token there. Step 1 reads the target's features (teacher forced, as in a round's first step); step s > 1
+    reads the draft's own feature from step s - 1 and the true token before it, through an ``AheadContext``
+    (the cache as drafting leaves it). Every row of the first ``max_windows`` (>= 1) windows counts, those of
+    a short last window too."""
     T = data.window
     n = min(len(data.held[0]), max_windows * T)  # DraftData holds at least one
-    hits = 0
+    hits = rows = 0
     for start in range(0, n, T):
-        f, x1, _, y = data.windows(data.held, [start], min(T, n - start))
-        _, logits = draft.step(f[0], to_numpy(x1[0]))
-        hits += int((to_numpy(logits).argmax(axis=-1) == to_numpy(y[0])).sum())
-    return hits / n
+        length = min(T, n - start)
+        if length < step:
+            continue
+        f, x1, _, y = data.windows(data.held, [start], length)
+        context, f_in = AheadContext(), f[0]
+        for s in range(step):
+            f_hat, logits = draft.step(f_in, to_numpy(x1[0, s:]), context)
+            f_in = f_hat[:-1]
+        hits += int((to_numpy(logits).argmax(axis=-1) == to_numpy(y[0, step - 1 :])).sum())
+        rows += length - step + 1
+    if rows == 0:
+        raise ValueError(f"no held-out window is long enough to score guess {step}")
+    return hits / rows
 
 
 def train_draft(draft, data: DraftData, tc: TrainConfig = EAGLE_TRAIN, state_path=None, resume: bool = False,
-                progress: bool = True):
+                progress: bool = True, ahead: int = 1):
     """Train ``draft``'s parameters in place on ``data`` -> history (loss terms, held-out accuracy, time).
 
     Input features get EAGLE's uniform noise (FEATURE_NOISE x their RMS): while drafting, the draft reads
     its own guesses. AdamW with the cosine schedule of ``train.lr_at``; every tc.ckpt_every steps the parameters,
     moments, step, generator and history go atomically to ``state_path``; ``resume`` continues there.
+    ``ahead`` > 1 adds EAGLE-3's training-time test (``draft_forward_backward``); the held-out score is kept
+    for the first and the second guess of a round either way.
     """
     from tqdm import tqdm
 
@@ -519,7 +600,7 @@ def train_draft(draft, data: DraftData, tc: TrainConfig = EAGLE_TRAIN, state_pat
     opt = AdamW(params, (tc.beta1, tc.beta2), weight_decay=tc.weight_decay)
     rng, start, history, elapsed0 = np.random.default_rng(tc.seed), 0, [], 0.0
     if resume and state_path is not None and Path(state_path).exists():
-        start, history, elapsed0 = load_train_state(state_path, draft, params, opt, rng)
+        start, history, elapsed0 = load_train_state(state_path, draft, params, opt, rng, ahead)
     n_rows = len(data.train[0])
     if n_rows <= data.window:
         raise ValueError(f"{n_rows} training positions: too few for one window of {data.window}")
@@ -531,7 +612,7 @@ def train_draft(draft, data: DraftData, tc: TrainConfig = EAGLE_TRAIN, state_pat
         scale = xp.sqrt((f * f).mean(axis=-1, keepdims=True))  # (B, T, 1)
         f = f + FEATURE_NOISE * scale * xp.asarray(rng.uniform(-1.0, 1.0, f.shape).astype(np.float32))
         batch = (f, x1, f_next, y)  # the draft must cope with its own imprecise features while drafting
-        loss, parts, grads = draft_forward_backward(params, cfg, embed, lm_subset, *batch)
+        loss, parts, grads = draft_forward_backward(params, cfg, embed, lm_subset, *batch, ahead=ahead)
         check_step(loss, clip_grad_norm(grads, tc.grad_clip), step + 1)
         opt.step(params, grads, lr_at(step, tc))
         record = {"step": step + 1, "loss": round(loss, 4), **{k: round(v, 4) for k, v in parts.items()},
@@ -540,10 +621,11 @@ def train_draft(draft, data: DraftData, tc: TrainConfig = EAGLE_TRAIN, state_pat
         if (step + 1) % tc.eval_every == 0 or last:
             load_params(draft, params)
             record["held_out_top1"] = round(held_out_accuracy(draft, data), 4)
+            record["held_out_second_guess"] = round(held_out_accuracy(draft, data, step=2), 4)
         history.append(record)
         bar.set_postfix(loss=f"{loss:.3f}")
         if state_path is not None and ((step + 1) % tc.ckpt_every == 0 or last):
-            save_train_state(state_path, draft, params, opt, step + 1, rng, history)
+            save_train_state(state_path, draft, params, opt, step + 1, rng, history, ahead)
     bar.close()
     load_params(draft, params)
     return history
@@ -559,8 +641,8 @@ TRAIN_STATE_FORMAT = "minillm-eagle-train-1"
 TRAIN_STATE_KIND = "EAGLE training state"
 
 
-def save_train_state(path, draft, params, opt, step, rng, history) -> None:
-    header = {"format": TRAIN_STATE_FORMAT, "model": model_identity(draft.target), "step": step,
+def save_train_state(path, draft, params, opt, step, rng, history, ahead: int = 1) -> None:
+    header = {"format": TRAIN_STATE_FORMAT, "model": model_identity(draft.target), "step": step, "ahead": ahead,
               "subset_size": draft.subset_size, "adam_t": opt.t, "rng_state": rng.bit_generator.state,
               "history": history, "elapsed_s": history[-1]["elapsed_s"]}
     arrays = {f"param/{k}": to_numpy(v) for k, v in params.items()} | {"subset": draft.subset}
@@ -568,7 +650,7 @@ def save_train_state(path, draft, params, opt, step, rng, history) -> None:
     atomic_save_npz(path, arrays | {HEADER_KEY: encode_header(header)})
 
 
-def train_state_layout(header: dict, draft, params: dict, path) -> dict:
+def train_state_layout(header: dict, draft, params: dict, path, ahead: int = 1) -> dict:
     """The arrays a training state's header implies for ``draft`` (its parameters and both AdamW moments,
     shaped like ``params``, and the subset), once its format, target and vocabulary size are checked."""
     check_format(header, TRAIN_STATE_FORMAT, path, TRAIN_STATE_KIND)
@@ -576,13 +658,17 @@ def train_state_layout(header: dict, draft, params: dict, path) -> dict:
     if header.get("subset_size") != draft.subset_size:
         raise CheckpointError(f"{path} was trained with another draft vocabulary (V' {header.get('subset_size')!r}, "
                               f"not {draft.subset_size}): resume with the same --vocab")
+    if header.get("ahead", 1) != ahead:
+        raise CheckpointError(f"{path} was trained with --ahead {header.get('ahead', 1)!r}, not {ahead}: "
+                              "resume with the same --ahead")
     return {f"{group}/{name}": (tuple(p.shape), FLOAT_WEIGHTS) for group in ("param", "m", "v")
             for name, p in params.items()} | {"subset": ((draft.subset_size,), TOKEN_IDS)}
 
 
-def load_train_state(path, draft, params, opt, rng):
+def load_train_state(path, draft, params, opt, rng, ahead: int = 1):
     """Restore ``params``, AdamW and the generator from ``save_train_state``'s file -> (step, history, elapsed_s)."""
-    header, arrays = read_npz(path, lambda header: train_state_layout(header, draft, params, path), TRAIN_STATE_KIND)
+    header, arrays = read_npz(path, lambda header: train_state_layout(header, draft, params, path, ahead),
+                              TRAIN_STATE_KIND)
     if not np.array_equal(arrays["subset"], draft.subset):
         raise CheckpointError(f"{path} was trained with another draft vocabulary: resume with the same --vocab")
     for name in params:

@@ -19,9 +19,10 @@ import pytest
 from stats import P_MIN, chi2_pvalue
 
 from minillm.backend import to_numpy
+from minillm.checkpoint import CheckpointError
 from minillm.config import LlamaConfig
 from minillm.eagle import EagleDraft, EagleProposer, frequency_subset, subset_coverage, token_counts
-from minillm.eagle_train import draft_forward_backward, rms_norm_backward, rope_backward
+from minillm.eagle_train import AheadContext, draft_forward_backward, draft_step_loss, rms_norm_backward, rope_backward
 from minillm.generate import generate
 from minillm.kv_cache import KVCache, MaskedView
 from minillm.llama import Llama, apply_rope, rms_norm, rope_cos_sin
@@ -165,6 +166,86 @@ def test_draft_backward_matches_finite_differences(target, draft, rng):
             flat[i] = old
             np.testing.assert_allclose(grads[name].reshape(-1)[i], (up - down) / (2 * h), rtol=1e-4, atol=1e-8,
                                        err_msg=name)
+
+
+# ----------------------------------------------------------------------------------------------
+# EAGLE-3's training-time test: later steps on the draft's own features
+
+
+class PeekingContext(AheadContext):  # step 2 also sees step 1's key one position ahead
+    @staticmethod
+    def mask(R, T, step):
+        return np.concatenate([np.tri(R, T, 1, dtype=bool)] + [np.eye(R, dtype=bool)] * (step - 1), axis=1)
+
+
+class ShortContext(AheadContext):  # step 2 misses its own round's first guess (step 1's key at row i)
+    @staticmethod
+    def mask(R, T, step):
+        return np.concatenate([np.tri(R, T, -1, dtype=bool)] + [np.eye(R, dtype=bool)] * (step - 1), axis=1)
+
+
+def second_guess_error(draft, rng, context_class=AheadContext) -> float:
+    """Largest gap between step 2 of a training-time test (every row at once) and the drafting path: for
+    row i, a cache of step 1's rows 0..i, then the draft's own feature f^_{i+1} with x_{i+2}."""
+    T = 6
+    f = rng.normal(size=(T, CFG.n_embd)).astype(np.float32)
+    x = rng.integers(0, CFG.vocab_size, T)  # x[j] = x_{j+1}, the token after f_j
+    context = context_class()
+    first, _ = draft.step(f, x, context)
+    second, _ = draft.step(first[:-1], x[1:], context)
+    gap = 0.0
+    for i in range(T - 1):
+        cache = draft.new_cache(T + 1)
+        f1, _ = draft.step(f[: i + 1], x[: i + 1], cache)
+        f2, _ = draft.step(f1[i:], x[i + 1 : i + 2], cache)
+        gap = max(gap, float(np.abs(to_numpy(second[i]) - to_numpy(f2[0])).max()))
+    return gap
+
+
+@USES
+def test_training_time_test_attends_as_drafting_does(draft, rng):
+    assert second_guess_error(draft, rng) < 1e-5
+
+
+@USES
+@pytest.mark.parametrize("context_class", [PeekingContext, ShortContext])
+def test_the_check_catches_a_training_time_test_with_the_wrong_mask(draft, rng, context_class):
+    assert second_guess_error(draft, rng, context_class) > 1e-3
+
+
+@USES
+@pytest.mark.uses_exercise("11.1", "11.2")
+def test_second_step_backward_matches_finite_differences(target, draft, rng):
+    """Step 2 of a training-time test, after a fixed step 1 (its keys and features held: the gradient stops
+    there), against central differences in float64; its gradient joins step 1's in draft_forward_backward."""
+    import copy
+
+    P = {k: to_numpy(v).astype(np.float64) for k, v in draft.params.items()}
+    embed = to_numpy(target.params["embed_tokens.weight"]).astype(np.float64)
+    lm = embed[draft.subset]
+    B, T, C = 2, 5, CFG.n_embd
+    f, x, f_next = rng.normal(size=(B, T, C)), rng.integers(0, CFG.vocab_size, (B, T)), rng.normal(size=(B, T, C))
+    y = rng.integers(-1, len(SUBSET), (B, T))
+    first = AheadContext()
+    loss1, _, grads1, f_hat = draft_step_loss(P, CFG, embed, lm, f, x, f_next, y, first)
+    step2 = (f_hat[:, :-1], x[:, 1:], f_next[:, 1:], y[:, 1:])
+    loss2, _, grads2, _ = draft_step_loss(P, CFG, embed, lm, *step2, copy.deepcopy(first))
+    loss, parts, grads = draft_forward_backward(P, CFG, embed, lm, f, x, f_next, y, ahead=2)
+    assert loss == pytest.approx(loss1 + loss2) and set(parts) == {"token", "feature", "token_2", "feature_2"}
+    for name, p in P.items():
+        np.testing.assert_allclose(grads[name], grads1[name] + grads2[name], rtol=1e-12, err_msg=name)
+        flat = p.reshape(-1)
+        for i in rng.choice(flat.size, size=min(4, flat.size), replace=False):
+            old, h = flat[i], 1e-6
+            flat[i] = old + h
+            up = draft_step_loss(P, CFG, embed, lm, *step2, copy.deepcopy(first))[0]
+            flat[i] = old - h
+            down = draft_step_loss(P, CFG, embed, lm, *step2, copy.deepcopy(first))[0]
+            flat[i] = old
+            np.testing.assert_allclose(grads2[name].reshape(-1)[i], (up - down) / (2 * h), rtol=1e-4, atol=1e-8,
+                                       err_msg=name)
+    with pytest.raises(ValueError, match="training-time test of 5 steps"):
+        draft_forward_backward(P, CFG, embed, lm, f, x, f_next, y, ahead=5)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -591,3 +672,5 @@ def test_training_resumes_where_it_stopped(target, tmp_path):
     train_draft(resumed, DraftData(data, resumed), tc, tmp_path / "b.npz", resume=True, progress=False)
     for name in straight.params:
         np.testing.assert_array_equal(to_numpy(resumed.params[name]), to_numpy(straight.params[name]), err_msg=name)
+    with pytest.raises(CheckpointError, match="trained with --ahead 1, not 2"):
+        train_draft(resumed, DraftData(data, resumed), tc, tmp_path / "b.npz", resume=True, progress=False, ahead=2)

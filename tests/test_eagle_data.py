@@ -232,6 +232,9 @@ def test_fixed_texts_are_read_teacher_forced_and_join_the_answers(target, data_d
         np.testing.assert_allclose(feats.astype(np.float32), expected.astype(np.float32), atol=2e-3)
     both = read_answers([data_dir, tmp_path], target)
     answers = read_answers(data_dir, target)
+    assert texts["parts"] == 3 and read_answers([data_dir, tmp_path], target, [1, 2])["parts"] == 1 + 2  # N per folder
+    with pytest.raises(ValueError, match="3 part counts for 2 data folders"):
+        read_answers([data_dir, tmp_path], target, [1, 1, 1])
     assert both["parts"] == answers["parts"] + texts["parts"]
     assert both["kinds"] == answers["kinds"] + ["text"] * len(TEXTS)
     for i in range(len(both["sequences"])):
@@ -269,6 +272,13 @@ def test_held_out_accuracy_counts_a_held_out_set_shorter_than_a_window(target):
     expected = float((to_numpy(logits).argmax(axis=-1) == y).mean())
     assert expected > 0
     assert held_out_accuracy(draft, data) == pytest.approx(expected)
+    f, hits = data.features[rows].astype(np.float32), 0  # the second guess of a round from each row i:
+    for i in range(len(rows) - 1):  # a cache of rows 0..i, then the draft's own feature of row i
+        cache = draft.new_cache(len(rows))
+        f_hat, _ = draft.step(f[: i + 1], x1[: i + 1], cache)
+        _, logits = draft.step(f_hat[i:], x1[i + 1 : i + 2], cache)
+        hits += int(to_numpy(logits).argmax() == y[i + 1])
+    assert held_out_accuracy(draft, data, step=2) == pytest.approx(hits / (len(rows) - 1))
 
 
 @USES

@@ -35,6 +35,7 @@ from .options import add_weights_option, nonnegative_count, nonnegative_float
 
 COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
 PROMPT_SOURCES = {"templates": training_prompts, "stdlib": stdlib_prompts, "texts": stdlib_texts}
+AHEAD_STEPS = (1, 2, 3)  # eagle-train --ahead: each step costs one more pass of the draft per window
 FIXED_TEXT_TOKENS = 1  # --source texts: the answer is fixed text, read teacher-forced; one token of the target's own
 
 
@@ -82,9 +83,12 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=nonnegative_count, default=EAGLE_TRAIN.batch_size,
                    help="windows of 128 positions per step")
     p.add_argument("--lr", type=nonnegative_float, default=EAGLE_TRAIN.lr, help="peak learning rate")
-    p.add_argument("--parts", type=nonnegative_count, default=None,
-                   help="read only the first N data parts of each folder (answers are written by temperature: "
-                   "greedy first)")
+    p.add_argument("--parts", type=nonnegative_count, nargs="+", default=None, metavar="N",
+                   help="read only the first N data parts of each folder, or of each in turn with one N per folder "
+                   "(answers are written by temperature: greedy first)")
+    p.add_argument("--ahead", type=int, choices=AHEAD_STEPS, default=1,
+                   help="steps of EAGLE-3's training-time test: 2 or more also trains the draft on its own "
+                   "features, as its later guesses of a round read them (default 1: EAGLE's teacher forcing)")
     p.add_argument("--train-tokens", type=nonnegative_count, default=None,
                    help="train on the first N positions only (a data-scaling curve)")
     p.add_argument("--resume", action="store_true", help="continue from <out>.eagle-train.npz")
@@ -105,7 +109,7 @@ def run_train(args) -> int:
     draft = EagleDraft.init(model, subset)
     pairs = DraftData(data, draft, args.train_tokens)
     tc = replace(EAGLE_TRAIN, max_steps=args.steps, batch_size=args.batch_size, lr=args.lr, min_lr=args.lr / 10)
-    history = train_draft(draft, pairs, tc, state_path, args.resume, progress=not args.quiet)
+    history = train_draft(draft, pairs, tc, state_path, args.resume, progress=not args.quiet, ahead=args.ahead)
     rounded = EagleDraft(model, {k: to_numpy(v).astype(np.float16) for k, v in draft.params.items()}, subset)
     notes = {
         "model": str(args.model), "gguf_sha256": SMOLLM2_SHA256 if str(args.model) == SMOLLM2 else None,
@@ -113,6 +117,7 @@ def run_train(args) -> int:
         "data_parts": data["parts"], "answers": len(data["sequences"]),
         "train_positions": int(len(pairs.train[0])), "held_out_positions": int(len(pairs.held[0])),
         "held_out_top1": round(held_out_accuracy(rounded, pairs), 4),  # as shipped: float16 weights
+        "held_out_second_guess": round(held_out_accuracy(rounded, pairs, step=2), 4), "ahead": args.ahead,
         "train_time_s": history[-1]["elapsed_s"], "total_time_s": round(time.perf_counter() - t_start, 1),
         "train_config": asdict(tc), "loss_first": history[0]["loss"], "loss_last": history[-1]["loss"],
         "history": history[:: max(1, len(history) // 100)] + history[-1:],  # the curve, about 100 points
