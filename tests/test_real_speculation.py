@@ -23,12 +23,15 @@ def test_interpolate_and_the_cost_model():
     assert rs.interpolate(costs, 3) == pytest.approx(1.4)
     assert rs.interpolate(costs, 9) == 1.6 and rs.interpolate(costs, 0.5) == 1.0
     cell = rs.Cell(accepted=20, checked=25, rounds=10, new_tokens=30, target_calls=10, verified=30, draft_s=0.1,
-                   ratios=[1.5, 1.7, 1.6])
+                   draft_calls=40, ratios=[1.5, 1.7, 1.6])
     (row,) = rs.rows_of({("eagle-chain", "chat", 0.0): cell}, t_step=0.05, costs=costs)
     # tau = (20 + 10) / 10 = 3; n = 1 + 30 / 10 = 4 -> v 1.6; c = 0.1 / 10 / 0.05 = 0.2 -> 3 / 1.8
     assert row["tau"] == 3.0 and row["v_n"] == 1.6 and row["draft_c"] == 0.2
     assert row["predicted_speedup"] == pytest.approx(3 / 1.8, abs=0.01) and row["speedup"] == 1.6
     assert row["alpha"] == 0.8
+    assert row["c_per_forward"] == pytest.approx(0.1 / 40 / 0.05)  # a draft forward against a target step
+    no_draft = rs.Cell(rounds=1, target_calls=1, draft_s=0.1, ratios=[1.0])
+    assert rs.rows_of({("lookup", "chat", 0.0): no_draft}, t_step=0.05, costs=costs)[0]["c_per_forward"] is None
 
 
 @USES
@@ -40,6 +43,7 @@ def test_a_method_that_changes_the_greedy_output_is_refused(monkeypatch):
     ids = [1, 2, 3, 4, 1, 2]
     rs.run_prompt(model, ids, ARGS, list(proposers), proposers, 0.0, cells, "chat", seed=0)
     assert all(c.identical and len(c.ratios) == 1 and c.rounds > 0 for c in cells.values())
+    assert cells[("eagle-chain", "chat", 0.0)].draft_calls >= cells[("eagle-chain", "chat", 0.0)].rounds
     real = rs.tree_generate
 
     def off_by_one(*args, **kwargs):

@@ -22,7 +22,9 @@ method's speed-up for a kind is the median over its prompts of (plain seconds / 
 The cost model beside it: one round costs a verify of n tokens, v(n) decode steps (measured here as
 ``measure.step_time`` ratios at the workload's context), plus the draft's time, c decode steps (the
 proposer's measured seconds per round over a decode step's); a round emits tau tokens, so
-predicted = tau / (v(n) + c).
+predicted = tau / (v(n) + c). ``c_per_forward`` divides the draft's seconds by its forward passes instead
+(a chain of K tokens: one forward over the positions the target kept, then K - 1 single steps): the cost
+of one draft token against one target step.
 """
 
 from __future__ import annotations
@@ -72,10 +74,11 @@ class Cell:
     target_calls: int = 0
     verified: int = 0
     draft_s: float = 0.0
+    draft_calls: int = 0
     identical: bool = True
     ratios: list = field(default_factory=list)
 
-    def add(self, stats, draft_s: float) -> None:
+    def add(self, stats, draft_s: float, draft_calls: int) -> None:
         self.accepted += stats.accepted
         self.checked += stats.checked
         self.rounds += stats.rounds
@@ -83,6 +86,7 @@ class Cell:
         self.target_calls += stats.target_calls
         self.verified += stats.verified
         self.draft_s += draft_s
+        self.draft_calls += draft_calls
 
 
 def verify_costs(model, context: int, ns) -> tuple[float, dict]:
@@ -111,12 +115,14 @@ def run_prompt(model, ids, args, methods, proposers, temperature, cells, kind, s
         def spec(w=wrapped):
             return tree_generate(model, ids, args.max_new_tokens, w, temperature=temperature, seed=seed)
 
+        calls = getattr(proposers[method], "draft_calls", 0)  # a draft's forwards (a proposer that has one)
         result = spec()
+        calls = getattr(proposers[method], "draft_calls", 0) - calls
         cell = cells[(method, kind, temperature)]
         if temperature == 0 and result.tokens != reference.tokens:
             cell.identical = False
             raise BenchmarkError(f"{method}: greedy output differs from plain decoding on a {kind} prompt")
-        cell.add(result.stats, wrapped.seconds)
+        cell.add(result.stats, wrapped.seconds, calls)
         plain_s, spec_s = [], []
         for _ in range(args.repeat):
             plain_s.append(timed(plain)[0])
@@ -136,6 +142,7 @@ def rows_of(cells: dict, t_step: float, costs: dict) -> list[dict]:
                      "alpha": round(c.accepted / c.checked, 3) if c.checked else None, "tau": round(tau, 2),
                      "tokens_per_call": round(c.new_tokens / c.target_calls, 2),
                      "verify_n": round(n, 1), "v_n": round(v, 2), "draft_c": round(draft_c, 2),
+                     "c_per_forward": round(c.draft_s / c.draft_calls / t_step, 3) if c.draft_calls else None,
                      "predicted_speedup": round(tau / (v + draft_c), 2),
                      "speedup": round(statistics.median(c.ratios), 2), "prompts": len(c.ratios)})
     return rows
@@ -190,7 +197,8 @@ def main(argv=None) -> int:
         print(f"  prompt {i + 1}/{len(encoded)} ({kind}) done", flush=True)
     rows = rows_of(cells, t_step, costs)
     print(format_table(rows, ["method", "kind", "temperature", "identical", "alpha", "tau", "tokens_per_call",
-                              "verify_n", "v_n", "draft_c", "predicted_speedup", "speedup", "prompts"]))
+                              "verify_n", "v_n", "draft_c", "c_per_forward", "predicted_speedup", "speedup",
+                              "prompts"]))
     if args.json:
         keys = ("method", "kind", "temperature", "identical", "alpha", "tau", "tokens_per_call", "predicted_speedup",
                 "speedup")
