@@ -310,3 +310,7 @@ def test_eagle_train_resume_never_replaces_the_output(tmp_path):
     with pytest.raises(CheckpointError, match="unknown model 'no-such-model'"):  # past the check
         run_train(p.parse_args([*argv, "--overwrite"]))
     assert precious.read_bytes() == b"mine"
+    parsed = p.parse_args([*argv, "--parts", "3", "4", "--ahead", "2"])  # one part count per folder
+    assert parsed.parts == [3, 4] and parsed.ahead == 2
+    with pytest.raises(SystemExit):
+        p.parse_args([*argv, "--ahead", "9"])

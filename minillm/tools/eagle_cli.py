@@ -1,7 +1,8 @@
 """``python -m minillm eagle-data`` and ``eagle-train``: the EAGLE draft's training text, then the draft.
 
     python -m minillm eagle-data --out DIR [--prompts 1200] [--source templates|stdlib|texts] [--resume]
-    python -m minillm eagle-train --data DIR [DIR ...] --out eagle.npz [--vocab 4096] [--steps 1500] [--resume]
+    python -m minillm eagle-train --data DIR [DIR ...] --out eagle.npz [--vocab 4096] [--steps 1500] [--ahead 2]
+                                  [--resume]
 
 Both run for minutes to an hour on a laptop CPU; both write atomically as they go (data: one part
 file per batch of answers; training: a state file every 100 steps), so ``--resume`` continues a
