@@ -29,13 +29,21 @@ next tokens up to the end of the list; when the cache holds them all, the last l
                      feeds p0..o1 again (recompute) and samples o2 with the same generator: the tokens
                      already emitted are never sampled again, so it produces exactly what it would have.
 
+Speculation for a lone request (``speculate=True``): when one greedy request is running and none is
+waiting, a step feeds its last token and up to ``MAX_DRAFT`` tokens prompt lookup copies from earlier
+in its text (chapter 9's ``ngram_lookup``), takes the target's greedy walk over them
+(``verify_tree_greedy``) and truncates the cache past the last accepted one: several tokens from one
+forward, and exactly the tokens plain steps give. With a second request the batch is back to one
+token each (a batch's forward already shares the weights' pass; chapter 7).
+
 Chunked prefill (Sarathi-Serve, Agrawal et al., OSDI 2024): a long prompt fed in one step makes every
 running request wait for that whole prefill (a long gap between two of their tokens); fed C tokens
 at a time, each chunk rides along with the decodes.
 
 The pool is made, and the prefix-block cache and the sampler are reached, through the functions of
-the section "touch points" below. The engine changes the pool (chapter 6) itself with four calls:
-``add_sequence`` and ``reserve`` in ``_admit``, ``reserve`` in ``_reserve``, ``free`` in ``release``;
+the section "touch points" below. The engine changes the pool (chapter 6) itself with five calls:
+``add_sequence`` and ``reserve`` in ``_admit``, ``reserve`` in ``_reserve``, ``free`` in ``release``,
+``truncate`` in ``_speculative_step``;
 it also reads the pool's sizes and hands it to ``forward_ragged``. Every block a request holds goes
 back through ``release``: when it finishes, is preempted or is aborted.
 """
@@ -49,12 +57,14 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from .backend import synchronize
+from .backend import synchronize, to_numpy
 from .batch_speculative import forward_ragged, last_logits
 from .config import check_count, is_int
+from .draft_free import MAX_DRAFT, MAX_NGRAM, ngram_lookup
 from .paged_kv import OutOfBlocksError, PagedKVCache, num_blocks_for
 from .prefix_blocks import PrefixBlockCache
 from .sampling import SamplingSettings, next_tokens
+from .token_tree import TokenTree, verify_tree_greedy
 from .tokenizer import check_ids
 
 # --- touch points: the paged cache and the sampler -------------------------------------------------
@@ -282,7 +292,8 @@ class Engine:
 
     ``max_num_batched_tokens``: tokens (prefill + decode) in one forward; ``max_num_seqs``: requests
     running at once; ``chunk_size``: the most prompt tokens a request feeds in one step (None: a
-    prompt is prefilled in one step, so it must fit the token budget).
+    prompt is prefilled in one step, so it must fit the token budget); ``speculate``: a lone greedy
+    request decodes by prompt lookup (``_speculative_step``).
     """
 
     def __init__(
@@ -295,6 +306,7 @@ class Engine:
         chunk_size: int | None = None,
         prefix_caching: bool = False,
         clock=None,
+        speculate: bool = False,
     ):
         for name, value in [
             ("num_blocks", num_blocks),
@@ -311,6 +323,7 @@ class Engine:
         self.max_num_batched_tokens, self.max_num_seqs = int(max_num_batched_tokens), int(max_num_seqs)
         self.chunk_size = None if chunk_size is None else int(chunk_size)
         self.clock = RealClock() if clock is None else clock
+        self.speculate = bool(speculate)
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []  # in admission order: the newest last
         self.finished: dict[int, RequestState] = {}
@@ -448,7 +461,14 @@ class Engine:
 
     # -- one step: (a) schedule, (b) forward, (c) sample, (d) retire --
     def step(self) -> dict:
-        """Run one iteration -> {request id: [new tokens]} (at most one each; {} when nothing ran)."""
+        """Run one iteration -> {request id: [new tokens]} (one each; several for a lone request that
+        speculates; {} when nothing ran)."""
+        lone = self.running[0] if self.speculate and len(self.running) == 1 and not self.waiting else None
+        if lone is not None and lone.num_pending == 1 and lone.request.settings.greedy:
+            room = lone.request.max_new_tokens - len(lone.output) - 1  # its last token is the target's own
+            drafts = ngram_lookup(lone.tokens, MAX_NGRAM, MAX_DRAFT)[:room]
+            if drafts:
+                return self._speculative_step(lone, drafts)
         scheduled, preempted = self.schedule()
         if not scheduled:
             if self.has_unfinished:
@@ -474,6 +494,29 @@ class Engine:
             for state, token in zip(states, sample_next(states, last_logits([logits for _, logits in sampling]))):
                 state.tokens.append(token)
                 new[state.id] = [token]
+        return self._record(batch, scheduled, preempted, prefill, len(batch) * max(len(f) for f in feeds), new)
+
+    def _speculative_step(self, state: RequestState, drafts: list) -> dict:
+        """One forward over the request's last token and ``drafts``; the target's greedy walk keeps the drafts
+        it agrees with and adds its own next token; the cache is truncated past the last kept one."""
+        feed = [state.tokens[-1], *drafts]
+        preempted = []
+        if not self._reserve(state, len(feed), preempted):  # (it fits alone: check_fits)
+            return self._record([], {}, preempted, 0, 0, {})
+        (logits,) = forward_ragged(self.model, self.pool, [state.seq_id], [feed])
+        emitted, path = verify_tree_greedy(TokenTree.chain(feed[0], drafts), to_numpy(logits))
+        state.num_computed += len(path)  # the fed token and the accepted drafts; the rest is dropped
+        self.pool.truncate(state.seq_id, state.num_computed)
+        new = []
+        for token in emitted:  # one at a time: a stop, the eos id or max_new_tokens may end it early
+            state.tokens.append(token)
+            new.append(token)
+            if finish_reason(state.request, state.output) is not None:
+                break
+        return self._record([state], {state.id: len(feed)}, preempted, 0, len(feed), {state.id: new})
+
+    def _record(self, batch, scheduled, preempted, prefill, padded_slots, new) -> dict:
+        """(d): time the step, retire the requests it finished, keep its ``StepRecord`` -> new."""
         record = StepRecord(
             time_s=0.0,
             scheduled=scheduled,
@@ -482,13 +525,13 @@ class Engine:
             num_waiting=len(self.waiting),
             blocks_used=0,
             preempted=preempted,
-            padded_slots=len(batch) * max(len(f) for f in feeds),
+            padded_slots=padded_slots,
         )
         self.clock.advance(record.padded_slots)
         record.time_s = self.clock.now()
         for state in batch:
             if state.id in new:
-                state.metrics.token_times_s.append(record.time_s)
+                state.metrics.token_times_s += [record.time_s] * len(new[state.id])
                 state.finish_reason = finish_reason(state.request, state.output)
                 if state.finished:  # (d) retire: its blocks go back to the pool
                     self.release(state)

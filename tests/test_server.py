@@ -151,6 +151,31 @@ def test_greedy_completions_equal_offline_generate_streamed_or_not(target, serve
 
 
 @USES
+@pytest.mark.uses_exercise("6.3", "9.2", "9.3")
+def test_a_server_that_speculates_answers_as_offline_generate(target, monkeypatch):
+    """``serve --speculate``: a lone greedy request's answer, streamed or not, is offline generate's, and
+    its steps did speculate."""
+    model, tok = target
+    rounds = []
+    real = Engine._speculative_step
+    monkeypatch.setattr(Engine, "_speculative_step", lambda self, *a: rounds.append(a[1]) or real(self, *a))
+    engine = Engine(model, num_blocks=64, page_size=16, max_num_seqs=4, max_num_batched_tokens=256, chunk_size=64,
+                    prefix_caching=True, speculate=True)
+    server = Server("target", model, tok, engine)
+    with running(server) as url:
+        c = client(url)
+        for prompt in ["ROMEO:\nO Romeo, Romeo, Romeo, Romeo", PROMPTS[1]]:
+            want = offline(model, tok, prompt, 32, temperature=0.0)
+            r = c.completions.create(model="target", prompt=prompt, max_tokens=32, temperature=0)
+            assert r.choices[0].text == want and r.usage.completion_tokens == 32
+            parts = [ch.choices[0].text for ch in c.completions.create(model="target", prompt=prompt, max_tokens=32,
+                                                                      temperature=0, stream=True)]
+            assert "".join(parts) == want
+        pool_is_clean(server)
+    assert rounds, "no step speculated"
+
+
+@USES
 def test_a_seed_reproduces_a_sampled_answer_and_top_p_is_the_engines(target, served):
     model, tok = target
     c = client(served[1])

@@ -8,6 +8,8 @@ What the tests prove, group by group:
                              sampled; with and without chunking; with preemptions forced by a tiny
                              pool; with prefix caching); the pool is consistent after every step and
                              empty at the end; the budgets hold; FCFS; the newest request is the victim
+    test_speculate_*         a lone greedy request decodes by prompt lookup: the same tokens as solo
+                             ``generate``, fewer forwards, one token each again beside a second request
     test_request_*, test_engine_*  bad input: clear errors, nothing disturbed
     test_trace_*             the arrival trace, its CSV file format and its bad rows
     test_bench_*             the benchmark's static baseline and its metrics
@@ -62,7 +64,7 @@ def run_checked(engine: Engine, requests, arrive_at=None) -> tuple[list, dict]:
                 handles[i] = engine.add_request(r)
                 streamed[handles[i].id] = []
         for rid, tokens in engine.step().items():
-            assert len(tokens) == 1
+            assert len(tokens) == 1 or engine.speculate and list(engine.history[-1].scheduled) == [rid]  # alone
             streamed[rid] += tokens
         engine.pool.check()
         step += 1
@@ -230,6 +232,74 @@ def test_serve_sampled_equals_solo_with_the_same_seed(shape, chunk, seed):
     handles, streamed = run_checked(engine, requests, arrive_at)
     for h, r in zip(handles, requests):
         assert h.output == solo(r) == streamed[h.id]
+
+
+@pytest.mark.exercise("10.1", "10.2", "10.3")
+@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "6.3", "7.1", "9.2", "9.3")
+@settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
+@given(shape=TRACE, chunk=st.sampled_from([None, 3]), num_blocks=st.sampled_from([8, 64]),
+       prefix=st.booleans(), seed=st.integers(0, 100))
+def test_speculate_random_traces_equal_solo(shape, chunk, num_blocks, prefix, seed):
+    """With speculation on, greedy: every request's tokens still equal ``generate`` alone (lone requests
+    speculate, crowded ones do not, preemptions and prefix caching as they come); the pool is consistent
+    after every step and empty at the end."""
+    requests, arrive_at = make_requests(shape, seed, shared_prefix=prefix)
+    engine = Engine(MODEL, num_blocks=num_blocks, page_size=BS, max_num_batched_tokens=24, max_num_seqs=3,
+                    chunk_size=chunk, prefix_caching=prefix, clock=SimulatedClock(), speculate=True)
+    handles, streamed = run_checked(engine, requests, arrive_at)
+    for h, r in zip(handles, requests):
+        assert h.output == solo(r) == streamed[h.id]
+
+
+REPEATING = Request((2, 11, 2, 2, 11, 2, 2, 11, 2), 10, temperature=0)  # lookup drafts, some rejected
+
+
+@pytest.mark.exercise("10.1")
+@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "6.3", "7.1", "9.2", "9.3")
+def test_speculate_a_lone_request_takes_fewer_forwards_and_stops_where_solo_does():
+    """A prompt that repeats itself: the lone request emits several tokens a step, exactly solo's, and
+    never more than max_new_tokens; an eos id inside the accepted drafts ends it there."""
+    reference = solo(REPEATING)
+    engine = Engine(MODEL, num_blocks=32, page_size=BS, clock=SimulatedClock(), speculate=True)
+    (h,), streamed = run_checked(engine, [REPEATING])
+    assert h.output == reference == streamed[h.id] and h.finish_reason == "length"
+    decode_steps = [r for r in engine.history if r.prefill_tokens == 0]
+    assert len(decode_steps) < len(reference) - 1, "no step emitted more than one token"
+    assert max(max(r.scheduled.values()) for r in decode_steps) > 1
+    eos = Request(REPEATING.prompt, 10, temperature=0, eos_id=reference[3])
+    (h,), _ = run_checked(Engine(MODEL, num_blocks=32, page_size=BS, clock=SimulatedClock(), speculate=True), [eos])
+    assert h.output == solo(eos) and h.finish_reason == "eos"
+
+
+@pytest.mark.exercise("10.1")
+@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "6.3", "7.1", "9.2", "9.3")
+def test_speculate_only_alone_and_only_greedy():
+    """Beside a second running request, or sampled, every step feeds one token per request (a batch shares
+    the weights' pass already; a sampled request keeps ``generate``'s draws for its seed)."""
+    second = Request((7, 8, 9), 12, temperature=0)
+    sampled = Request(REPEATING.prompt, 12, temperature=1.0, seed=3)
+    engine = Engine(MODEL, num_blocks=64, page_size=BS, max_num_seqs=4, clock=SimulatedClock(), speculate=True)
+    handles, _ = run_checked(engine, [REPEATING, second, sampled])
+    assert [h.output for h in handles] == [solo(REPEATING), solo(second), solo(sampled)]
+    together = [r for r in engine.history if len(r.scheduled) > 1]
+    assert together and all(max(r.scheduled.values()) == 1 for r in together if r.prefill_tokens == 0)
+    engine = Engine(MODEL, num_blocks=64, page_size=BS, clock=SimulatedClock(), speculate=True)
+    (h,), _ = run_checked(engine, [sampled])
+    assert h.output == solo(sampled) and all(max(r.scheduled.values()) == 1 for r in engine.history[1:])
+
+
+@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "6.3", "7.1", "9.2", "9.3")
+def test_speculate_the_check_catches_a_cache_not_truncated(monkeypatch):
+    """The classic mistake: the rejected drafts' keys and values stay in the cache; the tokens after
+    the first rejection are then not solo's."""
+    monkeypatch.setattr(serving.PagedKVCache, "truncate", lambda self, seq_id, n: None)
+    engine = Engine(MODEL, num_blocks=32, page_size=BS, clock=SimulatedClock(), speculate=True)
+    engine.add_request(REPEATING)
+    steps = 0
+    while engine.has_unfinished and steps < 100:
+        engine.step()
+        steps += 1
+    assert engine.finished[0].output != solo(REPEATING)
 
 
 def crowded(temperature):
@@ -615,6 +685,15 @@ def test_trace_rows_fit_a_context():
 
 
 @pytest.mark.uses_exercise("3.1", "3.3", "6.1", "7.1")
+@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "6.3", "7.1", "9.2", "9.3", "10.1", "10.2")
+def test_bench_serve_speculation_runs_a_request_alone_both_ways():
+    from minillm.tools.benchmarks.serve_speculation import run_alone
+
+    plain, plain_steps = run_alone(MODEL, list(REPEATING.prompt), 10, speculate=False)
+    spec, spec_steps = run_alone(MODEL, list(REPEATING.prompt), 10, speculate=True)
+    assert plain == spec == solo(REPEATING) and plain_steps == 9 and spec_steps < plain_steps
+
+
 def test_bench_static_baseline_waits_for_full_batches_and_the_slowest_member():
     """Static batching on a simulated clock: a batch starts when its last member has arrived, every
     member gets its tokens (those of ``generate`` alone) when the batch's slowest member is done, and

@@ -729,7 +729,7 @@ def make_server(args, loader=load_model) -> Server:
     check_kv_pool(model.config, num_blocks, args.page_size)  # before the engine builds and zeroes the pool
     engine = Engine(model, num_blocks=num_blocks, page_size=args.page_size, max_num_seqs=args.max_num_seqs,
                     max_num_batched_tokens=args.max_num_batched_tokens, chunk_size=args.chunk_size,
-                    prefix_caching=not args.no_prefix_caching)
+                    prefix_caching=not args.no_prefix_caching, speculate=args.speculate)
     return Server(args.model, model, tokenizer, engine, max_queue=args.max_queue,
                   default_max_tokens=args.default_max_tokens)
 
@@ -751,6 +751,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default-max-tokens", type=positive_int, default=256,
                    help="max_tokens of a request that gives none (default 256)")
     p.add_argument("--no-prefix-caching", action="store_true", help="turn the prefix cache off")
+    p.add_argument("--speculate", action="store_true",
+                   help="a greedy request running alone decodes by prompt lookup: several tokens a step where its "
+                   "text repeats itself, the same tokens as without")
     p.add_argument("--shutdown-timeout", type=positive_int, default=5,
                    help="seconds to wait for open requests on SIGINT/SIGTERM (default 5)")
     p.add_argument("--exit-with-parent", action="store_true",

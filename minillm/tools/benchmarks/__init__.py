@@ -25,6 +25,7 @@ TOPICS = {
     "real-speculation": "minillm.tools.benchmarks.real_speculation",
     "device-calls": "minillm.tools.benchmarks.device_calls",
     "serve-load": "minillm.tools.benchmarks.serve_load",
+    "serve-speculation": "minillm.tools.benchmarks.serve_speculation",
     "quantized": "minillm.tools.benchmarks.quantized",
     "quant-quality": "minillm.tools.benchmarks.quant_quality",
     "chat-speculation": "minillm.tools.benchmarks.chat_speculation",
