@@ -30,7 +30,6 @@ of one draft token against one target step.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 from dataclasses import dataclass, field
 
@@ -45,7 +44,7 @@ from ...registry import SMOLLM2, load_model
 from ...token_tree import tree_generate
 from ...workloads import KINDS, WORKLOADS, read_prompts
 from ..options import add_weights_option, count, float_in, int_in, list_of
-from .common import BenchmarkError, parse_args
+from .common import BenchmarkError, add_json_arg, parse_args, write_json
 
 METHODS = ("eagle-chain", "eagle-tree", "lookup", "layer-skip", "medusa")
 TEMPERATURES = (0.0, 0.7, 1.0)
@@ -154,7 +153,7 @@ def main(argv=None) -> int:
     parser.add_argument("--prompts", metavar="FILE.jsonl", default=None,
                         help='one {"prompt": "...", "kind": "chat|code|grounded"} per line '
                         "(default: the built-in workloads)")
-    parser.add_argument("--json", metavar="OUT", default=None, help="also write the rows as a JSON list")
+    add_json_arg(parser, "also write the rows as a JSON list")
     parser.add_argument("--methods", type=list_of(str), default=list(METHODS),
                         help=f"comma-separated, from {', '.join(METHODS)} (default all)")
     parser.add_argument("--kinds", type=list_of(str), default=list(KINDS), help="comma-separated workload kinds")
@@ -202,7 +201,5 @@ def main(argv=None) -> int:
     if args.json:
         keys = ("method", "kind", "temperature", "identical", "alpha", "tau", "tokens_per_call", "predicted_speedup",
                 "speedup")
-        with open(args.json, "w") as f:
-            json.dump([{k: r[k] for k in keys} for r in rows], f, indent=1)
-        print(f"rows written to {args.json}")
+        write_json(args.json, [{k: r[k] for k in keys} for r in rows])
     return 0
