@@ -234,8 +234,7 @@ def test_serve_sampled_equals_solo_with_the_same_seed(shape, chunk, seed):
         assert h.output == solo(r) == streamed[h.id]
 
 
-@pytest.mark.exercise("10.1", "10.2", "10.3")
-@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "6.3", "7.1", "9.2", "9.3")
+@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "6.3", "7.1", "9.2", "9.3", "10.1", "10.2", "10.3")
 @settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
 @given(shape=TRACE, chunk=st.sampled_from([None, 3]), num_blocks=st.sampled_from([8, 64]),
        prefix=st.booleans(), seed=st.integers(0, 100))
@@ -254,8 +253,7 @@ def test_speculate_random_traces_equal_solo(shape, chunk, num_blocks, prefix, se
 REPEATING = Request((2, 11, 2, 2, 11, 2, 2, 11, 2), 10, temperature=0)  # lookup drafts, some rejected
 
 
-@pytest.mark.exercise("10.1")
-@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "6.3", "7.1", "9.2", "9.3")
+@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "6.3", "7.1", "9.2", "9.3", "10.1", "10.2", "10.3")
 def test_speculate_a_lone_request_takes_fewer_forwards_and_stops_where_solo_does():
     """A prompt that repeats itself: the lone request emits several tokens a step, exactly solo's, and
     never more than max_new_tokens; an eos id inside the accepted drafts ends it there."""
@@ -271,8 +269,7 @@ def test_speculate_a_lone_request_takes_fewer_forwards_and_stops_where_solo_does
     assert h.output == solo(eos) and h.finish_reason == "eos"
 
 
-@pytest.mark.exercise("10.1")
-@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "6.3", "7.1", "9.2", "9.3")
+@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "6.3", "7.1", "9.2", "9.3", "10.1", "10.2", "10.3")
 def test_speculate_only_alone_and_only_greedy():
     """Beside a second running request, or sampled, every step feeds one token per request (a batch shares
     the weights' pass already; a sampled request keeps ``generate``'s draws for its seed)."""
@@ -288,7 +285,7 @@ def test_speculate_only_alone_and_only_greedy():
     assert h.output == solo(sampled) and all(max(r.scheduled.values()) == 1 for r in engine.history[1:])
 
 
-@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "6.3", "7.1", "9.2", "9.3")
+@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "6.3", "7.1", "9.2", "9.3", "10.1", "10.2", "10.3")
 def test_speculate_the_check_catches_a_cache_not_truncated(monkeypatch):
     """The classic mistake: the rejected drafts' keys and values stay in the cache; the tokens after
     the first rejection are then not solo's."""
@@ -685,7 +682,7 @@ def test_trace_rows_fit_a_context():
 
 
 @pytest.mark.uses_exercise("3.1", "3.3", "6.1", "7.1")
-@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "6.3", "7.1", "9.2", "9.3", "10.1", "10.2")
+@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "6.3", "7.1", "9.2", "9.3", "10.1", "10.2", "10.3")
 def test_bench_serve_speculation_runs_a_request_alone_both_ways():
     from minillm.tools.benchmarks.serve_speculation import run_alone
 
