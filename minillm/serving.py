@@ -33,8 +33,10 @@ Speculation for a lone request (``speculate=True``): when one greedy request is 
 waiting, a step feeds its last token and up to ``MAX_DRAFT`` tokens prompt lookup copies from earlier
 in its text (chapter 9's ``ngram_lookup``), takes the target's greedy walk over them
 (``verify_tree_greedy``) and truncates the cache past the last accepted one: several tokens from one
-forward, and exactly the tokens plain steps give. With a second request the batch is back to one
-token each (a batch's forward already shares the weights' pass; chapter 7).
+forward, and exactly the tokens plain steps give. A verify of 11 tokens costs several decode steps on
+a CPU, so the engine times its lone steps both ways on its clock (``LoneTimer``) and speculates only
+while that measures faster. With a second request the batch is back to one token each (a batch's
+forward already shares the weights' pass; chapter 7).
 
 Chunked prefill (Sarathi-Serve, Agrawal et al., OSDI 2024): a long prompt fed in one step makes every
 running request wait for that whole prefill (a long gap between two of their tokens); fed C tokens
@@ -255,6 +257,33 @@ class SimulatedClock:
 
 # --- the engine ------------------------------------------------------------------------------------
 
+LONE_TRIAL_TOKENS = 32  # tokens of a lone request's steps each way before the faster way is picked
+LONE_RETRY = 16  # then every 16th lone step goes the other way, so a change of workload is seen
+LONE_DECAY = 0.98  # the seconds and tokens behind each rate fade by this at every step of their way
+
+
+class LoneTimer:
+    """Seconds per token of a lone greedy request's decode steps, plain and speculating, on the engine's clock:
+    each way first runs ``LONE_TRIAL_TOKENS`` tokens, then the faster one runs, the other every ``LONE_RETRY``-th
+    step (the rates are decayed sums, so they follow the workload)."""
+
+    def __init__(self):
+        self.seconds, self.tokens, self.trial, self.steps = [0.0, 0.0], [0.0, 0.0], [0, 0], 0
+
+    def speculates(self) -> bool:
+        self.steps += 1
+        if min(self.trial) < LONE_TRIAL_TOKENS:
+            return self.trial[1] < LONE_TRIAL_TOKENS
+        faster = self.seconds[1] / self.tokens[1] < self.seconds[0] / self.tokens[0]
+        return faster != (self.steps % LONE_RETRY == 0)
+
+    def add(self, speculated: bool, seconds: float, tokens: int) -> None:
+        way = int(speculated)
+        self.seconds[way] = self.seconds[way] * LONE_DECAY + seconds
+        self.tokens[way] = self.tokens[way] * LONE_DECAY + tokens
+        self.trial[way] += tokens
+
+
 
 def prefill_chunk(num_pending: int, budget_left: int, chunk_size: int | None) -> int:
     """Tokens a request feeds this step: at most chunk_size, within the token budget; 0 = not now.
@@ -324,6 +353,7 @@ class Engine:
         self.chunk_size = None if chunk_size is None else int(chunk_size)
         self.clock = RealClock() if clock is None else clock
         self.speculate = bool(speculate)
+        self.lone_timer = LoneTimer()
         self.waiting: deque[RequestState] = deque()
         self.running: list[RequestState] = []  # in admission order: the newest last
         self.finished: dict[int, RequestState] = {}
@@ -464,11 +494,17 @@ class Engine:
         """Run one iteration -> {request id: [new tokens]} (one each; several for a lone request that
         speculates; {} when nothing ran)."""
         lone = self.running[0] if self.speculate and len(self.running) == 1 and not self.waiting else None
-        if lone is not None and lone.num_pending == 1 and lone.request.settings.greedy:
-            room = lone.request.max_new_tokens - len(lone.output) - 1  # its last token is the target's own
-            drafts = ngram_lookup(lone.tokens, MAX_NGRAM, MAX_DRAFT)[:room]
-            if drafts:
-                return self._speculative_step(lone, drafts)
+        if lone is None or lone.num_pending != 1 or not lone.request.settings.greedy:
+            return self._step()
+        t0 = self.clock.now()  # a lone decode step: timed, plain or speculating (``LoneTimer``)
+        room = lone.request.max_new_tokens - len(lone.output) - 1  # its last token is the target's own
+        drafts = ngram_lookup(lone.tokens, MAX_NGRAM, MAX_DRAFT)[:room] if self.lone_timer.speculates() else []
+        new = self._speculative_step(lone, drafts) if drafts else self._step()
+        self.lone_timer.add(bool(drafts), self.clock.now() - t0, len(new.get(lone.id, [])))
+        return new
+
+    def _step(self) -> dict:
+        """Passes (a) to (d) for every running request, one token each."""
         scheduled, preempted = self.schedule()
         if not scheduled:
             if self.has_unfinished:

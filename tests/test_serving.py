@@ -285,6 +285,33 @@ def test_speculate_only_alone_and_only_greedy():
     assert h.output == solo(sampled) and all(max(r.scheduled.values()) == 1 for r in engine.history[1:])
 
 
+@pytest.mark.parametrize("spec_s,expect_speculating", [(0.03, False), (0.015, True)])
+def test_speculate_lone_timer_tries_both_ways_then_keeps_the_faster(spec_s, expect_speculating):
+    """Speculating steps emit 2 tokens, plain steps 1 in 0.01 s: at 0.03 s a speculating step is slower per
+    token, at 0.015 s faster. Both ways run their trial tokens first; then the faster way runs and the
+    other one only every LONE_RETRY-th step."""
+    timer, ways = serving.LoneTimer(), []
+    for _ in range(400):
+        ways.append(timer.speculates())
+        timer.add(ways[-1], spec_s if ways[-1] else 0.01, 2 if ways[-1] else 1)
+    trial = serving.LONE_TRIAL_TOKENS
+    assert ways[: trial // 2] == [True] * (trial // 2) and ways[trial // 2 : trial // 2 + trial] == [False] * trial
+    later = ways[trial // 2 + trial :]
+    other = sum(w != expect_speculating for w in later)
+    assert 0 < other <= len(later) // serving.LONE_RETRY + 1
+
+
+@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "6.3", "7.1", "9.2", "9.3", "10.1", "10.2", "10.3")
+def test_speculate_an_engine_that_measured_plain_faster_takes_plain_steps():
+    engine = Engine(MODEL, num_blocks=32, page_size=BS, clock=SimulatedClock(), speculate=True)
+    for _ in range(200):  # what its clock measured: speculating steps slower per token
+        way = engine.lone_timer.speculates()
+        engine.lone_timer.add(way, 0.03 if way else 0.01, 2 if way else 1)
+    (h,), _ = run_checked(engine, [REPEATING])
+    assert h.output == solo(REPEATING)
+    assert sum(max(r.scheduled.values()) > 1 for r in engine.history if r.prefill_tokens == 0) <= 1  # a retry
+
+
 @pytest.mark.uses_exercise("3.1", "3.3", "6.1", "6.3", "7.1", "9.2", "9.3", "10.1", "10.2", "10.3")
 def test_speculate_the_check_catches_a_cache_not_truncated(monkeypatch):
     """The classic mistake: the rejected drafts' keys and values stay in the cache; the tokens after
@@ -684,11 +711,15 @@ def test_trace_rows_fit_a_context():
 @pytest.mark.uses_exercise("3.1", "3.3", "6.1", "7.1")
 @pytest.mark.uses_exercise("3.1", "3.3", "6.1", "6.3", "7.1", "9.2", "9.3", "10.1", "10.2", "10.3")
 def test_bench_serve_speculation_runs_a_request_alone_both_ways():
-    from minillm.tools.benchmarks.serve_speculation import run_alone
+    from minillm.tools.benchmarks.serve_speculation import new_engine, run_alone
 
-    plain, plain_steps = run_alone(MODEL, list(REPEATING.prompt), 10, speculate=False)
-    spec, spec_steps = run_alone(MODEL, list(REPEATING.prompt), 10, speculate=True)
-    assert plain == spec == solo(REPEATING) and plain_steps == 9 and spec_steps < plain_steps
+    plain, spec = new_engine(MODEL, 32, False), new_engine(MODEL, 32, True, always=True)
+    for _ in range(3):  # the engines are kept from request to request; --always speculates past the trial too
+        out, plain_steps = run_alone(plain, list(REPEATING.prompt), 10)
+        assert out == solo(REPEATING) and plain_steps == 9
+        out, spec_steps = run_alone(spec, list(REPEATING.prompt), 10)
+        assert out == solo(REPEATING) and spec_steps < plain_steps
+    assert not plain.running and not spec.finished
 
 
 def test_bench_static_baseline_waits_for_full_batches_and_the_slowest_member():
