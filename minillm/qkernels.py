@@ -83,6 +83,8 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from . import cpu_target
+from .cpu_target import host_features, host_vector
 from .quantize import BF16, F32, Q4_1, Q4_1_BYTES, Q8_0, Q8_0_BYTES, QK, QuantError
 
 P = 16  # output channels per panel: one 512-bit vector of float32 (two 256-bit ones with AVX2)
@@ -93,6 +95,7 @@ WEIGHT_REGISTERS = {"F32": 1, "BF16": 1, "Q8_0": 2, "Q4_1": 4}  # vectors a form
 # vector of outputs: the weight (F32, BF16), d and the weight (Q8_0), d, m and the two weights of a byte (Q4_1)
 PREFETCH_BYTES = 16384  # how far ahead of the loads the kernels ask for the weight's next bytes (docs/quantization.md)
 FASTMATH = {"nnan", "ninf", "nsz", "arcp", "contract", "afn"}  # fastmath without "reassoc" (docstring)
+cpu_target.full_width()  # 512-bit vectors on AVX-512, before the first numba function of the process
 jit = numba.njit(cache=True, fastmath=FASTMATH, nogil=True, boundscheck=False)
 inline = numba.njit(inline="always", fastmath=FASTMATH)
 
@@ -581,14 +584,6 @@ def q4_1_int8_kernel(xt, dm, qs, y, rows, chains, lanes):
 INT8_KERNELS = {"Q8_0": q8_0_int8_kernel, "Q4_1": q4_1_int8_kernel}
 
 
-@functools.cache
-def host_features() -> frozenset:
-    """The instruction-set extensions of this CPU as LLVM names them ({"avx2", "fma", ...})."""
-    import llvmlite.binding as llvm
-
-    return frozenset(f[1:] for f in llvm.get_host_cpu_features().flatten().split(",") if f.startswith("+"))
-
-
 def int8_isa() -> str | None:
     """The integer dot product the int8 kernels are built on here: "avx512vnni" (vpdpbusd), "avx2" (vpmaddubsw and
     vpmaddwd), or None (no int8 kernel for this CPU)."""
@@ -725,12 +720,6 @@ def compiled(fmt: str, rows: int, int8_x: bool = False):
             kernel = (INT8_KERNELS if int8_x else KERNELS)[fmt].compile(kernel_signature(fmt, rows))
         _COMPILED[fmt, rows, int8_x] = kernel
     return kernel
-
-
-def host_vector() -> tuple[int, int]:
-    """(float32 lanes of one vector register, vector registers) on this CPU: (16, 32) with AVX-512 (zmm),
-    (8, 16) with AVX2 (ymm)."""
-    return (16, 32) if "avx512f" in host_features() else (8, 16)
 
 
 @functools.cache

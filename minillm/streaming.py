@@ -32,9 +32,12 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+from . import cpu_target
+
 ROW_BLOCK = 4  # weight rows per pass: 4 sums share each load of x (rows), 4 multiply-adds each load of y (cols)
 TOKEN_BLOCK = 2  # token rows per pass of rows_kernel's 2-row loop (its main loop takes twice as many)
 
+cpu_target.full_width()  # 512-bit vectors on AVX-512, before the first numba function of the process
 f32 = numba.float32
 SIGNATURE = numba.void(f32[:, ::1], f32[:, ::1], f32[:, ::1])  # the one signature each kernel is compiled for
 jit = numba.njit(SIGNATURE, cache=True, fastmath=True, nogil=True, boundscheck=False)

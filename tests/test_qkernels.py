@@ -10,6 +10,9 @@ per block, integer products: not exact) has its own error bound.
 """
 
 import contextlib
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -160,6 +163,34 @@ def test_the_vector_check_catches_scalar_code(monkeypatch):
     monkeypatch.setattr(qkernels, "vector_compile", contextlib.nullcontext)
     counts = qkernels.vector_fma_count(qkernels.machine_code("F32", 1))
     assert counts["scalar"] > 0 and counts["zmm"] + counts["ymm"] == 0, counts
+
+
+needs_avx512 = pytest.mark.skipif(qkernels.host_vector()[0] != 16, reason="512-bit vectors need AVX-512")
+HALF_WIDTH = "import minillm.qkernels as q; print(q.vector_fma_count(q.machine_code('Q4_1', 16))['zmm'])"
+
+
+@needs_avx512
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_on_avx512_the_kernels_use_512_bit_vectors(fmt):
+    """kernel_shape lays a panel row out as one zmm: every FMA of the inner loop is a zmm one (LLVM's tuning for
+    Intel's AVX-512 CPUs would otherwise compile them at 256 bits), and the 16-row kernel's sums stay in the 32
+    registers."""
+    asm = qkernels.machine_code(fmt, 16)
+    assert all("%ymm" not in line for line in qkernels.inner_loop(asm) if "vfmadd" in line)
+    assert qkernels.vector_fma_count(asm)["zmm"] >= 16 and qkernels.stack_spills(asm) == 0
+
+
+@needs_avx512
+def test_the_width_check_catches_256_bit_code():
+    """Planted: a process whose numba compiles with LLVM's "prefer-256-bit" (the user's NUMBA_CPU_FEATURES wins
+    over cpu_target.full_width) gets no zmm FMA, which the test above rejects."""
+    from numba.core import codegen
+
+    from minillm import cpu_target
+
+    env = {**os.environ, "NUMBA_CPU_FEATURES": f"{codegen.get_host_cpu_features()},+{cpu_target.PREFER_256}"}
+    out = subprocess.run([sys.executable, "-c", HALF_WIDTH], env=env, capture_output=True, text=True, check=True)
+    assert int(out.stdout) == 0
 
 
 def test_row_tiles():
