@@ -322,3 +322,21 @@ def test_decode_benchmark_engines_load_what_they_name(monkeypatch):
     monkeypatch.setattr(registry, "load_model", lambda name, weights: (loads.append(weights) or Loaded(), None))
     engines = {e: quantized.MinillmEngine(e).model.activations for e in ("q", "q-int8", "fp32")}
     assert engines == {"q": "float32", "q-int8": "int8", "fp32": "float32"} and loads == ["q", "q", "fp32"]
+
+
+def test_decode_benchmark_says_when_an_engine_process_dies():
+    """An engine whose process dies in native code (llama.cpp on a CPU whose AMX tiles the machine does not grant)
+    is one line naming the engine and the exit code, not a traceback of the pipe."""
+    import multiprocessing
+
+    from minillm.tools.benchmarks import quantized
+    from minillm.tools.benchmarks.common import BenchmarkError
+
+    context = multiprocessing.get_context("spawn")
+    worker = object.__new__(quantized.Worker)
+    worker.engine, (worker.conn, child) = "llama.cpp", context.Pipe()
+    worker.process = context.Process(target=os._exit, args=(3,))
+    worker.process.start()
+    child.close()
+    with pytest.raises(BenchmarkError, match=r"^engine llama.cpp: its process died \(exit code 3\)$"):
+        worker.reply()

@@ -40,7 +40,6 @@ header names the CPU and the load average before and after.
 from __future__ import annotations
 
 import argparse
-import inspect
 import multiprocessing
 import os
 import platform
@@ -233,6 +232,25 @@ class MinillmEngine:
         return result.tokens, result.stats.ttft_s, result.stats.tpot_s
 
 
+def no_extra_buffers() -> None:
+    """Load llama.cpp models in this process without its extra buffer types (``use_extra_bufts``, a field of
+    the C struct that ``llama_cpp.Llama`` does not take as an argument): on a CPU with AMX they repack the
+    weights into AMX tiles, and on a virtual machine that does not grant the tiles to the process the first
+    evaluation dies of a segmentation fault. Without them llama.cpp multiplies with AVX-512 VNNI or AVX2."""
+    from llama_cpp import llama_cpp as lib
+
+    if "use_extra_bufts" not in dict(lib.llama_model_params._fields_):
+        return
+    defaults = lib.llama_model_default_params
+
+    def params():
+        p = defaults()
+        p.use_extra_bufts = False
+        return p
+
+    lib.llama_model_default_params = params  # read by llama_cpp.Llama when it loads the model
+
+
 class LlamaCppEngine:
     """The same file through llama.cpp (llama-cpp-python), one thread, greedy: argmax of its logits."""
 
@@ -241,10 +259,9 @@ class LlamaCppEngine:
 
         from ...registry import smollm2_path
 
-        options = {"n_threads": 1, "n_threads_batch": 1, "n_ctx": LLAMA_CPP_CONTEXT, "verbose": False}
-        if "use_extra_bufts" in inspect.signature(llama_cpp.Llama.__init__).parameters:
-            options["use_extra_bufts"] = False  # on a CPU with AMX the extra buffers repack weights
-        self.llm = llama_cpp.Llama(model_path=str(smollm2_path()), **options)
+        no_extra_buffers()
+        self.llm = llama_cpp.Llama(model_path=str(smollm2_path()), n_threads=1, n_threads_batch=1,
+                                   n_ctx=LLAMA_CPP_CONTEXT, verbose=False)
 
     def next_token(self) -> int:
         """argmax of the last evaluated token's logits (llama.cpp's own buffer, read in place)."""
@@ -289,7 +306,12 @@ class Worker:
         self.loaded = self.reply()["loaded"]
 
     def reply(self) -> dict:
-        message = self.conn.recv()
+        try:
+            message = self.conn.recv()
+        except EOFError:  # the process died without a word (a crash in native code)
+            self.process.join(5)
+            code = self.process.exitcode
+            raise BenchmarkError(f"engine {self.engine}: its process died (exit code {code})") from None
         if "error" in message:
             raise BenchmarkError(f"engine {self.engine}: {message['error']}")
         return message
