@@ -466,6 +466,21 @@ def test_grading_runs_nothing_of_the_submission_but_its_region_bodies(small_edit
     assert "2 refused or missing" in course.format_grades(list(grades.values()))
 
 
+CHEAT_TESTING = ("import functools\nimport numpy as np\n"
+                 "fake = type('T', (), {'assert_allclose': staticmethod(lambda *a, **k: None),\n"
+                 "                      'assert_array_equal': staticmethod(lambda *a, **k: None)})\n"
+                 "functools.update_wrapper(np, type('F', (), {'testing': fake}), assigned=(), updated=('__dict__',))\n"
+                 "return attention(q, k, v, causal=True)")
+
+
+def test_a_region_that_replaces_numpys_assertions_earns_nothing(small_edition, tmp_path):
+    """A wrong 3.1 (attending over the new keys only) whose body swaps np.testing for assertions that
+    pass everything, by functools.update_wrapper and a class made with type(): refused, not 8/8."""
+    sub = make_submission(small_edition, tmp_path / "sub", bodies={"3.1": CHEAT_TESTING})
+    [g] = course.grade(sub, manifest_path=small_edition / course.MANIFEST_JSON, exercises=["3.1"])
+    assert g.result.startswith("REFUSED (") and g.passed == 0, g
+
+
 def test_a_missing_file_an_empty_library_or_a_link_to_the_reference_earns_nothing(small_edition, tmp_path):
     """Grading reads a region from the submission's own file or not at all: minillm/kv_cache.py deleted,
     an empty minillm/, kv_cache.py or minillm/ itself a link to the reference: MISSING or REFUSED."""
@@ -576,6 +591,14 @@ REGION_SOURCE = ("import numpy as np\n\nTABLE = {}\n\n\nclass C:\n    def f(self
     ("return np._core", "uses np._core: a private name of another module"),
     ("import zipfile", "imports zipfile: a solution imports only numpy"),
     ("from ..tools import project", "imports tools: the interpreter or the process"),
+    ("import functools\nfunctools.update_wrapper(np, x)", "uses update_wrapper: attributes set on another object"),
+    ("from functools import wraps", "imports wraps: attributes set on another object"),
+    ("return np.ma.masked_all(3)", "uses ma: masked arrays, whose masked entries every comparison skips"),
+    ("from numpy import ma", "imports ma: masked arrays"),
+    ("class A(np.ndarray):\n    def all(self):\n        return True", "defines class A: a class made"),
+    ("return x.view(type('A', (np.ndarray,), {}))", "uses type(name, bases, namespace): a class made"),
+    ("t = type\nreturn t('A', (), {})", "uses type(name, bases, namespace): a class made"),
+    ("return {'__array_ufunc__': None}", "names __array_ufunc__: the interpreter's internals"),
     ("return (", "does not parse"),
 ])
 def test_a_region_body_that_reaches_outside_its_function_is_refused(body, why):
@@ -588,7 +611,8 @@ def test_a_region_body_that_reaches_outside_its_function_is_refused(body, why):
 def test_ordinary_solutions_and_every_reference_solution_are_accepted():
     [ex] = course.parse_markers(REGION_SOURCE, "m.py")
     body = ("from .kv_cache import KVCache\nimport math\nout = np.zeros(3)\nout[0] = math.sqrt(2)\n"
-            "self.length = len(out)\nx.shape = (-1,)\nreturn [r for r in out if r.__len__]")
+            "self.length = len(out)\nx.shape = (-1,)\nassert type(x) is np.ndarray, '__x__ of ' + 'ma'\n"
+            "return [r for r in out if r.__len__]")
     assert course.refused_in_body(REGION_SOURCE, ex, [f"        {line}\n" for line in body.splitlines()]) == ""
     for ex in course.find_exercises(ROOT):
         text = (ROOT / ex.file).read_text()

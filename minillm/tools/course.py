@@ -551,7 +551,9 @@ MAX_SOURCE_BYTES = 1_000_000  # a submission's source file, or a manifest, large
 # its place, and its grade says why: "REFUSED (imports pytest: the test machinery)". Refused too: an
 # import of a module outside REGION_IMPORTS, a dunder outside SAFE_DUNDERS, `global`/`nonlocal`, an
 # attribute assigned on anything but a parameter of the function (`np.allclose = ...`), an item
-# assigned into a module-level name, and a private name reached through a module (`np._core`).
+# assigned into a module-level name, a private name reached through a module (`np._core`), a class
+# made in the body (`class`, `type(name, bases, namespace)`: its methods would stand in for NumPy's),
+# and a string naming a dunder (`{"__array_ufunc__": ...}`, `updated=("__dict__",)`).
 REFUSED = {
     **dict.fromkeys(("pytest", "_pytest", "pluggy", "unittest", "hypothesis", "conftest", "testing", "test"),
                     "the test machinery"),
@@ -570,6 +572,8 @@ REFUSED = {
                      "locals", "vars", "getattr", "setattr", "delattr", "breakpoint", "input", "help",
                      "get_type_hints", "singledispatch", "singledispatchmethod"),
                     "code made or looked up at run time"),
+    **dict.fromkeys(("update_wrapper", "wraps"), "attributes set on another object"),
+    "ma": "masked arrays, whose masked entries every comparison skips",
 }
 REGION_IMPORTS = ("numpy", "math", "cmath", "itertools", "functools", "collections", "heapq", "bisect", "numbers",
                   "hashlib", "minillm")  # and the package's own modules (from .kv_cache import ...), not its tools
@@ -659,8 +663,16 @@ def refused_in_body(reference: str, ex: Exercise, body: list[str]) -> str:
     local = params | {n.id for n in ast.walk(function) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store)}
     inside = [n for n in ast.walk(function) if ex.begin < getattr(n, "lineno", 0) <= last]
     nested = {id(sub) for n in inside if isinstance(n, NESTED) for sub in ast.walk(n) if sub is not n}
+    type_of = {id(n.func) for n in inside if isinstance(n, ast.Call) and len(n.args) == 1 and not n.keywords
+               and not isinstance(n.args[0], ast.Starred)}  # type(x) asks; type(name, bases, namespace) makes
     for node in inside:
-        if isinstance(node, (ast.Import, ast.ImportFrom)):
+        if isinstance(node, ast.ClassDef):
+            why = f"defines class {node.name}: a class made in a solution stands in for other code"
+        elif isinstance(node, ast.Name) and node.id == "type" and id(node) not in type_of:
+            why = "uses type(name, bases, namespace): a class made in a solution stands in for other code"
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and node.value.startswith("__"):
+            why = _refused_name(node.value, "names")
+        elif isinstance(node, (ast.Import, ast.ImportFrom)):
             why = _refused_import(node)
         elif isinstance(node, ast.Name):
             why = _refused_name(node.id, "uses")
