@@ -115,6 +115,7 @@ def draw_block_tables(cache, ax=None, title: str | None = None):
 # ---- a student edition's notebook: a cell that needs an unsolved exercise says so and the page goes on ----
 
 UNSOLVED = re.compile(r"^Exercise (?P<id>A?\d+\.\d+): (?P<task>.*)$")  # what an exercise's stub raises
+SKIPPED = "this cell needs "  # how a cell that met an unsolved exercise's stub begins its one line
 
 
 def stub_message(ex_id: str, task: str) -> str:
@@ -154,10 +155,10 @@ class UnsolvedExercises:
         if isinstance(exc, NotImplementedError) and (m := UNSOLVED.match(str(exc))):
             if m["id"] not in self.skipped:
                 self.skipped.append(m["id"])
-            print(f"this cell needs exercise {m['id']} ({m['task']}): solve it, then run the cell again")
+            print(f"{SKIPPED}exercise {m['id']} ({m['task']}): solve it, then run the cell again")
             return None
         if isinstance(exc, NameError) and self.skipped:
-            print(f"this cell needs a result of a cell above that needs exercise {self.skipped[-1]} ({exc})")
+            print(f"{SKIPPED}a result of a cell above that needs exercise {self.skipped[-1]} ({exc})")
             return None
         raise exc
 

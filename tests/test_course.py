@@ -715,6 +715,19 @@ def test_notebook_12_of_an_edition_runs_the_students_fused_code(chapter12_editio
                          for text in needs), needs
 
 
+@pytest.mark.slow
+def test_notebook_12s_test_fails_in_an_edition_until_its_exercises_are_solved(chapter12_edition):
+    """The manifest lists notebook 12's execution test under "also fails" for 12.1 and 12.2. Run from a
+    student's shell in the edition (no PYTHONPATH; the reference installed in this environment), it
+    fails, naming the stub a cell met: the kernel ran the edition's code, and a skipped cell is no pass."""
+    test = next(s for s in course.find_exercises(ROOT) if s.id == "12.2").also_fails[-1].tests
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test], cwd=chapter12_edition,
+                       env=dict(env, PYTHONDONTWRITEBYTECODE="1", MPLBACKEND="Agg"), capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 1 and "cells skipped, the first: this cell needs exercise 12." in r.stdout, r.stdout[-2000:]
+
+
 # Of the tests no exercise names, the edition's run below takes one in SAMPLE_ONE_IN (MINILLM_KIT_ALL=1: all)
 SAMPLE_ONE_IN = 1 if os.environ.get("MINILLM_KIT_ALL") == "1" else 16
 
