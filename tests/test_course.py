@@ -626,6 +626,10 @@ def test_a_manifest_with_an_id_that_is_not_a_string_or_a_selection_outside_it_is
     bad.write_text('[{"id": 3}]')
     with pytest.raises(course.CourseError, match="exercise id 3 is not a string"):
         course.manifest_ids(bad)
+    deep = tmp_path / "deep.json"
+    deep.write_text('[{"id": "3.1", "notes": ' + "[" * 100_000 + "]" * 100_000 + "}]")
+    with pytest.raises(course.CourseError, match="deep.json is not a manifest written by `course student-edition`"):
+        course.manifest_ids(deep)
     manifest = small_edition / course.MANIFEST_JSON
     empty = tmp_path / "empty"
     (empty / "minillm").mkdir(parents=True)

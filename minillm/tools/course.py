@@ -936,7 +936,7 @@ def manifest_ids(path: Path) -> list[str]:
         if path.stat().st_size > MAX_SOURCE_BYTES:
             raise CourseError(f"{not_one} (larger than {MAX_SOURCE_BYTES} bytes)")
         rows = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
+    except (OSError, ValueError, RecursionError) as exc:
         raise CourseError(f"{not_one} ({exc})") from exc
     if not isinstance(rows, list) or not all(isinstance(row, dict) and "id" in row for row in rows):
         raise CourseError(f"{not_one} (it must be a list of exercises, each with an id)")
