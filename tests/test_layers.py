@@ -10,8 +10,8 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "minillm"
 
 LAYERS = [  # lowest first; a module may import from its own layer and the ones before it
-    {"backend", "streaming", "strict", "cache_contract", "config", "tokenizer", "bpe", "notebook", "kernels",
-     "kernels.build"},
+    {"backend", "cpu_target", "streaming", "strict", "cache_contract", "config", "tokenizer", "bpe", "notebook",
+     "kernels", "kernels.build"},
     {"quantize", "qkernels"},  # the weight formats, then their packed CPU kernels
     {"attention", "nn", "flash_attention", "kernels.launch", "data", "sampling", "workloads"},  # nn: layer functions
     {"model", "kv_cache", "kv_quant", "paged_kv", "prefix_blocks"},

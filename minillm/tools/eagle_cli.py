@@ -32,7 +32,7 @@ from ..eagle_train import (
 from ..registry import SMOLLM2, SMOLLM2_SHA256, load_model
 from ..train import check_add_on_run
 from ..workloads import WORKLOADS, check_held_out, stdlib_prompts, stdlib_texts, training_prompts
-from .options import add_weights_option, nonnegative_count, nonnegative_float
+from .options import add_weights_option, int_in, nonnegative_count, nonnegative_float
 
 COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
 PROMPT_SOURCES = {"templates": training_prompts, "stdlib": stdlib_prompts, "texts": stdlib_texts}
@@ -87,7 +87,7 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--parts", type=nonnegative_count, nargs="+", default=None, metavar="N",
                    help="read only the first N data parts of each folder, or of each in turn with one N per folder "
                    "(answers are written by temperature: greedy first)")
-    p.add_argument("--ahead", type=int, choices=AHEAD_STEPS, default=1,
+    p.add_argument("--ahead", type=int_in(AHEAD_STEPS[0], AHEAD_STEPS[-1]), default=1,
                    help="steps of EAGLE-3's training-time test: 2 or more also trains the draft on its own "
                    "features, as its later guesses of a round read them (default 1: EAGLE's teacher forcing)")
     p.add_argument("--train-tokens", type=nonnegative_count, default=None,
