@@ -42,7 +42,7 @@ def check_product(fmt, w, x):
 @pytest.mark.parametrize("fmt", [pytest.param(f, marks=pytest.mark.uses_exercise("13.1")) if f == "Q4_1" else f
                                  for f in FORMATS])  # Q4_1.quantize is exercise 13.1
 def test_every_format_matches_the_reference_for_1_to_17_rows(fmt):
-    """n = 1..17 (tiles 1, 2, 4, 8, 16, padded tiles, 17 = 16 + 1), m = 37 (three panels, the last
+    """n = 1..17 (tiles 1 to 6, 8, 16, padded tiles, 17 = 16 + 1), m = 37 (three panels, the last
     padded), k = 96 (three blocks; the F32 and BF16 tails need k % 8 != 0, below)."""
     rng = np.random.default_rng(0)
     w = rng.standard_normal((37, 3 * QK)).astype(np.float32)
@@ -195,8 +195,8 @@ def test_the_width_check_catches_256_bit_code():
 
 def test_row_tiles():
     """n rows run with the next compiled tile; 16 rows are a tile where they fit the registers (AVX-512)."""
-    assert [qkernels.row_tile(n) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
-    assert qkernels.row_tiles() in ((1, 2, 4, 8, 16), (1, 2, 4, 8))
+    assert [qkernels.row_tile(n) for n in (1, 2, 3, 5, 6, 7, 8)] == [1, 2, 3, 5, 6, 8, 8]
+    assert qkernels.row_tiles() in ((1, 2, 3, 4, 5, 6, 8, 16), (1, 2, 3, 4, 5, 6, 8))
     if qkernels.row_tiles()[-1] == 16:
         assert qkernels.row_tile(9) == qkernels.row_tile(16) == 16
 
@@ -220,8 +220,10 @@ def test_the_spill_check_catches_too_many_sums():
 
 
 @pytest.mark.parametrize("host, shapes", [
-    ((16, 32), {1: (8, 16), 2: (4, 16), 4: (2, 16), 8: (1, 16), 16: (1, 16)}),  # AVX-512: U = 8 / R, whole panels
-    ((8, 16), {1: (2, 16), 2: (1, 16), 4: (1, 16), 8: (1, 8), 16: None})])  # AVX2 (Q8_0)
+    ((16, 32), {1: (8, 16), 2: (4, 16), 3: (2, 16), 4: (2, 16), 5: (1, 16), 6: (1, 16), 8: (1, 16),
+                16: (1, 16)}),  # AVX-512: U = 8 // R, whole panels
+    ((8, 16), {1: (2, 16), 2: (1, 16), 3: (1, 16), 4: (1, 16), 5: (1, 8), 6: (1, 8), 8: (1, 8),
+               16: None})])  # AVX2 (Q8_0)
 def test_kernel_shape_follows_the_vector_registers(monkeypatch, host, shapes):
     """The rule on either kind of CPU, whichever this one is: the accumulators within a quarter of the register
     file, with the weights within three quarters; on AVX2 a Q4_1 kernel for 4 rows takes sub-panels of 8 lanes
