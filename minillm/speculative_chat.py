@@ -33,6 +33,10 @@ from .token_tree import NoProposal, Round, verify_round
 
 PLAIN = "plain"
 TRIAL_TOKENS = 32  # reply tokens each candidate decodes before "auto" compares them
+LOOKUP_DRAFT = 5  # prompt lookup's longest chain in a chat: a verify of 6 rows, the widest 4-bit kernel below 8.
+# On one core those kernels are compute-bound past one row, so a 10-token chain (11 rows, the 16-row kernels:
+# 3.7 steps of products) costs more than its extra accepted tokens bring: grounded chats decoded at 10.2
+# ms/token with 5, 14.0 with 10, plain 14.9 (docs/eagle.md, "On an Intel Xeon with AVX-512")
 
 
 def chat_proposers(model, speculate: str, model_name: str, draft_path=None) -> dict:
@@ -42,7 +46,7 @@ def chat_proposers(model, speculate: str, model_name: str, draft_path=None) -> d
     if speculate in ("eagle", "auto"):
         proposers["eagle"] = EagleProposer(load_draft(model, model_name, draft_path))
     if speculate in ("lookup", "auto"):
-        proposers["lookup"] = PromptLookup()
+        proposers["lookup"] = PromptLookup(max_draft=LOOKUP_DRAFT)
     return proposers
 
 

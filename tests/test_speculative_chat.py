@@ -148,3 +148,18 @@ def test_whatever_auto_chooses_the_replies_and_the_cache_stay_plain_chats(model,
     assert chat.seq == tok.encode(chat.cached_text)[: chat.cache.length] and len(chat.seq) == chat.cache.length
     for a, b in zip(cache_contents(chat), cache_contents(reference)):
         np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-5)
+
+
+def test_chat_lookup_verifies_at_most_a_row_tile_of_the_4_bit_kernels():
+    """A chat's prompt lookup drafts at most LOOKUP_DRAFT tokens even where the text repeats far longer, and the
+    verify of such a chain (drafts + the last token) is a row tile of its own: no padded rows, no 16-row pass."""
+    from types import SimpleNamespace
+
+    from minillm import qkernels
+    from minillm.speculative_chat import LOOKUP_DRAFT, chat_proposers
+
+    lookup = chat_proposers(None, "lookup", "smollm2-135m")["lookup"]
+    text = list(range(40))
+    tree = lookup.propose(SimpleNamespace(seq=text + text[:3], room=100)).tree
+    assert tree.size == LOOKUP_DRAFT + 1 and tree.depth == LOOKUP_DRAFT
+    assert qkernels.row_tile(LOOKUP_DRAFT + 1) == LOOKUP_DRAFT + 1
