@@ -33,6 +33,9 @@ from .token_tree import NoProposal, Round, verify_round
 
 PLAIN = "plain"
 TRIAL_TOKENS = 32  # reply tokens each candidate decodes before "auto" compares them
+SPECULATION_MARGIN = 0.9  # "auto" speculates only where a proposer's trial took at most 0.9 of plain's ms/token:
+# 32 tokens per candidate are noisy on a busy machine (lookup 23.6 against plain 24.3 chose lookup, which then
+# decoded 1.2 times slower than plain; docs/eagle.md)
 LOOKUP_DRAFT = 5  # prompt lookup's longest chain in a chat: a verify of 6 rows, the widest 4-bit kernel below 8.
 # On one core those kernels are compute-bound past one row, so a 10-token chain (11 rows, the 16-row kernels:
 # 3.7 steps of products) costs more than its extra accepted tokens bring: grounded chats decoded at 10.2
@@ -114,12 +117,15 @@ class SpeculativeChat(Chat):
 
     def current(self) -> str:
         """The proposer of the next round: the chosen one, else the first candidate still on trial; once every
-        candidate has decoded ``trial_tokens`` tokens, the fastest is chosen and ``choice_note`` says so."""
+        candidate has decoded ``trial_tokens`` tokens, the fastest is chosen if it beat plain decoding by the
+        margin (else plain), and ``choice_note`` says so."""
         if self.chosen is None:
             on_trial = [name for name in self.proposers if self.measured[name][1] < self.trial_tokens]
             if on_trial:
                 return on_trial[0]
-            self.chosen = min(self.proposers, key=self.ms_per_token)
+            fastest = min(self.proposers, key=self.ms_per_token)
+            plain = self.ms_per_token(PLAIN)
+            self.chosen = fastest if self.ms_per_token(fastest) <= SPECULATION_MARGIN * plain else PLAIN
             self.choice_note = "speculation measured: " + ", ".join(
                 f"{name} {self.ms_per_token(name):.1f} ms/token" for name in self.proposers) + f" -> {self.chosen}"
         return self.chosen

@@ -163,3 +163,17 @@ def test_chat_lookup_verifies_at_most_a_row_tile_of_the_4_bit_kernels():
     tree = lookup.propose(SimpleNamespace(seq=text + text[:3], room=100)).tree
     assert tree.size == LOOKUP_DRAFT + 1 and tree.depth == LOOKUP_DRAFT
     assert qkernels.row_tile(LOOKUP_DRAFT + 1) == LOOKUP_DRAFT + 1
+
+
+@HOST
+@pytest.mark.parametrize("lookup_ms, chosen", [(0.95, "plain"), (0.85, "lookup")])
+def test_auto_speculates_only_where_a_proposer_beat_plain_by_the_margin(model, tok, lookup_ms, chosen, monkeypatch):
+    """A proposer whose trial was faster than plain's by less than SPECULATION_MARGIN (noise on a busy machine) is
+    not chosen; one faster by more is."""
+    from minillm.speculative_chat import SPECULATION_MARGIN
+
+    assert 0.85 < SPECULATION_MARGIN < 0.95
+    times = {"plain": 1.0, "eagle": 2.0, "lookup": lookup_ms}
+    monkeypatch.setattr(SpeculativeChat, "ms_per_token", lambda self, name: times[name])
+    _, chat = conversation(SpeculativeChat(model, tok, proposers(model), "auto", max_len=512, trial_tokens=5))
+    assert chat.chosen == chosen and chat.choice_note.endswith(f"-> {chosen}")
