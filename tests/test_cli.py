@@ -2,6 +2,7 @@
 
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -350,6 +351,32 @@ def test_ctrl_c_during_generate_is_one_line_and_exit_130(generating):
     out, err = generating.communicate(timeout=60)
     assert generating.returncode == 130, err
     assert "Traceback" not in err.decode() and err.decode().strip().splitlines()[-1] == "interrupted"
+
+
+@pytest.mark.host_only
+def test_ctrl_c_that_a_finalizer_swallows_is_raised_again(monkeypatch):
+    """Ctrl-C landing in a __del__ (llvmlite's, when the garbage collector frees numba's LLVM objects during a
+    generation) was printed as "Exception ignored" and generation went on: within interrupts_kept it is raised
+    again in the main thread, with nothing printed; other unraisable exceptions are reported as before."""
+    from minillm.tools.cli import interrupts_kept
+
+    class Finalized:
+        def __init__(self, exc):
+            self.exc = exc
+
+        def __del__(self):
+            raise self.exc
+
+    reported = []
+    monkeypatch.setattr(sys, "unraisablehook", lambda unraisable: reported.append(unraisable.exc_type))
+    start = time.perf_counter()
+    with pytest.raises(KeyboardInterrupt), interrupts_kept():
+        Finalized(KeyboardInterrupt())  # freed at once: its __del__ raises where no caller can see it
+        time.sleep(5)  # the main thread goes on, here blocked in the kernel, and is woken by the signal
+    assert time.perf_counter() - start < 4 and reported == []
+    with interrupts_kept():
+        Finalized(ValueError("lost"))
+    assert reported == [ValueError]
 
 
 @pytest.mark.host_only

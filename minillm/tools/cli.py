@@ -9,10 +9,13 @@ printed stays); output piped into a reader that stops early (``| head``) ends th
 
 from __future__ import annotations
 
+import _thread
 import argparse
 import contextlib
 import os
+import signal
 import sys
+import threading
 from functools import partial
 from pathlib import Path
 
@@ -365,6 +368,35 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+@contextlib.contextmanager
+def interrupts_kept():
+    """Ctrl-C that lands while a finalizer runs (a ``__del__``, e.g. llvmlite's when the garbage collector frees
+    numba's LLVM objects in the middle of a generation) is printed as "Exception ignored" and lost, and the
+    command went on. Within this block such a KeyboardInterrupt is raised again in the main thread, outside the
+    finalizer, and nothing is printed for it."""
+    previous = sys.unraisablehook
+
+    def again():  # SIGINT to the main thread itself: it also wakes a call blocked in the kernel
+        if hasattr(signal, "pthread_kill"):
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGINT)
+        else:
+            _thread.interrupt_main()
+
+    def hook(unraisable):
+        if issubclass(unraisable.exc_type, KeyboardInterrupt):  # a moment later: sent now, it would land in this
+            timer = threading.Timer(0.01, again)  # hook and be lost too
+            timer.daemon = True
+            timer.start()
+        else:
+            previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
@@ -372,7 +404,8 @@ def main(argv=None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        code = args.func(args)
+        with interrupts_kept():
+            code = args.func(args)
         sys.stdout.flush()  # a reader that has gone shows here, not in the interpreter's exit
         return code
     except BrokenPipeError:  # the reader of our output (`| head`) has gone: stop quietly, as Unix tools do
