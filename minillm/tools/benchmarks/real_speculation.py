@@ -6,7 +6,8 @@ Methods (all verified by the target in one forward per round, ``token_tree.tree_
 
     eagle-chain   the shipped EAGLE draft (``minillm.eagle``), a chain of K tokens per round
     eagle-tree    the same draft growing an EAGLE-2 tree by confidence
-    lookup        prompt lookup: draft tokens copied from earlier in the text (``draft_free.PromptLookup``)
+    lookup        prompt lookup: up to 5 draft tokens copied from earlier in the text (``draft_free.PromptLookup``,
+                  at most ``speculative_chat.LOOKUP_DRAFT`` tokens, as ``chat --speculate`` drafts)
     layer-skip    the target's first half of layers drafts (``draft_free.LayerSkip``)
     medusa        the shipped Medusa heads' sparse tree (``medusa.MedusaProposer``)
 
@@ -41,6 +42,7 @@ from ...measure import TimedProposer, step_time, timed, verify_cost
 from ...medusa import MedusaHeads, MedusaProposer, shipped_heads_path
 from ...notebook import format_table
 from ...registry import SMOLLM2, load_model
+from ...speculative_chat import LOOKUP_DRAFT
 from ...token_tree import tree_generate
 from ...workloads import KINDS, WORKLOADS, read_prompts
 from ..options import add_weights_option, count, float_in, int_in, list_of
@@ -56,7 +58,7 @@ def make_proposer(method: str, model, args):
         mode = method.removeprefix("eagle-")
         return EagleProposer(draft, mode, depth=args.depth, max_nodes=args.tree_nodes)
     if method == "lookup":
-        return PromptLookup()
+        return PromptLookup(max_draft=LOOKUP_DRAFT)  # as chat --speculate drafts: a verify the kernels take whole
     if method == "layer-skip":
         return LayerSkip(model, model.config.n_layer // 2)
     return MedusaProposer(MedusaHeads.load(model, shipped_heads_path(SMOLLM2)))
