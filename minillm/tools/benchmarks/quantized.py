@@ -40,6 +40,7 @@ header names the CPU and the load average before and after.
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing
 import os
 import platform
@@ -232,6 +233,7 @@ class MinillmEngine:
         return result.tokens, result.stats.ttft_s, result.stats.tpot_s
 
 
+@functools.cache  # once per process: a second call would wrap the wrapper
 def no_extra_buffers() -> None:
     """Load llama.cpp models in this process without its extra buffer types (``use_extra_bufts``, a field of
     the C struct that ``llama_cpp.Llama`` does not take as an argument): on a CPU with AMX they repack the

@@ -6,8 +6,8 @@ Methods (all verified by the target in one forward per round, ``token_tree.tree_
 
     eagle-chain   the shipped EAGLE draft (``minillm.eagle``), a chain of K tokens per round
     eagle-tree    the same draft growing an EAGLE-2 tree by confidence
-    lookup        prompt lookup: up to 5 draft tokens copied from earlier in the text (``draft_free.PromptLookup``,
-                  at most ``speculative_chat.LOOKUP_DRAFT`` tokens, as ``chat --speculate`` drafts)
+    lookup        prompt lookup: draft tokens copied from earlier in the text (``draft_free.PromptLookup``), at
+                  most ``speculative_chat.LOOKUP_DRAFT`` of them, as ``chat --speculate`` drafts
     layer-skip    the target's first half of layers drafts (``draft_free.LayerSkip``)
     medusa        the shipped Medusa heads' sparse tree (``medusa.MedusaProposer``)
 
