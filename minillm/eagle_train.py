@@ -524,6 +524,10 @@ class DraftData:
                              "with eagle-data); no learning rate can train on it")
         self.starts = np.concatenate([[0], np.cumsum([len(f) for f in data["features"]])])
         header = len(os.path.commonprefix([list(s) for s in data["sequences"]])) if n > 1 else 0
+        if n_train_tokens is not None:  # whole answers drawn evenly from every folder, kind and temperature
+            order = np.random.default_rng(0).permutation(train)  # one fixed draw
+            pairs = np.cumsum([max(len(data["sequences"][i]) - max(header, 2), 0) for i in order])
+            train = sorted(order[: int(np.searchsorted(pairs, n_train_tokens)) + 1].tolist())
         self.train = self.split(data, train, draft, [header] * len(train), n_train_tokens)
         greedy = [i for i in held if data["temperatures"][i] == 0.0 and data["kinds"][i] != "text"] or held
         self.held = self.split(data, greedy, draft, [data["prompt_lengths"][i] for i in greedy])

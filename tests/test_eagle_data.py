@@ -282,6 +282,25 @@ def test_held_out_accuracy_counts_a_held_out_set_shorter_than_a_window(target):
 
 
 @USES
+def test_train_tokens_draws_whole_answers_from_every_folder(target):
+    """A data-scaling run's first N positions were the first folder's alone (the templates' chat, then the
+    standard library's code, then fixed text): N positions now come from whole answers drawn across all."""
+    draft = EagleDraft.init(target, SUBSET, seed=1)
+    data = synthetic_data(target, [36] * 40)
+    data["kinds"] = ["chat"] * 20 + ["code"] * 20  # two folders, one after the other
+    every = DraftData(data, draft)
+    some = DraftData(data, draft, 200)
+    rows = some.train[0]
+    assert len(rows) == 200 and set(rows) <= set(every.train[0])
+    answers = np.searchsorted(some.starts, rows, side="right") - 1
+    assert answers.min() < 20 <= answers.max()  # both folders
+    whole = np.bincount(np.searchsorted(every.starts, every.train[0], side="right") - 1, minlength=40)
+    drawn = np.bincount(answers, minlength=40)
+    assert ((drawn == 0) | (drawn == whole)).sum() >= 39  # whole answers, but for the one the count cuts
+    assert len(DraftData(data, draft, 10**6).train[0]) == len(every.train[0])
+
+
+@USES
 def test_data_with_nothing_to_score_or_nan_features_is_refused(target):
     draft = EagleDraft.init(target, SUBSET, seed=1)
     data = synthetic_data(target, [36] * 5 + [2])  # the held-out answer (the last) has no pair

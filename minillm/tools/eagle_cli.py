@@ -91,7 +91,8 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
                    help="steps of EAGLE-3's training-time test: 2 or more also trains the draft on its own "
                    "features, as its later guesses of a round read them (default 1: EAGLE's teacher forcing)")
     p.add_argument("--train-tokens", type=nonnegative_count, default=None,
-                   help="train on the first N positions only (a data-scaling curve)")
+                   help="train on N positions only: whole answers drawn evenly from every folder "
+                   "(a data-scaling curve)")
     p.add_argument("--resume", action="store_true", help="continue from <out>.eagle-train.npz")
     p.add_argument("--overwrite", action="store_true",
                    help="replace <out> and its .eagle-train.npz, .log.json (--resume alone never replaces <out>)")
