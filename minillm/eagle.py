@@ -40,6 +40,7 @@ from .checkpoint import (
     HEADER_KEY,
     SHIPPED_DIR,
     TOKEN_IDS,
+    CheckpointError,
     atomic_save_npz,
     check_format,
     check_not_shipped,
@@ -107,11 +108,13 @@ def subset_coverage(counts, sizes) -> dict:
 # the draft
 
 
-def draft_param_shapes(config, subset_size: int) -> dict:
-    """The trained parameters: fc (C, 2C) [out, in], one decoder layer and the final norm of the target's shape."""
+def draft_param_shapes(config, subset_size: int, taps: int = 0) -> dict:
+    """The trained parameters: fc (C, 2C) [out, in], one decoder layer and the final norm of the target's shape;
+    with ``taps`` lower features, EAGLE-3's fuse (C, (taps + 1) C) too."""
     layer = replace(config, n_layer=1, vocab_size=subset_size, tie_embeddings=True)  # its head: E_S
     shapes = {k: v for k, v in layer.param_shapes().items() if k != "embed_tokens.weight"}
-    return {"fc.weight": (config.n_embd, 2 * config.n_embd)} | shapes
+    fuse = {"fuse.weight": (config.n_embd, (taps + 1) * config.n_embd)} if taps else {}
+    return {"fc.weight": (config.n_embd, 2 * config.n_embd)} | fuse | shapes
 
 
 def in_target_format(target, params: dict) -> dict:
@@ -132,7 +135,7 @@ class EagleDraft:
     ``keep_blocks``: keep the matrices in the target's blocks (``in_target_format``) and the head as the target's
     own blocks of the rows S, for drafting; the default keeps float32 arrays, which training updates."""
 
-    def __init__(self, target, params: dict, subset, keep_blocks: bool = False):
+    def __init__(self, target, params: dict, subset, keep_blocks: bool = False, tap_layers=()):
         if not isinstance(target, Llama):
             raise ValueError(f"an EAGLE draft reads a Llama's features (smollm2-135m), not a {type(target).__name__}'s")
         self.target = target
@@ -144,7 +147,8 @@ class EagleDraft:
         self.subset = subset  # (V',) sorted
         self.to_subset = np.full(cfg.vocab_size, -1, dtype=np.int64)  # full id -> subset index, -1 outside
         self.to_subset[subset] = np.arange(len(subset))
-        shapes = draft_param_shapes(cfg, len(subset))
+        self.tap_layers = tuple(int(layer) for layer in tap_layers)  # EAGLE-3: the blocks whose input is fused in
+        shapes = draft_param_shapes(cfg, len(subset), len(self.tap_layers))
         for name, shape in shapes.items():
             if name not in params or tuple(params[name].shape) != shape:
                 got = tuple(params[name].shape) if name in params else "missing"
@@ -153,18 +157,20 @@ class EagleDraft:
         head = target.lm_head
         if keep_blocks:
             params = in_target_format(target, params)
-        layer_params = {k: v for k, v in params.items() if k != "fc.weight"}
+        layer_params = {k: v for k, v in params.items() if k not in ("fc.weight", "fuse.weight")}
         layer_params["embed_tokens.weight"] = (head.unpack(subset) if keep_blocks and kept_in_blocks(head)
                                                else head[xp.asarray(subset)])  # (V', C): E_S, frozen
         self.layer = Llama(self.config, layer_params, attention=target.attention_name)  # one block, its own stacks
-        fc = params["fc.weight"]
-        self.params = {"fc.weight": model_weight(fc) if kept_in_blocks(fc) else xp.asarray(fc, dtype=xp.float32)} | {
-            name: self.layer.params[name] for name in shapes if name != "fc.weight"}
+        own = ("fc.weight", "fuse.weight")  # the input projections: not the layer's
+        self.params = {name: model_weight(params[name]) if kept_in_blocks(params[name])
+                       else xp.asarray(params[name], dtype=xp.float32) for name in own if name in shapes} | {
+            name: self.layer.params[name] for name in shapes if name not in own}
 
     @classmethod
-    def init(cls, target, subset, seed: int = 0) -> EagleDraft:
+    def init(cls, target, subset, seed: int = 0, tap_layers=()) -> EagleDraft:
         """A fresh draft: the layer starts as a float32 copy of the target's last block (its blocks dequantized when
-        the target keeps them: the same start from either load), fc as [small noise | identity]."""
+        the target keeps them: the same start from either load), fc as [small noise | identity], and with
+        ``tap_layers`` the fuse as [small noise for each tap | identity] (the top feature passes)."""
         cfg, p = target.config, target.params
         C = cfg.n_embd
         rng = np.random.default_rng(seed)
@@ -174,7 +180,10 @@ class EagleDraft:
         params["norm.weight"] = host_float32(p["norm.weight"])
         fc = np.concatenate([rng.normal(0.0, 0.02, (C, C)), np.eye(C)], axis=1)  # u = f at first
         params["fc.weight"] = fc.astype(np.float32)
-        return cls(target, params, subset)
+        if tap_layers:
+            fuse = np.concatenate([rng.normal(0.0, 0.02, (C, C * len(tap_layers))), np.eye(C)], axis=1)
+            params["fuse.weight"] = fuse.astype(np.float32)
+        return cls(target, params, subset, tap_layers=tap_layers)
 
     @property
     def subset_size(self) -> int:
@@ -187,12 +196,15 @@ class EagleDraft:
         """Features f (T, C) and the tokens after them (T,) -> (f^ (T, C), subset logits (T, V')).
 
         Row t reads (f_t, x_{t+1}) and guesses f_{t+1} and q of x_{t+2}. With a cache (or a
-        ``MaskedView``) the rows sit after the cached ones.
+        ``MaskedView``) the rows sit after the cached ones. A draft with tap layers also reads the target's
+        rows [taps; f] ((T, (taps + 1) C)), fused to one feature; its own f^ it reads as it is.
         """
         tokens = xp.asarray(np.asarray(tokens, dtype=np.int64))
         e = self.target.params["embed_tokens.weight"][tokens]  # (T, C)
-        u = weight_product(xp.concatenate([e, xp.asarray(features, dtype=xp.float32)], axis=-1)[None],
-                           self.params["fc.weight"])  # (1, T, C)
+        f = xp.asarray(features, dtype=xp.float32)
+        if f.shape[-1] != e.shape[-1]:
+            f = weight_product(f[None], self.params["fuse.weight"])[0]  # (T, C)
+        u = weight_product(xp.concatenate([e, f], axis=-1)[None], self.params["fc.weight"])  # (1, T, C)
         pos = new_positions(u.shape[1], cache, self.config)
         f_hat = self.layer.blocks(u, pos, cache)[0]  # (T, C)
         return f_hat, self.layer.logits(f_hat)
@@ -210,7 +222,7 @@ class EagleDraft:
         """float16 parameters, the subset and the identity of the target, atomically."""
         check_not_shipped(path, overwrite_shipped)
         header = {"format": EAGLE_FORMAT, "model": model_identity(self.target), "subset_size": self.subset_size,
-                  "notes": notes or {}}
+                  "tap_layers": list(self.tap_layers), "notes": notes or {}}
         if any(kept_in_blocks(p) for p in self.params.values()):
             raise ValueError("this draft keeps its weights in blocks for drafting; save the float32 draft "
                              "(EagleDraft.load(..., keep_blocks=False))")
@@ -224,7 +236,7 @@ class EagleDraft:
         another name, shape or dtype (all before any array is read), or not finite."""
         header, arrays = read_npz(path, lambda header: draft_layout(header, target, path), DRAFT_KIND)
         subset = arrays.pop("subset")
-        return cls(target, arrays, subset, keep_blocks)
+        return cls(target, arrays, subset, keep_blocks, header.get("tap_layers", []))
 
 
 def draft_layout(header: dict, target, path) -> dict:
@@ -233,8 +245,12 @@ def draft_layout(header: dict, target, path) -> dict:
     check_format(header, EAGLE_FORMAT, path, DRAFT_KIND)
     check_trained_for(header, target, path, DRAFT_KIND, DRAFT_RETRAIN)
     size = check_int("its draft vocabulary size (subset_size)", header.get("subset_size"), 1, target.config.vocab_size)
-    return {name: (shape, FLOAT_WEIGHTS) for name, shape in draft_param_shapes(target.config, size).items()} | {
-        "subset": ((size,), TOKEN_IDS)}
+    taps = header.get("tap_layers", [])
+    if not isinstance(taps, list) or not all(isinstance(t, int) and 1 <= t < target.config.n_layer for t in taps):
+        raise CheckpointError(f"inconsistent {DRAFT_KIND} {path}: tap_layers must list blocks in "
+                              f"1..{target.config.n_layer - 1}")
+    shapes = draft_param_shapes(target.config, size, len(taps))
+    return {name: (shape, FLOAT_WEIGHTS) for name, shape in shapes.items()} | {"subset": ((size,), TOKEN_IDS)}
 
 
 def shipped_draft_path(model_name: str) -> Path:

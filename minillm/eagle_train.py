@@ -70,6 +70,7 @@ ANSWER_TOKENS = 96  # the most tokens of one answer
 DATA_BATCH = 32  # answers decoded together (prompts of one temperature and about one length)
 MAX_PAD = 6  # the most newlines a prompt gets to match its batch's length
 MAX_DATA_BATCH = 256  # the most answers one part may hold
+TAP_LAYERS = (2, 15)  # EAGLE-3 reads the input of block 2 and of block n_layer // 2 beside the top
 PART_NAME = re.compile(r"part-(\d{5})\.npz")  # part g is part-{g:05d}.npz
 
 
@@ -231,11 +232,12 @@ def read_part(path, model, arguments=None, index=None) -> tuple[dict, dict]:
     return header, arrays
 
 
-def read_answers(data_dirs, model, max_parts=None) -> dict:
+def read_answers(data_dirs, model, max_parts=None, taps_dirs=None, tap_layers=TAP_LAYERS) -> dict:
     """``write_answers``' parts for ``model`` in one folder or several (the first ``max_parts`` of each: one
     number for every folder, or one per folder; all by default) -> {"sequences": [ids], "features":
     [(n - 1, C) float16], "kinds", "temperatures", "prompt_lengths", "parts"}, folder after folder, in part
-    order (``read_folder``)."""
+    order (``read_folder``). ``taps_dirs`` (one per data folder, ``write_taps``): each feature row becomes
+    [the taps at ``tap_layers``; f] ((n - 1, (len(tap_layers) + 1) C)), EAGLE-3's input."""
     dirs = [data_dirs] if isinstance(data_dirs, (str, os.PathLike)) else list(data_dirs)
     if not dirs:
         raise ValueError("no EAGLE data folder given")
@@ -244,17 +246,20 @@ def read_answers(data_dirs, model, max_parts=None) -> dict:
         limits *= len(dirs)
     if len(limits) != len(dirs):
         raise ValueError(f"{len(limits)} part counts for {len(dirs)} data folders: give one, or one per folder")
+    taps = [None] * len(dirs) if taps_dirs is None else list(taps_dirs)
+    if len(taps) != len(dirs):
+        raise ValueError(f"{len(taps)} taps folders for {len(dirs)} data folders: give one per data folder")
     out = {"sequences": [], "features": [], "kinds": [], "temperatures": [], "prompt_lengths": [], "parts": 0}
-    for data_dir, limit in zip(dirs, limits):
-        for key, value in read_folder(data_dir, model, limit).items():
+    for data_dir, limit, taps_dir in zip(dirs, limits, taps):
+        for key, value in read_folder(data_dir, model, limit, taps_dir, tap_layers).items():
             out[key] += value
     return out
 
 
-def read_folder(data_dir, model, max_parts: int | None = None) -> dict:
+def read_folder(data_dir, model, max_parts: int | None = None, taps_dir=None, tap_layers=TAP_LAYERS) -> dict:
     """One folder of ``read_answers``. Every part read is checked whole (``read_part``), all must come from
     one run (part 0's arguments), and none may be missing: a folder that eagle-data has not finished is
-    refused."""
+    refused; so is a taps folder that lacks one of its parts."""
     if max_parts is not None and max_parts < 1:
         raise ValueError(f"the number of data parts to read must be >= 1, got {max_parts}")
     found = data_parts(data_dir)
@@ -270,17 +275,93 @@ def read_folder(data_dir, model, max_parts: int | None = None) -> dict:
     if missing:
         raise ValueError(f"{data_dir} lacks part-{missing[0]:05d}.npz ({len(missing)} of {n_parts} parts missing): "
                          "finish it with eagle-data --resume and the arguments it was written with")
+    taps = {} if taps_dir is None else data_parts(taps_dir)
+    if taps_dir is not None and any(g not in taps for g in wanted):
+        raise ValueError(f"{taps_dir} lacks taps parts of {data_dir}: finish it with eagle-taps --resume")
     out = {"sequences": [], "features": [], "kinds": [], "temperatures": [], "prompt_lengths": [],
            "parts": len(wanted)}
     for g in wanted:
         header, arrays = read_part(found[g], model, arguments, g)
         lengths = np.asarray(header["lengths"])
+        features = arrays["features"]
+        if taps_dir is not None:
+            low = read_taps(taps[g], model, header["lengths"], check_tap_layers(model, tap_layers), g)
+            features = np.concatenate([low.reshape(len(low), -1), features], axis=1)
         out["sequences"] += np.split(arrays["ids"], np.cumsum(lengths)[:-1])
-        out["features"] += np.split(arrays["features"], np.cumsum(lengths - 1)[:-1])
+        out["features"] += np.split(features, np.cumsum(lengths - 1)[:-1])
         out["kinds"] += header["kinds"]
         out["temperatures"] += [header["temperature"]] * len(lengths)
         out["prompt_lengths"] += header["prompt_lengths"]
     return out
+
+
+# ----------------------------------------------------------------------------------------------
+# EAGLE-3's lower features: the residual stream at a low and a middle block of each answer
+
+TAPS_FORMAT = "minillm-eagle-taps-1"
+TAPS_KIND = "EAGLE taps part"
+
+
+def tap_rows(model, ids, layers) -> np.ndarray:
+    """One answer's ids (n,) -> (n - 1, len(layers), C) float16: the input of each block in ``layers`` at every
+    position but the last, RMS-normed as that block reads it (its input_layernorm), by one prefill."""
+    taps = dict.fromkeys(layer - 1 for layer in layers)  # the input of block l is the stream after block l - 1
+    model.hidden(np.asarray(ids[:-1])[None], taps=taps, layers=max(layers))
+    return np.stack([to_numpy(model.add_norm(taps[layer - 1], None, f"layers.{layer}.input_layernorm")[1])[0]
+                     for layer in layers], axis=1).astype(np.float16)
+
+
+def check_tap_layers(model, layers) -> tuple:
+    layers = tuple(int(layer) for layer in layers)
+    if not layers or any(not 1 <= layer < model.config.n_layer for layer in layers) or len(set(layers)) != len(layers):
+        raise ValueError(f"tap layers must be distinct blocks in 1..{model.config.n_layer - 1}, got {list(layers)}")
+    return layers
+
+
+def write_taps(model, data_dir, out_dir, layers=TAP_LAYERS, resume: bool = False, progress: bool = True) -> dict:
+    """For every part of an eagle-data folder, the same answers' features at ``layers`` (``tap_rows``) -> a part
+    file of the same number in out_dir: "taps" (sum(n - 1), len(layers), C) float16, its header the source part's
+    answer lengths and the tap layers (``read_taps`` checks both). ``resume`` keeps the parts already there."""
+    from tqdm import tqdm
+
+    layers = check_tap_layers(model, layers)
+    found, existing = data_parts(data_dir), data_parts(out_dir)
+    if 0 not in found:
+        raise ValueError(f"{data_dir} holds no EAGLE data parts (part-00000.npz): run {DATA_COMMAND}")
+    if existing and not resume:
+        raise ValueError(f"{out_dir} already holds {len(existing)} taps parts: pass --resume to continue them, "
+                         "or choose another --out")
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    t0, written = time.perf_counter(), 0
+    for g, path in tqdm(sorted(found.items()), desc="eagle taps", disable=not progress):
+        header, arrays = read_part(path, model, index=g)
+        if g in existing:
+            read_taps(existing[g], model, header["lengths"], layers, g)  # it belongs to this folder, whole
+            continue
+        lengths = np.asarray(header["lengths"])
+        rows = [tap_rows(model, ids, layers) for ids in np.split(arrays["ids"], np.cumsum(lengths)[:-1])]
+        meta = {"format": TAPS_FORMAT, "model": model_identity(model), "part": g, "layers": list(layers),
+                "lengths": header["lengths"]}
+        atomic_save_npz(Path(out_dir) / f"part-{g:05d}.npz", {"taps": np.concatenate(rows),
+                                                               HEADER_KEY: encode_header(meta)})
+        written += int(lengths.sum())
+    return {"parts": len(found), "tokens_written": written, "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def read_taps(path, model, lengths, layers, index) -> np.ndarray:
+    """A ``write_taps`` part for the data part of ``lengths`` -> taps (sum(n - 1), len(layers), C) float16;
+    CheckpointError (one line) for another model, part, layers or answers."""
+    def layout(header):
+        check_format(header, TAPS_FORMAT, path, TAPS_KIND)
+        check_trained_for(header, model, path, TAPS_KIND, "python -m minillm eagle-taps --data DIR --out TAPS",
+                          made="written by")
+        for key, want in (("part", index), ("layers", list(layers)), ("lengths", list(lengths))):
+            if header.get(key) != want:
+                raise CheckpointError(f"{path} does not match its data part: its {key} differ (write it again with "
+                                      "eagle-taps)")
+        return {"taps": ((sum(lengths) - len(lengths), len(layers), model.config.n_embd), FLOAT_WEIGHTS)}
+
+    return read_npz(path, layout, TAPS_KIND)[1]["taps"]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -427,10 +508,13 @@ class AheadContext:
 def draft_step_loss(params: dict, config, embed, lm_subset, feats, next_tokens, next_feats, targets,
                     context: AheadContext, feature_weight: float = FEATURE_WEIGHT):
     """One step of ``draft_forward_backward`` at the positions ``context`` gives it
-    -> (loss, {"token", "feature"}, grads, f^ (B, T, C))."""
-    B, T, C = feats.shape
+    -> (loss, {"token", "feature"}, grads, f^ (B, T, C)). feats wider than C are the target's [taps; f],
+    fused to C by params["fuse.weight"] first (EAGLE-3); a later step's f^ is read as it is."""
+    B, T, C = next_feats.shape
+    fused = feats.shape[-1] != C
     # forward: the input projection, then the Llama block itself, recorded
-    a = xp.concatenate([embed[next_tokens], feats], axis=-1)  # (B, T, 2C)
+    g = feats @ params["fuse.weight"].T if fused else feats  # (B, T, C)
+    a = xp.concatenate([embed[next_tokens], g], axis=-1)  # (B, T, 2C)
     u = a @ params["fc.weight"].T  # (B, T, C)
     tape = LlamaRecording(config, params)
     f_hat = llama_blocks(tape, u, context.positions(T), context, DRAFT_LAYERS)  # (B, T, C)
@@ -446,6 +530,10 @@ def draft_step_loss(params: dict, config, embed, lm_subset, feats, next_tokens, 
     # backward: the tape in reverse, then the input projection
     du, grads = tape.backward(df.reshape(B, T, C))
     grads["fc.weight"] = du.reshape(-1, C).T @ a.reshape(-1, 2 * C)
+    if "fuse.weight" in params:  # d g = the feature half of du fc; a later step leaves the fuse alone
+        dg = du.reshape(-1, C) @ params["fc.weight"][:, C:]
+        grads["fuse.weight"] = dg.T @ feats.reshape(-1, feats.shape[-1]) if fused else xp.zeros_like(
+            params["fuse.weight"])
     return ce + feature_weight * feat_loss, {"token": ce, "feature": feat_loss}, grads, f_hat
 
 
@@ -453,8 +541,9 @@ def draft_forward_backward(params: dict, config, embed, lm_subset, feats, next_t
                            feature_weight: float = FEATURE_WEIGHT, ahead: int = 1):
     """EAGLE's loss on windows and its gradient for every draft parameter (``eagle.draft_param_shapes``).
 
-    feats (B, T, C): the target's features f_t; next_tokens (B, T): x_{t+1}; next_feats (B, T, C):
-    f_{t+1}; targets (B, T): the subset index of x_{t+2}, -1 outside the subset (no token loss).
+    feats (B, T, C): the target's features f_t (or (B, T, (taps + 1) C), [taps; f_t], for a draft with
+    params["fuse.weight"]); next_tokens (B, T): x_{t+1}; next_feats (B, T, C): f_{t+1}; targets (B, T): the
+    subset index of x_{t+2}, -1 outside the subset (no token loss).
     embed (V, C) and lm_subset (V', C) are frozen. Causal attention within each window.
     ``ahead`` > 1: EAGLE-3's training-time test, steps 2..ahead on the draft's own features f^ (row i of
     step s guesses x_{i+s+1} from f^_{i+s-1} and x_{i+s}; ``AheadContext``), their losses added.
@@ -518,6 +607,7 @@ class DraftData:
         held = list(range(every - 1, n, every)) or [n - 1]
         train = [i for i in range(n) if i not in set(held)]
         self.window = min(WINDOW, draft.config.block_size)  # positions per training window
+        self.width = draft.config.n_embd  # C: a feature row may be [taps; f], (taps + 1) C wide
         self.features = np.concatenate(data["features"])  # (sum(n - 1), C) float16
         if not np.isfinite(self.features).all():
             raise ValueError("the EAGLE data's features hold nan or inf: the data is broken (write it again "
@@ -551,12 +641,12 @@ class DraftData:
 
     def windows(self, split, starts, length: int | None = None):
         """Windows of ``length`` (default: self.window) consecutive pairs of ``split`` from each start ->
-        (f (B, T, C), x_{t+1} (B, T), f_{t+1} (B, T, C), subset index of x_{t+2} (B, T))."""
+        (f (B, T, C) or [taps; f], x_{t+1} (B, T), f_{t+1} (B, T, C), subset index of x_{t+2} (B, T))."""
         rows, x1, y = split
         T = self.window if length is None else length
         idx = np.asarray(starts)[:, None] + np.arange(T)  # (B, T)
         f = xp.asarray(self.features[rows[idx]].astype(np.float32))
-        f_next = xp.asarray(self.features[rows[idx] + 1].astype(np.float32))
+        f_next = xp.asarray(self.features[rows[idx] + 1, -self.width :].astype(np.float32))
         return f, xp.asarray(x1[idx]), f_next, xp.asarray(y[idx])
 
 
@@ -613,8 +703,10 @@ def train_draft(draft, data: DraftData, tc: TrainConfig = EAGLE_TRAIN, state_pat
                desc="eagle draft", mininterval=5.0)
     for step in bar:
         f, x1, f_next, y = data.windows(data.train, rng.integers(0, n_rows - data.window, size=tc.batch_size))
-        scale = xp.sqrt((f * f).mean(axis=-1, keepdims=True))  # (B, T, 1)
+        f = f.reshape(*f.shape[:2], -1, data.width)  # (B, T, taps + 1, C): each feature its own RMS
+        scale = xp.sqrt((f * f).mean(axis=-1, keepdims=True))  # (B, T, taps + 1, 1)
         f = f + FEATURE_NOISE * scale * xp.asarray(rng.uniform(-1.0, 1.0, f.shape).astype(np.float32))
+        f = f.reshape(*f.shape[:2], -1)
         batch = (f, x1, f_next, y)  # the draft must cope with its own imprecise features while drafting
         loss, parts, grads = draft_forward_backward(params, cfg, embed, lm_subset, *batch, ahead=ahead)
         check_step(loss, clip_grad_norm(grads, tc.grad_clip), step + 1)

@@ -115,12 +115,15 @@ def llama_block(ops, layer: int, x, h, cache, rope):
     return x, ops.product(ops.act(ops.product(n, b + "gate_up")), b + "mlp.down_proj")  # (B, T, 2H) -> (B, T, C)
 
 
-def llama_blocks(ops, x, pos, cache, layers: int):
+def llama_blocks(ops, x, pos, cache, layers: int, taps: dict | None = None):
     """``layers`` blocks on the residual stream x (B, T, C) at positions pos, then the last add and the
-    final RMSNorm -> (B, T, C)."""
+    final RMSNorm -> (B, T, C). ``taps`` ({layer: None, ...}) gets the residual stream after each of those
+    blocks (EAGLE-3's low and middle features)."""
     rope, h = ops.rope(pos), None
     for layer in range(layers):
         x, h = llama_block(ops, layer, x, h, cache, rope)
+        if taps is not None and layer in taps:
+            taps[layer] = x + h
     return ops.add_norm(x, h, "norm")[1]
 
 
@@ -247,19 +250,20 @@ class Llama(LlamaOps):
         """Token ids (B, T) -> logits (B, T, V) float32; with a cache, at positions cache.positions(T)."""
         return self.logits(self.hidden(idx, cache))
 
-    def hidden(self, idx, cache=None, layers=None):
-        """Token ids (B, T) -> the final RMSNorm of the residual stream (B, T, C) after ``layers`` blocks (all)."""
+    def hidden(self, idx, cache=None, layers=None, taps: dict | None = None):
+        """Token ids (B, T) -> the final RMSNorm of the residual stream (B, T, C) after ``layers`` blocks (all);
+        ``taps`` as in ``llama_blocks``."""
         idx, pos = token_positions(idx, cache, self.config)
-        return self.blocks(self.params["embed_tokens.weight"][idx], pos, cache, layers)
+        return self.blocks(self.params["embed_tokens.weight"][idx], pos, cache, layers, taps=taps)
 
-    def blocks(self, x, pos, cache=None, layers=None, ops=None):
+    def blocks(self, x, pos, cache=None, layers=None, ops=None, taps: dict | None = None):
         """The blocks of table ``ops`` (this model's array code by default) on a residual stream x (B, T, C) at
         positions pos -> its final RMSNorm (B, T, C); the cache advances past the T tokens.
 
         ``hidden`` starts x from the token embeddings; an EAGLE draft (``minillm.eagle``) starts it
         from its own input projection and runs a one-block Llama through here.
         """
-        out = llama_blocks(self if ops is None else ops, x, pos, cache, check_layers(self.config, layers))
+        out = llama_blocks(self if ops is None else ops, x, pos, cache, check_layers(self.config, layers), taps)
         if cache is not None:
             cache.advance(x.shape[1])
         return out

@@ -141,15 +141,13 @@ def test_the_check_catches_rope_backward_bugs(bug, rng):
     assert rope_backward_error(bug, rng) > 1e-2
 
 
-@USES
-@pytest.mark.uses_exercise("11.1", "11.2")
-def test_draft_backward_matches_finite_differences(target, draft, rng):
-    """Every parameter's gradient, a few entries each, float64; targets -1 (outside the subset) included."""
-    P = {k: to_numpy(v).astype(np.float64) for k, v in draft.params.items()}
+def check_draft_backward(P: dict, target, subset, rng, width: int):
+    """draft_forward_backward's gradient of every parameter in P (float64), a few entries each, against central
+    differences on a batch whose input features are ``width`` wide -> (the batch, the gradients)."""
     embed = to_numpy(target.params["embed_tokens.weight"]).astype(np.float64)
-    lm = embed[draft.subset]
+    lm = embed[subset]
     B, T, C = 2, 5, CFG.n_embd
-    batch = (rng.normal(size=(B, T, C)), rng.integers(0, CFG.vocab_size, (B, T)), rng.normal(size=(B, T, C)),
+    batch = (rng.normal(size=(B, T, width)), rng.integers(0, CFG.vocab_size, (B, T)), rng.normal(size=(B, T, C)),
              rng.integers(-1, len(SUBSET), (B, T)))
     assert (batch[3] == -1).any()
     _, parts, grads = draft_forward_backward(P, CFG, embed, lm, *batch)
@@ -166,6 +164,45 @@ def test_draft_backward_matches_finite_differences(target, draft, rng):
             flat[i] = old
             np.testing.assert_allclose(grads[name].reshape(-1)[i], (up - down) / (2 * h), rtol=1e-4, atol=1e-8,
                                        err_msg=name)
+    return (embed, lm, *batch), grads
+
+
+@USES
+@pytest.mark.uses_exercise("11.1", "11.2")
+def test_draft_backward_matches_finite_differences(target, draft, rng):
+    """Every parameter's gradient, a few entries each, float64; targets -1 (outside the subset) included."""
+    P = {k: to_numpy(v).astype(np.float64) for k, v in draft.params.items()}
+    check_draft_backward(P, target, draft.subset, rng, CFG.n_embd)
+
+
+@USES
+@pytest.mark.uses_exercise("11.1", "11.2")
+def test_fused_draft_backward_matches_finite_differences(target, rng):
+    """EAGLE-3's fused input: step 1 reads [taps; f] through the fuse, every parameter's gradient, the fuse's
+    too, against central differences; a second step reads its own f^ (no fuse: its gradient is step 1's)."""
+    fused = EagleDraft.init(target, SUBSET, seed=3, tap_layers=(1,))
+    P = {k: to_numpy(v).astype(np.float64) + rng.normal(0.0, 0.3, v.shape) for k, v in fused.params.items()}
+    assert P["fuse.weight"].shape == (CFG.n_embd, 2 * CFG.n_embd)
+    inputs, grads = check_draft_backward(P, target, fused.subset, rng, 2 * CFG.n_embd)
+    two = draft_forward_backward(P, CFG, *inputs, ahead=2)[2]
+    np.testing.assert_array_equal(two["fuse.weight"], grads["fuse.weight"])
+    assert np.abs(two["fc.weight"] - grads["fc.weight"]).max() > 1e-3
+
+
+def test_a_fused_draft_reads_its_taps_through_the_fuse(target, rng):
+    """Fresh, the fuse passes the top feature on: the taps change nothing until training moves them; after,
+    step reads [taps; f] @ fuse^T in place of f, and its own f^ as it is."""
+    fused = EagleDraft.init(target, SUBSET, seed=3, tap_layers=(1,))
+    plain = EagleDraft(target, {k: v for k, v in fused.params.items() if k != "fuse.weight"}, SUBSET)
+    f, taps, x = rng.normal(size=(4, CFG.n_embd)), rng.normal(size=(4, CFG.n_embd)), [1, 2, 3, 4]
+    fused.params["fuse.weight"][:, : CFG.n_embd] = 0.0
+    np.testing.assert_allclose(to_numpy(fused.step(np.concatenate([taps, f], axis=1), x)[1]),
+                               to_numpy(plain.step(f, x)[1]), rtol=1e-5, atol=1e-5)
+    fused.params["fuse.weight"][...] = rng.normal(size=fused.params["fuse.weight"].shape)
+    g = np.concatenate([taps, f], axis=1) @ to_numpy(fused.params["fuse.weight"]).T
+    np.testing.assert_allclose(to_numpy(fused.step(np.concatenate([taps, f], axis=1), x)[1]),
+                               to_numpy(plain.step(g, x)[1]), rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(to_numpy(fused.step(f, x)[1]), to_numpy(plain.step(f, x)[1]), rtol=1e-5, atol=1e-5)
 
 
 # ----------------------------------------------------------------------------------------------

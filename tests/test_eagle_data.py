@@ -8,7 +8,9 @@
   truncated part, a part of another model; reading refuses a part with an impossible length, a
   folder with a part missing, and features that are not finite (a data error, not a learning rate);
 - eagle-train ``--resume`` never replaces the file at ``--out``;
-- held-out accuracy counts every held-out position, fewer than one window of them too.
+- held-out accuracy counts every held-out position, fewer than one window of them too;
+- eagle-taps (EAGLE-3's lower features): each row is the input of the tapped block as that block reads it,
+  joined before the top feature; a taps folder of another model or with a part missing is refused.
 """
 
 import argparse
@@ -21,7 +23,7 @@ from minillm.backend import to_numpy
 from minillm.checkpoint import HEADER_KEY, CheckpointError, atomic_save_npz, encode_header, read_npz
 from minillm.config import LlamaConfig
 from minillm.eagle import EagleDraft, load_draft
-from minillm.eagle_train import DraftData, held_out_accuracy, read_answers, write_answers
+from minillm.eagle_train import DraftData, held_out_accuracy, read_answers, write_answers, write_taps
 from minillm.llama import Llama
 
 # the data and the accuracy run the target (a Llama: 8.1-8.3) with its KV cache (3.x)
@@ -82,7 +84,9 @@ def test_a_draft_for_another_model_names_the_draft_both_models_and_eagle_train(t
     (lambda h, a: a.update(subset=a["subset"].astype(np.float32)), "subset is float32"),
     (lambda h, a: a.update(subset=a["subset"][:3]), r"subset declares shape \(3,\)"),
     (lambda h, a: h.update(subset_size=10**9), "draft vocabulary size"),
-], ids=["extra-array", "complex", "int8", "float-subset", "short-subset", "huge-subset"])
+    (lambda h, a: h.update(tap_layers=[1]), r"missing \['fuse.weight'\]"),
+    (lambda h, a: h.update(tap_layers=[2]), "tap_layers must list blocks in 1..1"),
+], ids=["extra-array", "complex", "int8", "float-subset", "short-subset", "huge-subset", "taps-no-fuse", "bad-tap"])
 def test_a_draft_of_other_arrays_is_refused_before_any_array_is_read(target, draft_file, tmp_path, array_reads,
                                                                      edit, message):
     """An extra array (a 9.7 MB draft with 2 GB of zeros beside it peaked at 3.3 GB before it was refused),
@@ -95,6 +99,15 @@ def test_a_draft_of_other_arrays_is_refused_before_any_array_is_read(target, dra
     assert "bad.npz" in one_line(exc_info)
     assert len(array_reads) == 1 and len(array_reads[0]) == 1, array_reads  # the header only
     assert re.search(message, str(exc_info.value)), str(exc_info.value)
+
+
+def test_a_fused_draft_saves_and_loads_its_tap_layers(target, tmp_path):
+    fused = EagleDraft.init(target, SUBSET, seed=1, tap_layers=(1,))
+    fused.save(tmp_path / "fused.npz")
+    back = EagleDraft.load(target, tmp_path / "fused.npz", keep_blocks=False)
+    assert back.tap_layers == (1,) and set(back.params) == set(fused.params)
+    np.testing.assert_array_equal(to_numpy(back.params["fuse.weight"]),
+                                  to_numpy(fused.params["fuse.weight"]).astype(np.float16))
 
 
 def test_a_nan_draft_is_refused(target, draft_file, tmp_path):
@@ -247,6 +260,40 @@ def test_fixed_texts_are_read_teacher_forced_and_join_the_answers(target, data_d
     assert len(rows) and (rows >= starts[39]).all()  # only the target's own answer is scored
     with pytest.raises(ValueError, match="no EAGLE data folder given"):
         read_answers([], target)
+
+
+@USES
+def test_taps_are_the_tapped_blocks_input_as_it_reads_it(target, data_dir, tmp_path):
+    """Tap of block 1 = the stream after block 0, RMS-normed with block 1's input_layernorm: the same unit
+    vector as the model's own final norm after one block, under another weight; joined before f."""
+    summary = write_taps(target, data_dir, tmp_path / "taps", layers=(1,), progress=False)
+    assert summary["parts"] == 3 and summary["tokens_written"] == sum(len(s) for s in read_answers(
+        data_dir, target)["sequences"])
+    plain, fused = read_answers(data_dir, target), read_answers(data_dir, target, taps_dirs=[tmp_path / "taps"],
+                                                                  tap_layers=(1,))
+    C, p = CFG.n_embd, target.params
+    w_tap, w_norm = to_numpy(p["layers.1.input_layernorm.weight"]), to_numpy(p["norm.weight"])
+    for seq, f, f3 in zip(plain["sequences"], plain["features"], fused["features"]):
+        assert f3.shape == (len(seq) - 1, 2 * C)
+        np.testing.assert_array_equal(f3[:, C:], f)  # the top feature, as it was
+        one_block = to_numpy(target.hidden(np.array([seq[:-1]]), layers=1))[0]
+        np.testing.assert_allclose(f3[:, :C].astype(np.float32) / w_tap, one_block / w_norm, rtol=1e-2, atol=1e-2)
+        assert np.abs(f3[:, :C].astype(np.float32) / w_tap - f.astype(np.float32) / w_norm).max() > 0.1  # not the top
+    (tmp_path / "taps" / "part-00001.npz").unlink()
+    with pytest.raises(ValueError, match="lacks taps parts .*eagle-taps --resume"):
+        read_answers(data_dir, target, taps_dirs=[tmp_path / "taps"], tap_layers=(1,))
+    with pytest.raises(ValueError, match="already holds 2 taps parts"):
+        write_taps(target, data_dir, tmp_path / "taps", layers=(1,), progress=False)
+    part = tmp_path / "taps" / "part-00002.npz"
+    rewrite(part, tmp_path / "kept.npz", lambda h, a: None)
+    rewrite(part, part, lambda h, a: h.update(lengths=h["lengths"][::-1]))  # another part's answers
+    with pytest.raises(CheckpointError, match="part-00002.npz does not match its data part: its lengths differ"):
+        write_taps(target, data_dir, tmp_path / "taps", layers=(1,), resume=True, progress=False)
+    (tmp_path / "kept.npz").replace(part)
+    write_taps(target, data_dir, tmp_path / "taps", layers=(1,), resume=True, progress=False)  # the missing one
+    assert len(read_answers(data_dir, target, taps_dirs=[tmp_path / "taps"], tap_layers=(1,))["features"]) == 6
+    with pytest.raises(ValueError, match="tap layers must be distinct blocks in 1..1"):
+        write_taps(target, data_dir, tmp_path / "other", layers=(2,), progress=False)
 
 
 # ----------------------------------------------------------------------------------------------

@@ -203,6 +203,12 @@ def cmd_eagle_data(args) -> int:
     return run_data(args)
 
 
+def cmd_eagle_taps(args) -> int:
+    from .eagle_cli import run_taps
+
+    return run_taps(args)
+
+
 def cmd_eagle_train(args) -> int:
     from .eagle_cli import run_train
 
@@ -248,6 +254,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .chat_cli import add_arguments as add_chat_arguments
     from .demo import add_arguments as add_demo_arguments
     from .eagle_cli import add_data_arguments as add_eagle_data_arguments
+    from .eagle_cli import add_taps_arguments as add_eagle_taps_arguments
     from .eagle_cli import add_train_arguments as add_eagle_train_arguments
     from .medusa_cli import add_arguments as add_medusa_arguments
     from .parts import add_arguments as add_parts_arguments
@@ -333,6 +340,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("eagle-data", help="the EAGLE draft's training text: SmolLM2's answers and hidden states")
     add_eagle_data_arguments(p)
     p.set_defaults(func=cmd_eagle_data)
+
+    p = sub.add_parser("eagle-taps", help="EAGLE-3's lower features: two blocks' inputs on eagle-data's text")
+    add_eagle_taps_arguments(p)
+    p.set_defaults(func=cmd_eagle_taps)
 
     p = sub.add_parser("eagle-train", help="train an EAGLE draft (one layer, reduced vocabulary) on eagle-data's text")
     add_eagle_train_arguments(p)

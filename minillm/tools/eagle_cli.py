@@ -1,8 +1,9 @@
 """``python -m minillm eagle-data`` and ``eagle-train``: the EAGLE draft's training text, then the draft.
 
     python -m minillm eagle-data --out DIR [--prompts 1200] [--source templates|stdlib|texts] [--resume]
+    python -m minillm eagle-taps --data DIR --out TAPS [--resume]
     python -m minillm eagle-train --data DIR [DIR ...] --out eagle.npz [--vocab 4096] [--steps 1500] [--ahead 2]
-                                  [--resume]
+                                  [--taps TAPS [TAPS ...]] [--resume]
 
 Both run for minutes to an hour on a laptop CPU; both write atomically as they go (data: one part
 file per batch of answers; training: a state file every 100 steps), so ``--resume`` continues a
@@ -23,11 +24,13 @@ from ..eagle import DEFAULT_SUBSET, EagleDraft, frequency_subset, subset_coverag
 from ..eagle_train import (
     ANSWER_TOKENS,
     EAGLE_TRAIN,
+    TAP_LAYERS,
     DraftData,
     held_out_accuracy,
     read_answers,
     train_draft,
     write_answers,
+    write_taps,
 )
 from ..registry import SMOLLM2, SMOLLM2_SHA256, load_model
 from ..train import check_add_on_run
@@ -72,6 +75,21 @@ def run_data(args) -> int:
     return 0
 
 
+def add_taps_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=SMOLLM2, help=f"the target (default {SMOLLM2})")
+    add_weights_option(p)
+    p.add_argument("--data", required=True, help="a folder written by eagle-data")
+    p.add_argument("--out", required=True, help="folder for the taps parts (one per data part)")
+    p.add_argument("--resume", action="store_true", help="keep the parts already in --out, write the rest")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def run_taps(args) -> int:
+    model, _ = load_model(args.model, weights=args.weights)
+    print(json.dumps(write_taps(model, args.data, args.out, TAP_LAYERS, args.resume, progress=not args.quiet)))
+    return 0
+
+
 def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=SMOLLM2, help=f"the target (default {SMOLLM2})")
     add_weights_option(p)  # either load: one model, one identity (checkpoint.model_identity)
@@ -93,6 +111,9 @@ def add_train_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--train-tokens", type=nonnegative_count, default=None,
                    help="train on N positions only: whole answers drawn evenly from every folder "
                    "(a data-scaling curve)")
+    p.add_argument("--taps", nargs="+", default=None, metavar="TAPS",
+                   help="eagle-taps folders, one per --data folder: the draft also reads the target's lower blocks "
+                   "(EAGLE-3's fused features) and the target hands them over at every verify")
     p.add_argument("--resume", action="store_true", help="continue from <out>.eagle-train.npz")
     p.add_argument("--overwrite", action="store_true",
                    help="replace <out> and its .eagle-train.npz, .log.json (--resume alone never replaces <out>)")
@@ -104,15 +125,17 @@ def run_train(args) -> int:
     state_path, log_path = check_add_on_run(args, (".eagle-train.npz", ".log.json"))
     t_start = time.perf_counter()
     model, tokenizer = load_model(args.model, weights=args.weights)
-    data = read_answers(args.data, model, args.parts)
+    data = read_answers(args.data, model, args.parts, args.taps)
     n = len(data["sequences"])
     counts = token_counts(data["sequences"][: n - max(1, n // 20)], model.config.vocab_size)
     subset = frequency_subset(counts, args.vocab, always=(tokenizer.eos_token_id,))
-    draft = EagleDraft.init(model, subset)
+    tap_layers = TAP_LAYERS if args.taps else ()
+    draft = EagleDraft.init(model, subset, tap_layers=tap_layers)
     pairs = DraftData(data, draft, args.train_tokens)
     tc = replace(EAGLE_TRAIN, max_steps=args.steps, batch_size=args.batch_size, lr=args.lr, min_lr=args.lr / 10)
     history = train_draft(draft, pairs, tc, state_path, args.resume, progress=not args.quiet, ahead=args.ahead)
-    rounded = EagleDraft(model, {k: to_numpy(v).astype(np.float16) for k, v in draft.params.items()}, subset)
+    rounded = EagleDraft(model, {k: to_numpy(v).astype(np.float16) for k, v in draft.params.items()}, subset,
+                         tap_layers=tap_layers)
     notes = {
         "model": str(args.model), "gguf_sha256": SMOLLM2_SHA256 if str(args.model) == SMOLLM2 else None,
         "subset_size": int(len(subset)), "coverage": subset_coverage(counts, COVERAGE_SIZES),
@@ -120,6 +143,7 @@ def run_train(args) -> int:
         "train_positions": int(len(pairs.train[0])), "held_out_positions": int(len(pairs.held[0])),
         "held_out_top1": round(held_out_accuracy(rounded, pairs), 4),  # as shipped: float16 weights
         "held_out_second_guess": round(held_out_accuracy(rounded, pairs, step=2), 4), "ahead": args.ahead,
+        "tap_layers": list(tap_layers),
         "train_time_s": history[-1]["elapsed_s"], "total_time_s": round(time.perf_counter() - t_start, 1),
         "train_config": asdict(tc), "loss_first": history[0]["loss"], "loss_last": history[-1]["loss"],
         "history": history[:: max(1, len(history) // 100)] + history[-1:],  # the curve, about 100 points

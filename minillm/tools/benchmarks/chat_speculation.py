@@ -1,6 +1,7 @@
 """``python -m minillm bench chat-speculation``: SmolLM2's chat replies, plain and speculative, beside llama.cpp.
 
-    python -m minillm bench chat-speculation [--prompts FILE.jsonl] [--engines plain,eagle,lookup,auto,llama.cpp]
+    python -m minillm bench chat-speculation [--prompts FILE.jsonl]
+                                             [--engines plain,eagle,lookup,auto,llama.cpp,llama.cpp-lookup]
                                              [--activations float32|int8]
 
 Engines, each answering every prompt in a fresh conversation, greedy, one thread, the order alternating
@@ -12,6 +13,9 @@ prompt by prompt:
     auto        the same, timing plain, eagle and lookup on its first replies and keeping the fastest
     llama.cpp   the same GGUF through llama-cpp-python (when installed), plain decoding, as many tokens as
                 minillm's plain reply
+    llama.cpp-lookup   the same with llama-cpp-python's own prompt lookup (``LlamaPromptLookupDecoding``,
+                ``--lookup-tokens`` guessed per round) in its ``generate`` loop; its replies are compared with
+                llama.cpp's plain ones (the table counts the tokens they share), not required to equal them
 
 ``--activations int8`` gives every minillm engine, plain and speculative alike, llama.cpp's arithmetic (each
 product's input rounded to int8 per block of 32); float32, exact, by default.
@@ -41,8 +45,9 @@ from ..options import add_activations_option, count, list_of, set_activations
 from .common import BenchmarkError, add_json_arg, parse_args, write_json
 from .quantized import LlamaCppEngine, cpu_name, llama_cpp_available
 
-ENGINES = ("plain", "eagle", "lookup", "auto", "llama.cpp")
+ENGINES = ("plain", "eagle", "lookup", "auto", "llama.cpp", "llama.cpp-lookup")
 MINILLM = ENGINES[:4]
+LLAMA_CPP = ENGINES[4:]
 
 
 def new_chat(engine: str, model, tok, draft_path=None):
@@ -75,16 +80,18 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=count, default=96, help="longest reply (default 96)")
     p.add_argument("--repeat", type=count, default=1, help="timed answers per prompt and engine (default 1)")
     p.add_argument("--draft", default=None, help="an EAGLE draft file (default: the one shipped for SmolLM2)")
+    p.add_argument("--lookup-tokens", type=count, default=10,
+                   help="llama.cpp-lookup's tokens per guess (default 10, llama-cpp-python's own)")
     add_activations_option(p)
     add_json_arg(p, "also write the rows and the replies' timings as JSON")
     args = parse_args(p, argv)
-    engines = args.engines or [e for e in ENGINES if e != "llama.cpp" or llama_cpp_available()]
+    engines = args.engines or [e for e in ENGINES if e not in LLAMA_CPP or llama_cpp_available()]
     unknown = sorted(set(engines) - set(ENGINES)) + sorted(set(args.kinds) - set(KINDS))
     if unknown:
         raise ValueError(f"unknown engine or kind {unknown[0]!r}: engines {', '.join(ENGINES)}; "
                          f"kinds {', '.join(KINDS)}")
-    if "llama.cpp" in engines and not llama_cpp_available():
-        raise ValueError("engine llama.cpp needs llama-cpp-python (pip install llama-cpp-python)")
+    if set(LLAMA_CPP) & set(engines) and not llama_cpp_available():
+        raise ValueError("the llama.cpp engines need llama-cpp-python (pip install llama-cpp-python)")
     prompts = [q for q in (read_prompts(args.prompts) if args.prompts else WORKLOADS) if q["kind"] in args.kinds]
     if not prompts:
         raise ValueError(f"no prompt of the kinds {', '.join(args.kinds)}")
@@ -92,11 +99,13 @@ def main(argv=None) -> int:
     model, tok = load_model(SMOLLM2)
     set_activations(model, args.activations)
     chats = {e: new_chat(e, model, tok, args.draft) for e in engines if e in MINILLM}
-    cpp = LlamaCppEngine() if "llama.cpp" in engines else None
+    cpp = {e: LlamaCppEngine(args.lookup_tokens if e == "llama.cpp-lookup" else None)
+           for e in engines if e in LLAMA_CPP}
     plain = Chat(model, tok)
     runs, same = {e: [] for e in engines}, {(e, k): 0 for e in engines for k in args.kinds}
     exact = args.activations == "float32"
     t0 = time.perf_counter()
+    cpp_replies = {}  # (engine, prompt) -> a llama.cpp engine's first reply, for the tokens lookup shares with plain
     for i, q in enumerate(prompts):
         reference = reply(plain, q["prompt"], args.max_new_tokens)  # the warm-up, and the tokens to match
         for engine, chat in chats.items():
@@ -107,11 +116,18 @@ def main(argv=None) -> int:
         for r in range(args.repeat):
             order = engines if (i + r) % 2 == 0 else engines[::-1]
             for engine in order:
-                run = (llama_cpp_reply(cpp, tok, q["prompt"], len(reference["tokens"])) if engine == "llama.cpp"
+                run = (llama_cpp_reply(cpp[engine], tok, q["prompt"], len(reference["tokens"])) if engine in cpp
                        else reply(chats[engine], q["prompt"], args.max_new_tokens))
                 runs[engine].append({"kind": q["kind"], "prompt": i, **run})
+                if engine in cpp:
+                    cpp_replies.setdefault((engine, i), run["tokens"])
+        if ("llama.cpp", i) in cpp_replies and ("llama.cpp-lookup", i) in cpp_replies:
+            reference_cpp = cpp_replies["llama.cpp", i]
+            same["llama.cpp-lookup", q["kind"]] += common_prefix_length(cpp_replies["llama.cpp-lookup", i],
+                                                                          reference_cpp)
+            same["llama.cpp", q["kind"]] += len(reference_cpp)
     base = {k: statistics.median(r["ms_per_token"] for r in runs["llama.cpp"] if r["kind"] == k)
-            for k in args.kinds} if cpp else {}
+            for k in args.kinds} if "llama.cpp" in cpp else {}
     rows = []
     for engine in engines:
         for kind in args.kinds:
@@ -122,6 +138,8 @@ def main(argv=None) -> int:
             if not exact:
                 shared = f"{same[engine, kind]} of {same['plain', kind]}" if engine in chats else ""
                 row["same tokens as plain"] = shared
+            if engine == "llama.cpp-lookup" and "llama.cpp" in cpp:
+                row["same tokens as llama.cpp"] = f"{same[engine, kind]} of {same['llama.cpp', kind]}"
             rows.append(row)
     load_after = os.getloadavg()[0]
     print(f"SmolLM2-135M chat replies, greedy, {args.activations} activations, up to {args.max_new_tokens} tokens, "
@@ -129,7 +147,7 @@ def main(argv=None) -> int:
           f"load average {load_before:.2f} before, {load_after:.2f} after, {time.perf_counter() - t0:.0f} s")
     print("every speculative reply equal to plain chat's, token for token" if exact else
           "int8 activations: replies need not equal plain chat's (the last column counts what they share)")
-    print(format_table(rows))
+    print(format_table(rows, list(dict.fromkeys(k for row in rows for k in row))))
     if "auto" in chats and chats["auto"].choice_note:
         print(chats["auto"].choice_note)
     if args.json:
