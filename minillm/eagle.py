@@ -291,13 +291,14 @@ class EagleProposer:
         self.rng = np.random.default_rng(seed)
         self.cache, self.synced = None, 0
         self.draft_calls = 0  # draft forwards, for the cost model
+        self.tap_layers = draft.tap_layers  # the target hands over these blocks' inputs too (``target_rows``)
 
     def sync(self, state: Round):
         """Feed the draft the pairs (f_j, x_{j+1}) of the positions the target just kept -> (f^, logits) of the last.
 
         The draft's cache then holds one entry per target position; what it drafted past that is dropped.
         """
-        kept = state.kept_hidden  # (m, C): the last m positions of the target's cache
+        kept = state.kept_hidden  # (m, C) (or [taps; f]): the last m positions of the target's cache
         m = kept.shape[0]
         room = state.cache.max_len + self.top_k * (1 + (self.max_depth - 1) * self.width)  # + a tree's drafts
         if self.cache is None or self.cache.max_len < room:

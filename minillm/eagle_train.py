@@ -305,10 +305,8 @@ TAPS_KIND = "EAGLE taps part"
 def tap_rows(model, ids, layers) -> np.ndarray:
     """One answer's ids (n,) -> (n - 1, len(layers), C) float16: the input of each block in ``layers`` at every
     position but the last, RMS-normed as that block reads it (its input_layernorm), by one prefill."""
-    taps = dict.fromkeys(layer - 1 for layer in layers)  # the input of block l is the stream after block l - 1
-    model.hidden(np.asarray(ids[:-1])[None], taps=taps, layers=max(layers))
-    return np.stack([to_numpy(model.add_norm(taps[layer - 1], None, f"layers.{layer}.input_layernorm")[1])[0]
-                     for layer in layers], axis=1).astype(np.float16)
+    taps = model.hidden_taps(np.asarray(ids[:-1])[None], tap_layers=layers, layers=max(layers))[1]
+    return np.stack([to_numpy(t)[0] for t in taps], axis=1).astype(np.float16)
 
 
 def check_tap_layers(model, layers) -> tuple:

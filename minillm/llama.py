@@ -256,6 +256,13 @@ class Llama(LlamaOps):
         idx, pos = token_positions(idx, cache, self.config)
         return self.blocks(self.params["embed_tokens.weight"][idx], pos, cache, layers, taps=taps)
 
+    def hidden_taps(self, idx, cache=None, tap_layers=(), layers=None) -> tuple:
+        """``hidden``, and the input of each block in ``tap_layers`` as that block reads it (after its
+        input_layernorm): EAGLE-3's lower features -> (h (B, T, C), [(B, T, C) per tap layer])."""
+        taps = dict.fromkeys(layer - 1 for layer in tap_layers)  # block l reads the stream after block l - 1
+        h = self.hidden(idx, cache, layers, taps)
+        return h, [self.add_norm(taps[layer - 1], None, f"layers.{layer}.input_layernorm")[1] for layer in tap_layers]
+
     def blocks(self, x, pos, cache=None, layers=None, ops=None, taps: dict | None = None):
         """The blocks of table ``ops`` (this model's array code by default) on a residual stream x (B, T, C) at
         positions pos -> its final RMSNorm (B, T, C); the cache advances past the T tokens.

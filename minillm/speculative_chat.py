@@ -29,7 +29,7 @@ from .chat import Chat
 from .draft_free import PromptLookup
 from .eagle import EagleProposer, load_draft
 from .generate import PREFILL_CHUNK
-from .token_tree import NoProposal, Round, verify_round
+from .token_tree import NoProposal, Round, target_rows, verify_round
 
 PLAIN = "plain"
 TRIAL_TOKENS = 32  # reply tokens each candidate decodes before "auto" compares them
@@ -75,10 +75,15 @@ class SpeculativeChat(Chat):
     def reset(self) -> None:
         super().reset()
         self.seq = []  # the token ids the cache holds, in order (a proposer reads them)
-        self.unsynced = None  # (m, C): the target's hidden states at the last m cached positions
+        self.unsynced = None  # (m, C): the target's rows (``target_rows``) at the last m cached positions
 
     def reads_features(self) -> bool:
         return any(isinstance(self.proposers[name], EagleProposer) for name in self.candidates())
+
+    def tap_layers(self) -> tuple:
+        """The blocks whose inputs an EAGLE-3 candidate reads beside the top state (none for the others)."""
+        return next((p.tap_layers for name, p in self.proposers.items() if isinstance(p, EagleProposer)
+                     and name in self.candidates()), ())
 
     def keep_rows(self, h, read: bool) -> None:
         """The hidden states h (m, C) of the m positions the cache just gained; ``read``: the draft read
@@ -92,11 +97,11 @@ class SpeculativeChat(Chat):
 
     def feed(self, ids: list):
         """The turn's new tokens into the cache in pieces, their hidden states kept -> the last one's logits (V,)."""
-        rows = [self.model.hidden(xp.asarray([ids[start : start + PREFILL_CHUNK]]), self.cache)[0]
-                for start in range(0, len(ids), PREFILL_CHUNK)]
+        pieces = [target_rows(self.model, ids[start : start + PREFILL_CHUNK], self.cache, self.tap_layers())
+                  for start in range(0, len(ids), PREFILL_CHUNK)]
         self.seq += ids
-        self.keep_rows(xp.concatenate(rows), read=False)
-        return self.model.logits(rows[-1][-1:])[0]
+        self.keep_rows(xp.concatenate([rows for _, rows in pieces]), read=False)
+        return self.model.logits(pieces[-1][0][-1:])[0]
 
     def turn(self, message: str, *args, **kwargs):
         seq = list(self.seq)
@@ -164,8 +169,8 @@ class SpeculativeChat(Chat):
                 return tokens + rest, times + rest_times, finish
             start, cached = time.perf_counter(), self.cache.length
             if name == PLAIN:  # on trial: plain chat's step, its hidden state kept for the draft
-                kept = self.model.hidden(xp.asarray([[token]]), self.cache)[0]  # (1, C)
-                emitted = [settings.next_token(self.model.logits(kept)[-1], self.rng)]
+                h, kept = target_rows(self.model, [token], self.cache, self.tap_layers())  # (1, C), its rows
+                emitted = [settings.next_token(self.model.logits(h)[-1], self.rng)]
                 self.seq += emitted
             else:
                 room = min(cache_room, max_new_tokens - len(tokens) - 1)  # a path of depth d emits d + 1 tokens

@@ -331,14 +331,24 @@ def round_inputs(pending: list, proposal: Proposal):
     return tokens, offsets, mask
 
 
+def target_rows(model, tokens: list, cache, tap_layers=()) -> tuple:
+    """The target's forward over ``tokens`` through ``cache`` -> (h (T, C), the rows a draft reads): h itself,
+    or with ``tap_layers`` (an EAGLE-3 draft's) [each tapped block's input; h] ((T, (taps + 1) C))."""
+    if not tap_layers:
+        h = model.hidden(xp.asarray([tokens]), cache)[0]
+        return h, h
+    h, taps = model.hidden_taps(xp.asarray([tokens]), cache, tap_layers)
+    return h[0], xp.concatenate([t[0] for t in taps] + [h[0]], axis=-1)
+
+
 def verify_round(model, state: Round, proposer: Proposer, rng, rule: str, cache_room: int) -> tuple:
     """One round of any loop that speculates: the proposer's tree (pruned to ``state.room``; its extra tokens
     too when ``cache_room`` positions after the root hold them), one target forward over the pending tokens
     and the tree through a ``MaskedView``, the judgement, and the accepted path's K/V compacted into place.
 
     -> (emitted tokens, appended to ``state.seq`` too; the tree verified; the accepted path's node ids; the
-    target's hidden states (m, C) at the m positions the cache gained). The last emitted token is not in the
-    cache: it is the next round's root."""
+    target's rows (m, C) at the m positions the cache gained, ``target_rows``' for the proposer's
+    ``tap_layers`` if it has any). The last emitted token is not in the cache: it is the next round's root."""
     seq, cache, room = state.seq, state.cache, state.room
     pending = seq[len(seq) - state.n_pending:]
     proposal = proposer.propose(state)
@@ -352,7 +362,7 @@ def verify_round(model, state: Round, proposer: Proposer, rng, rule: str, cache_
         proposal = Proposal(tree)
     tokens, offsets, mask = round_inputs(pending, proposal)
     view = MaskedView(cache, offsets, mask)
-    h = model.hidden(xp.asarray([tokens]), view)[0]  # (T, C)
+    h, rows = target_rows(model, tokens, view, getattr(proposer, "tap_layers", ()))  # (T, C), what a draft reads
     n0 = len(pending) - 1
     logits = model.logits(h[n0 : n0 + tree.size])  # (n, V)
     emitted, path = judge_tree(tree, logits, state.settings, rng, rule, proposal.draft_probs)
@@ -361,7 +371,7 @@ def verify_round(model, state: Round, proposer: Proposer, rng, rule: str, cache_
     extra_logits = model.logits(h[n0 + tree.size :]) if proposal.extra_tokens else None
     seq += emitted
     proposer.observe(state, emitted, extra_logits)
-    return emitted, tree, path, h[xp.asarray(kept)]
+    return emitted, tree, path, rows[xp.asarray(kept)]
 
 
 def tree_generate(model, prompt_ids, max_new_tokens, proposer: Proposer, temperature=0.0, top_k=None,
@@ -400,7 +410,7 @@ def tree_generate(model, prompt_ids, max_new_tokens, proposer: Proposer, tempera
         emitted, tree, path, kept_hidden = verify_round(model, state, proposer, rng, rule, cache_room)
         stats.target_calls += 1
         stats.record_round(tree.depth, len(path) - 1, verified=tree.size - 1)
-        hidden = kept_hidden[-1]
+        hidden = kept_hidden[-1, -model.config.n_embd :]  # the top state (the row ends with it)
         pending = [emitted[-1]]
         synchronize()
         t1 = time.perf_counter()

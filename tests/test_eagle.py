@@ -57,6 +57,16 @@ def draft(target):
     return d
 
 
+@pytest.fixture(scope="module")
+def fused(target):
+    """An EAGLE-3 draft: it also reads the input of block 1, through its fuse; every weight moved."""
+    d = EagleDraft.init(target, SUBSET, seed=1, tap_layers=(1,))
+    rng = np.random.default_rng(2)
+    for p in d.params.values():
+        p += rng.normal(0.0, 0.3, p.shape).astype(np.float32)
+    return d
+
+
 # ----------------------------------------------------------------------------------------------
 # the backward pass, by finite differences
 
@@ -353,7 +363,9 @@ def joint(table, V):
 @USES
 @pytest.mark.parametrize("mode", [pytest.param("chain", marks=pytest.mark.uses_exercise("11.3")), "tree"])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
-def test_a_round_is_lossless(target, draft, mode, temperature):
+@pytest.mark.parametrize("kind", ["draft", "fused"])
+def test_a_round_is_lossless(target, request, kind, mode, temperature):
+    draft = request.getfixturevalue(kind)
     settings = SamplingSettings(temperature)
     table = target_table(target, PROMPT, settings)
     proposer = EagleProposer(draft, mode, depth=2, top_k=2, width=2, max_nodes=6, seed=3)
@@ -394,9 +406,13 @@ def test_the_harness_rejects_a_wrong_draft_distribution(target, draft, bug):
 
 
 def reference_chain(target, draft, seq, depth):
-    """The draft's greedy chain after seq, with no cache: all pairs (f_j, x_{j+1}) in one forward."""
-    f = target.hidden(np.array([seq[:-1]]))[0]  # the target's features of every position but the root's
-    feats, tokens = list(to_numpy(f)), list(seq[1:])
+    """The draft's greedy chain after seq, with no cache: all pairs (f_j, x_{j+1}) in one forward (a fused
+    draft's f_j: its fuse of [the tapped blocks' inputs; f_j], computed here)."""
+    f, taps = target.hidden_taps(np.array([seq[:-1]]), tap_layers=draft.tap_layers)  # every position but the root's
+    f = to_numpy(f[0])
+    if draft.tap_layers:
+        f = np.concatenate([to_numpy(t[0]) for t in taps] + [f], axis=1) @ to_numpy(draft.params["fuse.weight"]).T
+    feats, tokens = list(f), list(seq[1:])
     chain = []
     for _ in range(depth):
         f_hat, logits = draft.step(np.array(feats), tokens)
@@ -440,7 +456,10 @@ def drafted_rounds(target, draft, cls):
 
 
 @USES
-def test_each_round_drafts_what_a_recompute_drafts(target, draft):
+@pytest.mark.parametrize("kind", ["draft", "fused"])
+def test_each_round_drafts_what_a_recompute_drafts(target, request, kind):
+    """A fused draft too: the target hands over the tapped block's input at every position it keeps."""
+    draft = request.getfixturevalue(kind)
     rounds = drafted_rounds(target, draft, Recording)
     assert len(rounds) >= 3
     for seq, chain in rounds:
@@ -565,7 +584,9 @@ def test_a_tree_fed_level_by_level_equals_one_forward_over_every_node(target, dr
 @USES
 @pytest.mark.parametrize("mode", ["chain", "tree"])
 @pytest.mark.parametrize("n_new", [10, 60])  # 60 runs past block_size = 40: the window slides
-def test_greedy_output_is_plain_decoding(target, draft, mode, n_new):
+@pytest.mark.parametrize("kind", ["draft", "fused"])
+def test_greedy_output_is_plain_decoding(target, request, kind, mode, n_new):
+    draft = request.getfixturevalue(kind)
     proposer = EagleProposer(draft, mode, depth=4, top_k=2, width=2, max_nodes=8)
     out = tree_generate(target, PROMPT, n_new, proposer, temperature=0.0)
     assert out.tokens == generate(target, PROMPT, n_new, temperature=0.0).tokens
