@@ -176,7 +176,8 @@ class SpeculativeChat(Chat):
                 room = min(cache_room, max_new_tokens - len(tokens) - 1)  # a path of depth d emits d + 1 tokens
                 state = Round(self.seq, 1, self.cache, None, room, self.unsynced, settings)
                 proposer = self.proposers[name]
-                emitted, _, _, kept = verify_round(self.model, state, proposer, self.rng, "exact", cache_room)
+                emitted, _, _, kept = verify_round(self.model, state, proposer, self.rng, "exact", cache_room,
+                                                   self.tap_layers())  # the rows the draft reads, whoever drafts
             now = time.perf_counter()
             self.keep_rows(kept, read=getattr(self.proposers[name], "synced", None) == cached)  # the draft read them
             if self.chosen is None:

@@ -341,14 +341,14 @@ def target_rows(model, tokens: list, cache, tap_layers=()) -> tuple:
     return h[0], xp.concatenate([t[0] for t in taps] + [h[0]], axis=-1)
 
 
-def verify_round(model, state: Round, proposer: Proposer, rng, rule: str, cache_room: int) -> tuple:
+def verify_round(model, state: Round, proposer: Proposer, rng, rule: str, cache_room: int, tap_layers=None) -> tuple:
     """One round of any loop that speculates: the proposer's tree (pruned to ``state.room``; its extra tokens
     too when ``cache_room`` positions after the root hold them), one target forward over the pending tokens
     and the tree through a ``MaskedView``, the judgement, and the accepted path's K/V compacted into place.
 
     -> (emitted tokens, appended to ``state.seq`` too; the tree verified; the accepted path's node ids; the
-    target's rows (m, C) at the m positions the cache gained, ``target_rows``' for the proposer's
-    ``tap_layers`` if it has any). The last emitted token is not in the cache: it is the next round's root."""
+    target's rows (m, C) at the m positions the cache gained: ``target_rows``' for ``tap_layers``, by default
+    the proposer's if it has any). The last emitted token is not in the cache: it is the next round's root."""
     seq, cache, room = state.seq, state.cache, state.room
     pending = seq[len(seq) - state.n_pending:]
     proposal = proposer.propose(state)
@@ -362,7 +362,8 @@ def verify_round(model, state: Round, proposer: Proposer, rng, rule: str, cache_
         proposal = Proposal(tree)
     tokens, offsets, mask = round_inputs(pending, proposal)
     view = MaskedView(cache, offsets, mask)
-    h, rows = target_rows(model, tokens, view, getattr(proposer, "tap_layers", ()))  # (T, C), what a draft reads
+    taps = getattr(proposer, "tap_layers", ()) if tap_layers is None else tap_layers
+    h, rows = target_rows(model, tokens, view, taps)  # (T, C), what a draft reads
     n0 = len(pending) - 1
     logits = model.logits(h[n0 : n0 + tree.size])  # (n, V)
     emitted, path = judge_tree(tree, logits, state.settings, rng, rule, proposal.draft_probs)
