@@ -1,5 +1,6 @@
 """``bench real-speculation``'s own logic on a tiny Llama: the cost model, the greedy identity check
-before timing (a method whose output differs is refused, nothing timed), and the JSON keys."""
+before timing (a method whose output differs is refused, nothing timed), every run ending with the reply's end
+of turn, and the JSON keys."""
 
 import argparse
 
@@ -23,14 +24,15 @@ def test_interpolate_and_the_cost_model():
     assert rs.interpolate(costs, 3) == pytest.approx(1.4)
     assert rs.interpolate(costs, 9) == 1.6 and rs.interpolate(costs, 0.5) == 1.0
     cell = rs.Cell(accepted=20, checked=25, rounds=10, new_tokens=30, target_calls=10, verified=30, draft_s=0.1,
-                   draft_calls=40, ratios=[1.5, 1.7, 1.6])
+                   draft_calls=40, ratios=[1.5, 1.7, 1.6], whole_ratios=[1.2, 1.3, 1.1])
     (row,) = rs.rows_of({("eagle-chain", "chat", 0.0): cell}, t_step=0.05, costs=costs)
     # tau = (20 + 10) / 10 = 3; n = 1 + 30 / 10 = 4 -> v 1.6; c = 0.1 / 10 / 0.05 = 0.2 -> 3 / 1.8
     assert row["tau"] == 3.0 and row["v_n"] == 1.6 and row["draft_c"] == 0.2
     assert row["predicted_speedup"] == pytest.approx(3 / 1.8, abs=0.01) and row["speedup"] == 1.6
+    assert row["speedup_with_prefill"] == 1.2
     assert row["alpha"] == 0.8
     assert row["c_per_forward"] == pytest.approx(0.1 / 40 / 0.05)  # a draft forward against a target step
-    no_draft = rs.Cell(rounds=1, target_calls=1, draft_s=0.1, ratios=[1.0])
+    no_draft = rs.Cell(rounds=1, target_calls=1, draft_s=0.1, ratios=[1.0], whole_ratios=[1.0])
     assert rs.rows_of({("lookup", "chat", 0.0): no_draft}, t_step=0.05, costs=costs)[0]["c_per_forward"] is None
 
 
@@ -41,7 +43,7 @@ def test_a_method_that_changes_the_greedy_output_is_refused(monkeypatch):
     proposers = {"eagle-chain": EagleProposer(draft), "lookup": PromptLookup()}
     cells = {(m, "chat", 0.0): rs.Cell() for m in proposers}
     ids = [1, 2, 3, 4, 1, 2]
-    rs.run_prompt(model, ids, ARGS, list(proposers), proposers, 0.0, cells, "chat", seed=0)
+    rs.run_prompt(model, ids, ARGS, list(proposers), proposers, 0.0, cells, "chat", seed=0, eos=-1)
     assert all(c.identical and len(c.ratios) == 1 and c.rounds > 0 for c in cells.values())
     assert cells[("eagle-chain", "chat", 0.0)].draft_calls >= cells[("eagle-chain", "chat", 0.0)].rounds
     real = rs.tree_generate
@@ -53,4 +55,27 @@ def test_a_method_that_changes_the_greedy_output_is_refused(monkeypatch):
 
     monkeypatch.setattr(rs, "tree_generate", off_by_one)
     with pytest.raises(BenchmarkError, match="eagle-chain: greedy output differs from plain decoding"):
-        rs.run_prompt(model, ids, ARGS, list(proposers), proposers, 0.0, cells, "chat", seed=0)
+        rs.run_prompt(model, ids, ARGS, list(proposers), proposers, 0.0, cells, "chat", seed=0, eos=-1)
+
+
+def test_reply_length_ends_with_the_end_of_turn():
+    assert rs.reply_length([5, 3, 7, 9, 1, 2, 3, 4, 5, 6, 7, 8], eos=6, longest=12) == 10  # through the eos
+    assert rs.reply_length([5, 3, 7, 9, 1, 2, 3, 4, 5, 6], eos=15, longest=10) == 10  # none: all of them
+    assert rs.reply_length([5, 7, 9], eos=7, longest=12) == rs.MIN_REPLY  # a reply of 2: still 8 timed tokens
+    assert rs.reply_length([5, 7, 9], eos=7, longest=4) == 4
+
+
+@USES
+def test_every_run_stops_at_the_replys_end_of_turn():
+    """The model wrote on past its end of turn and those tokens were timed too: a grounded reply of 40 tokens
+    in 96 left 56 tokens of whatever came after it in every speed-up."""
+    model = Llama.init(CFG, seed=1)
+    proposers = {"lookup": PromptLookup()}
+    ids = [1, 2, 3, 4, 1, 2]
+    tokens = rs.generate(model, ids, ARGS.max_new_tokens, temperature=0.0).tokens
+    eos = tokens[9]
+    want = rs.reply_length(tokens, eos, ARGS.max_new_tokens)
+    assert rs.MIN_REPLY <= want < ARGS.max_new_tokens, (tokens, want)  # the reply ends before the limit
+    cells = {("lookup", "chat", 0.0): rs.Cell()}
+    rs.run_prompt(model, ids, ARGS, ["lookup"], proposers, 0.0, cells, "chat", seed=0, eos=eos)
+    assert cells[("lookup", "chat", 0.0)].new_tokens == want

@@ -15,10 +15,13 @@ The model keeps its file's Q8_0 / Q4_1 blocks (``--weights q``, the default: eve
 kernel) or dequantizes them to float32 (``--weights fp32``); float32 products, plain and speculative alike, run
 on the fast weight products (``backend.weight_product``; ``--products blas`` for the reference). Each prompt
 (default: ``workloads.WORKLOADS``; FILE: one {"prompt", "kind"} per line) is put in the chat template. Per
-prompt and temperature: plain decoding (``generate``) once, as a warm-up and, greedy, as the reference; per
-method a warm-up run that gives the counters and, greedy, must equal the reference token for token (``BenchmarkError``
-otherwise: nothing wrong is timed); then ``--repeat`` alternating pairs (plain, method), timed. A
-method's speed-up for a kind is the median over its prompts of (plain seconds / method seconds).
+prompt and temperature: plain decoding (``generate``) once, as a warm-up and, greedy, as the reference; it
+fixes the reply's length, up to and including its end of turn (at most ``--max-new-tokens``, at least 8):
+every run of the prompt writes that many tokens, so nothing past the reply's end is timed. Per method a
+warm-up run that gives the counters and, greedy, must equal the reference token for token (``BenchmarkError``
+otherwise: nothing wrong is timed); then ``--repeat`` alternating pairs (plain, method), timed. A method's
+speed-up for a kind is the median over its prompts of (plain / method) decode time per token after the first
+token (after the first round's tokens for the method; ``speedup_with_prefill``: whole runs, prompt included).
 
 The cost model beside it: one round costs a verify of n tokens, v(n) decode steps (measured here as
 ``measure.step_time`` ratios at the workload's context), plus the draft's time, c decode steps (the
@@ -77,7 +80,8 @@ class Cell:
     draft_s: float = 0.0
     draft_calls: int = 0
     identical: bool = True
-    ratios: list = field(default_factory=list)
+    ratios: list = field(default_factory=list)  # plain / method time per token after the first
+    whole_ratios: list = field(default_factory=list)  # plain / method seconds of the whole run, prefill included
 
     def add(self, stats, draft_s: float, draft_calls: int) -> None:
         self.accepted += stats.accepted
@@ -103,18 +107,31 @@ def interpolate(costs: dict, n: float) -> float:
     return costs[lo] if lo == hi else costs[lo] + (costs[hi] - costs[lo]) * (n - lo) / (hi - lo)
 
 
-def run_prompt(model, ids, args, methods, proposers, temperature, cells, kind, seed):
-    """One prompt at one temperature: warm-ups, the greedy check, then alternating timed pairs."""
+MIN_REPLY = 8  # the fewest new tokens a timed run writes
+
+
+def reply_length(tokens: list, eos: int, longest: int) -> int:
+    """New tokens up to and including the first end of turn (all when there is none), at least MIN_REPLY (or
+    ``longest`` if fewer)."""
+    n = tokens.index(eos) + 1 if eos in tokens else len(tokens)
+    return max(n, min(MIN_REPLY, longest))
+
+
+def run_prompt(model, ids, args, methods, proposers, temperature, cells, kind, seed, eos):
+    """One prompt at one temperature: warm-ups, the reply's length, the greedy check, then alternating timed
+    pairs."""
+    n_new = reply_length(generate(model, ids, args.max_new_tokens, temperature=temperature, seed=seed).tokens, eos,
+                         args.max_new_tokens)
 
     def plain():
-        return generate(model, ids, args.max_new_tokens, temperature=temperature, seed=seed)
+        return generate(model, ids, n_new, temperature=temperature, seed=seed)
 
     reference = plain()
     for method in methods:
         wrapped = TimedProposer(proposers[method])
 
         def spec(w=wrapped):
-            return tree_generate(model, ids, args.max_new_tokens, w, temperature=temperature, seed=seed)
+            return tree_generate(model, ids, n_new, w, temperature=temperature, seed=seed)
 
         calls = getattr(proposers[method], "draft_calls", 0)  # a draft's forwards (a proposer that has one)
         result = spec()
@@ -124,11 +141,14 @@ def run_prompt(model, ids, args, methods, proposers, temperature, cells, kind, s
             cell.identical = False
             raise BenchmarkError(f"{method}: greedy output differs from plain decoding on a {kind} prompt")
         cell.add(result.stats, wrapped.seconds, calls)
-        plain_s, spec_s = [], []
+        plain_runs, spec_runs = [], []
         for _ in range(args.repeat):
-            plain_s.append(timed(plain)[0])
-            spec_s.append(timed(spec)[0])
-        cell.ratios.append(statistics.median(plain_s) / statistics.median(spec_s))
+            plain_runs.append(timed(plain))
+            spec_runs.append(timed(spec))
+        cell.ratios.append(statistics.median(r.stats.tpot_s for _, r in plain_runs)
+                           / statistics.median(r.stats.tpot_s for _, r in spec_runs))
+        cell.whole_ratios.append(statistics.median(s for s, _ in plain_runs)
+                                 / statistics.median(s for s, _ in spec_runs))
 
 
 def rows_of(cells: dict, t_step: float, costs: dict) -> list[dict]:
@@ -145,7 +165,8 @@ def rows_of(cells: dict, t_step: float, costs: dict) -> list[dict]:
                      "verify_n": round(n, 1), "v_n": round(v, 2), "draft_c": round(draft_c, 2),
                      "c_per_forward": round(c.draft_s / c.draft_calls / t_step, 3) if c.draft_calls else None,
                      "predicted_speedup": round(tau / (v + draft_c), 2),
-                     "speedup": round(statistics.median(c.ratios), 2), "prompts": len(c.ratios)})
+                     "speedup": round(statistics.median(c.ratios), 2),
+                     "speedup_with_prefill": round(statistics.median(c.whole_ratios), 2), "prompts": len(c.ratios)})
     return rows
 
 
@@ -194,14 +215,15 @@ def main(argv=None) -> int:
     cells = {(m, k, t): Cell() for m in args.methods for k in KINDS for t in args.temperatures}
     for i, (kind, ids) in enumerate(encoded):
         for temperature in args.temperatures:
-            run_prompt(model, ids, args, args.methods, proposers, temperature, cells, kind, seed=i)
+            run_prompt(model, ids, args, args.methods, proposers, temperature, cells, kind, seed=i,
+                       eos=tok.eos_token_id)
         print(f"  prompt {i + 1}/{len(encoded)} ({kind}) done", flush=True)
     rows = rows_of(cells, t_step, costs)
     print(format_table(rows, ["method", "kind", "temperature", "identical", "alpha", "tau", "tokens_per_call",
                               "verify_n", "v_n", "draft_c", "c_per_forward", "predicted_speedup", "speedup",
-                              "prompts"]))
+                              "speedup_with_prefill", "prompts"]))
     if args.json:
         keys = ("method", "kind", "temperature", "identical", "alpha", "tau", "tokens_per_call", "predicted_speedup",
-                "speedup")
+                "speedup", "speedup_with_prefill")
         write_json(args.json, [{k: r[k] for k in keys} for r in rows])
     return 0
