@@ -326,6 +326,51 @@ def test_decode_benchmark_engines_load_what_they_name(monkeypatch):
     assert engines == {"q": "float32", "q-int8": "int8", "fp32": "float32"} and loads == ["q", "q", "fp32"]
 
 
+def test_llama_cpp_lookup_engine_drafts_with_llama_cpps_own_lookup(monkeypatch):
+    """bench chat-speculation's llama.cpp-lookup: llama-cpp-python's LlamaPromptLookupDecoding with the tokens asked
+    for, its generate loop greedy (temperature 0), stopped after exactly the tokens wanted (the loop never ends by
+    itself); a fake llama_cpp stands in for the optional package."""
+    import types as pytypes
+
+    from minillm import registry
+    from minillm.tools.benchmarks import quantized
+
+    made, calls = {}, []
+
+    class Lookup:
+        def __init__(self, num_pred_tokens):
+            made["num_pred_tokens"] = num_pred_tokens
+
+    class Llama:
+        def __init__(self, **kwargs):
+            made.update(kwargs)
+
+        def reset(self):
+            calls.append("reset")
+
+        def generate(self, prompt, temp, reset):
+            calls.append(("generate", list(prompt), temp, reset))
+            token = 100
+            while True:
+                token += 1
+                yield token
+
+    fake = pytypes.ModuleType("llama_cpp")
+    fake.Llama = Llama
+    speculative = pytypes.ModuleType("llama_cpp.llama_speculative")
+    speculative.LlamaPromptLookupDecoding = Lookup
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative", speculative)
+    monkeypatch.setattr(quantized, "no_extra_buffers", lambda: None)
+    monkeypatch.setattr(registry, "smollm2_path", lambda: "model.gguf")
+    engine = quantized.LlamaCppEngine(lookup=4)
+    assert made["num_pred_tokens"] == 4 and isinstance(made["draft_model"], Lookup) and made["n_threads"] == 1
+    tokens, first_s, per_token_s = engine.answer([1, 2, 3], 5)
+    assert tokens == [101, 102, 103, 104, 105] and first_s >= 0 and per_token_s >= 0
+    assert calls == ["reset", ("generate", [1, 2, 3], 0.0, True)]
+    assert quantized.LlamaCppEngine().llm is not None and made["draft_model"] is None  # plain: no draft
+
+
 def test_decode_benchmark_says_when_an_engine_process_dies():
     """An engine whose process dies in native code (llama.cpp on a CPU whose AMX tiles the machine does not grant)
     is one line naming the engine and the exit code, not a traceback of the pipe."""
