@@ -305,7 +305,7 @@ TAPS_KIND = "EAGLE taps part"
 def tap_rows(model, ids, layers) -> np.ndarray:
     """One answer's ids (n,) -> (n - 1, len(layers), C) float16: the input of each block in ``layers`` at every
     position but the last, RMS-normed as that block reads it (its input_layernorm), by one prefill."""
-    taps = model.hidden_taps(np.asarray(ids[:-1])[None], tap_layers=layers, layers=max(layers))[1]
+    taps = model.hidden_taps(np.asarray(ids[:-1])[None], tap_layers=layers, layers=max(layers) + 1)[1]
     return np.stack([to_numpy(t)[0] for t in taps], axis=1).astype(np.float16)
 
 

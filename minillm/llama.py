@@ -102,14 +102,19 @@ def check_llama_params(config: LlamaConfig, params: dict) -> dict:
     return check_params(config, params | shapes, "Llama") | blocks
 
 
-def llama_block(ops, layer: int, x, h, cache, rope):
+def llama_block(ops, layer: int, x, h, cache, rope, taps: dict | None = None):
     """One Llama block over the table ``ops``, the previous block's MLP output h added first (none before the
     first block), RoPE's tables ``rope`` (from ``ops.rope(pos)``) turning q and k:
 
         x = x + h;   x = x + attn(rms_norm(x));   h = swiglu(rms_norm(x))       -> (x, h), each (B, T, C)
+
+    ``taps`` ({layer: None, ...}, optional) gets the block's input as it reads it, rms_norm(x + h), when it names
+    this block (EAGLE-3's low and middle features).
     """
     b = f"layers.{layer}."
     x, n = ops.add_norm(x, h, b + "input_layernorm")  # x = x + h;  n = rms_norm(x)
+    if taps is not None and layer in taps:
+        taps[layer] = n
     y = ops.attend(layer, ops.product(n, b + "qkv"), cache, rope)  # q|k|v in one product -> heads merged (B, T, C)
     x, n = ops.add_norm(x, ops.product(y, b + "self_attn.o_proj"), b + "post_attention_layernorm")
     return x, ops.product(ops.act(ops.product(n, b + "gate_up")), b + "mlp.down_proj")  # (B, T, 2H) -> (B, T, C)
@@ -117,13 +122,10 @@ def llama_block(ops, layer: int, x, h, cache, rope):
 
 def llama_blocks(ops, x, pos, cache, layers: int, taps: dict | None = None):
     """``layers`` blocks on the residual stream x (B, T, C) at positions pos, then the last add and the
-    final RMSNorm -> (B, T, C). ``taps`` ({layer: None, ...}) gets the residual stream after each of those
-    blocks (EAGLE-3's low and middle features)."""
+    final RMSNorm -> (B, T, C); ``taps`` as in ``llama_block``."""
     rope, h = ops.rope(pos), None
     for layer in range(layers):
-        x, h = llama_block(ops, layer, x, h, cache, rope)
-        if taps is not None and layer in taps:
-            taps[layer] = x + h
+        x, h = llama_block(ops, layer, x, h, cache, rope, taps)
     return ops.add_norm(x, h, "norm")[1]
 
 
@@ -259,9 +261,9 @@ class Llama(LlamaOps):
     def hidden_taps(self, idx, cache=None, tap_layers=(), layers=None) -> tuple:
         """``hidden``, and the input of each block in ``tap_layers`` as that block reads it (after its
         input_layernorm): EAGLE-3's lower features -> (h (B, T, C), [(B, T, C) per tap layer])."""
-        taps = dict.fromkeys(layer - 1 for layer in tap_layers)  # block l reads the stream after block l - 1
+        taps = dict.fromkeys(tap_layers)
         h = self.hidden(idx, cache, layers, taps)
-        return h, [self.add_norm(taps[layer - 1], None, f"layers.{layer}.input_layernorm")[1] for layer in tap_layers]
+        return h, [taps[layer] for layer in tap_layers]
 
     def blocks(self, x, pos, cache=None, layers=None, ops=None, taps: dict | None = None):
         """The blocks of table ``ops`` (this model's array code by default) on a residual stream x (B, T, C) at
