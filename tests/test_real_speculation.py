@@ -67,8 +67,8 @@ def test_reply_length_ends_with_the_end_of_turn():
 
 @USES
 def test_every_run_stops_at_the_replys_end_of_turn():
-    """The model wrote on past its end of turn and those tokens were timed too: a grounded reply of 40 tokens
-    in 96 left 56 tokens of whatever came after it in every speed-up."""
+    """The model wrote on past its end of turn and those tokens were timed too: a reply shorter than
+    --max-new-tokens put whatever came after it into every speed-up."""
     model = Llama.init(CFG, seed=1)
     proposers = {"lookup": PromptLookup()}
     ids = [1, 2, 3, 4, 1, 2]
