@@ -108,6 +108,16 @@ def subset_coverage(counts, sizes) -> dict:
 # the draft
 
 
+def check_tap_layers(config, layers) -> tuple:
+    """EAGLE-3's tap layers, the blocks whose input a draft reads beside the top state: distinct ints in
+    1..n_layer - 1 -> a tuple; ValueError otherwise."""
+    layers = list(layers)
+    if not layers or len(set(layers)) != len(layers) or not all(
+            isinstance(t, (int, np.integer)) and not isinstance(t, bool) and 1 <= t < config.n_layer for t in layers):
+        raise ValueError(f"tap layers must be distinct blocks in 1..{config.n_layer - 1}, got {layers}")
+    return tuple(int(t) for t in layers)
+
+
 def draft_param_shapes(config, subset_size: int, taps: int = 0) -> dict:
     """The trained parameters: fc (C, 2C) [out, in], one decoder layer and the final norm of the target's shape;
     with ``taps`` lower features, EAGLE-3's fuse (C, (taps + 1) C) too."""
@@ -147,7 +157,7 @@ class EagleDraft:
         self.subset = subset  # (V',) sorted
         self.to_subset = np.full(cfg.vocab_size, -1, dtype=np.int64)  # full id -> subset index, -1 outside
         self.to_subset[subset] = np.arange(len(subset))
-        self.tap_layers = tuple(int(layer) for layer in tap_layers)  # EAGLE-3: the blocks whose input is fused in
+        self.tap_layers = check_tap_layers(cfg, tap_layers) if len(tap_layers) else ()  # EAGLE-3's fused inputs
         shapes = draft_param_shapes(cfg, len(subset), len(self.tap_layers))
         for name, shape in shapes.items():
             if name not in params or tuple(params[name].shape) != shape:
@@ -246,9 +256,14 @@ def draft_layout(header: dict, target, path) -> dict:
     check_trained_for(header, target, path, DRAFT_KIND, DRAFT_RETRAIN)
     size = check_int("its draft vocabulary size (subset_size)", header.get("subset_size"), 1, target.config.vocab_size)
     taps = header.get("tap_layers", [])
-    if not isinstance(taps, list) or not all(isinstance(t, int) and 1 <= t < target.config.n_layer for t in taps):
+    try:
+        if not isinstance(taps, list):
+            raise ValueError
+        if taps:
+            check_tap_layers(target.config, taps)
+    except ValueError:
         raise CheckpointError(f"inconsistent {DRAFT_KIND} {path}: tap_layers must list blocks in "
-                              f"1..{target.config.n_layer - 1}")
+                              f"1..{target.config.n_layer - 1}") from None
     shapes = draft_param_shapes(target.config, size, len(taps))
     return {name: (shape, FLOAT_WEIGHTS) for name, shape in shapes.items()} | {"subset": ((size,), TOKEN_IDS)}
 

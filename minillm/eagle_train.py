@@ -46,6 +46,7 @@ from .checkpoint import (
     model_identity,
     read_npz,
 )
+from .eagle import check_tap_layers
 from .kv_cache import KVCache
 from .llama import LlamaOps, grouped_attention, llama_blocks, stacked_weights
 from .nn import merge_heads, silu, split_heads
@@ -276,6 +277,7 @@ def read_folder(data_dir, model, max_parts: int | None = None, taps_dir=None, ta
         raise ValueError(f"{data_dir} lacks part-{missing[0]:05d}.npz ({len(missing)} of {n_parts} parts missing): "
                          "finish it with eagle-data --resume and the arguments it was written with")
     taps = {} if taps_dir is None else data_parts(taps_dir)
+    tap_layers = check_tap_layers(model.config, tap_layers) if taps_dir is not None else ()
     if taps_dir is not None and any(g not in taps for g in wanted):
         raise ValueError(f"{taps_dir} lacks taps parts of {data_dir}: finish it with eagle-taps --resume")
     out = {"sequences": [], "features": [], "kinds": [], "temperatures": [], "prompt_lengths": [],
@@ -285,7 +287,7 @@ def read_folder(data_dir, model, max_parts: int | None = None, taps_dir=None, ta
         lengths = np.asarray(header["lengths"])
         features = arrays["features"]
         if taps_dir is not None:
-            low = read_taps(taps[g], model, header["lengths"], check_tap_layers(model, tap_layers), g)
+            low = read_taps(taps[g], model, header["lengths"], tap_layers, g)
             features = np.concatenate([low.reshape(len(low), -1), features], axis=1)
         out["sequences"] += np.split(arrays["ids"], np.cumsum(lengths)[:-1])
         out["features"] += np.split(features, np.cumsum(lengths - 1)[:-1])
@@ -296,7 +298,7 @@ def read_folder(data_dir, model, max_parts: int | None = None, taps_dir=None, ta
 
 
 # ----------------------------------------------------------------------------------------------
-# EAGLE-3's lower features: the residual stream at a low and a middle block of each answer
+# EAGLE-3's lower features: the input of a low and a middle block at every position of each answer
 
 TAPS_FORMAT = "minillm-eagle-taps-1"
 TAPS_KIND = "EAGLE taps part"
@@ -309,20 +311,13 @@ def tap_rows(model, ids, layers) -> np.ndarray:
     return np.stack([to_numpy(t)[0] for t in taps], axis=1).astype(np.float16)
 
 
-def check_tap_layers(model, layers) -> tuple:
-    layers = tuple(int(layer) for layer in layers)
-    if not layers or any(not 1 <= layer < model.config.n_layer for layer in layers) or len(set(layers)) != len(layers):
-        raise ValueError(f"tap layers must be distinct blocks in 1..{model.config.n_layer - 1}, got {list(layers)}")
-    return layers
-
-
 def write_taps(model, data_dir, out_dir, layers=TAP_LAYERS, resume: bool = False, progress: bool = True) -> dict:
     """For every part of an eagle-data folder, the same answers' features at ``layers`` (``tap_rows``) -> a part
     file of the same number in out_dir: "taps" (sum(n - 1), len(layers), C) float16, its header the source part's
     answer lengths and the tap layers (``read_taps`` checks both). ``resume`` keeps the parts already there."""
     from tqdm import tqdm
 
-    layers = check_tap_layers(model, layers)
+    layers = check_tap_layers(model.config, layers)
     found, existing = data_parts(data_dir), data_parts(out_dir)
     if 0 not in found:
         raise ValueError(f"{data_dir} holds no EAGLE data parts (part-00000.npz): run {DATA_COMMAND}")
