@@ -216,6 +216,7 @@ class SpecStats(Throughput):
     ttft_s: float = 0.0  # prompt in -> first round's tokens out (includes both prefills)
     total_s: float = 0.0
     round_times_s: list = field(default_factory=list)
+    accept_s: float = 0.0  # seconds spent judging the target's rows (a token tree's loop: softmax, acceptance)
 
     def __post_init__(self):
         self.accepted_at = self.accepted_at or [0] * self.k

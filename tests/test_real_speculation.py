@@ -24,16 +24,31 @@ def test_interpolate_and_the_cost_model():
     assert rs.interpolate(costs, 3) == pytest.approx(1.4)
     assert rs.interpolate(costs, 9) == 1.6 and rs.interpolate(costs, 0.5) == 1.0
     cell = rs.Cell(accepted=20, checked=25, rounds=10, new_tokens=30, target_calls=10, verified=30, draft_s=0.1,
-                   draft_calls=40, ratios=[1.5, 1.7, 1.6], whole_ratios=[1.2, 1.3, 1.1])
-    (row,) = rs.rows_of({("eagle-chain", "chat", 0.0): cell}, t_step=0.05, costs=costs)
-    # tau = (20 + 10) / 10 = 3; n = 1 + 30 / 10 = 4 -> v 1.6; c = 0.1 / 10 / 0.05 = 0.2 -> 3 / 1.8
-    assert row["tau"] == 3.0 and row["v_n"] == 1.6 and row["draft_c"] == 0.2
-    assert row["predicted_speedup"] == pytest.approx(3 / 1.8, abs=0.01) and row["speedup"] == 1.6
+                   draft_calls=40, accept_s=0.05, ratios=[1.5, 1.7, 1.6], whole_ratios=[1.2, 1.3, 1.1])
+    sampling = {0.0: 0.001, 1.0: 0.03}
+    (row,) = rs.rows_of({("eagle-chain", "chat", 0.0): cell}, t_step=0.05, costs=costs, sampling=sampling)
+    # tau = (20 + 10) / 10 = 3; n = 1 + 30 / 10 = 4 -> v 1.6; c = 0.1 / 10 / 0.05 = 0.2; a = 0.05 / 10 / 0.05 = 0.1
+    assert row["tau"] == 3.0 and row["v_n"] == 1.6 and row["draft_c"] == 0.2 and row["accept_a"] == 0.1
+    assert row["predicted_speedup"] == pytest.approx(3 * 1.001 / 1.9, abs=0.01) and row["speedup"] == 1.6
+    (hot,) = rs.rows_of({("eagle-chain", "chat", 1.0): cell}, t_step=0.05, costs=costs, sampling=sampling)
+    assert hot["sample_s"] == 0.03 and hot["predicted_speedup"] == pytest.approx(3 * 1.03 / 1.9, abs=0.01)
     assert row["speedup_with_prefill"] == 1.2
     assert row["alpha"] == 0.8
     assert row["c_per_forward"] == pytest.approx(0.1 / 40 / 0.05)  # a draft forward against a target step
     no_draft = rs.Cell(rounds=1, target_calls=1, draft_s=0.1, ratios=[1.0], whole_ratios=[1.0])
-    assert rs.rows_of({("lookup", "chat", 0.0): no_draft}, t_step=0.05, costs=costs)[0]["c_per_forward"] is None
+    assert rs.rows_of({("lookup", "chat", 0.0): no_draft}, t_step=0.05, costs=costs,
+                      sampling=sampling)[0]["c_per_forward"] is None
+
+
+@USES
+def test_the_sampling_and_judging_terms_are_measured():
+    """s: a plain token's softmax and draw costs time at T = 1 (positive, finite); a: every round's judgement is
+    timed into ``SpecStats.accept_s``."""
+    model = Llama.init(CFG, seed=1)
+    s = rs.sampling_costs(model, [1, 2, 3], [0.0, 1.0], t_step=1e-3)
+    assert set(s) == {0.0, 1.0} and all(0 < v < 1e3 for v in s.values())
+    result = rs.tree_generate(model, [1, 2, 3, 1, 2], 10, PromptLookup(), temperature=1.0, seed=0)
+    assert result.stats.rounds > 0 and result.stats.accept_s > 0
 
 
 @USES

@@ -16,12 +16,14 @@ from minillm.draft_free import LayerSkip, PromptLookup, ngram_lookup
 from minillm.kv_cache import KVCache, MaskedView
 from minillm.llama import Llama
 from minillm.paged_kv import PagedKVCache
-from minillm.sampling import logits_to_probs
+from minillm.sampling import SamplingSettings, logits_to_probs
 from minillm.speculative import verify_greedy
 from minillm.token_tree import (
+    NodeProbs,
     NoProposal,
     Proposal,
     TokenTree,
+    judge_tree,
     tree_generate,
     verify_tree,
     verify_tree_greedy,
@@ -322,6 +324,27 @@ def test_deterministic_candidates_are_lossless(rng):
     probs = np.tile(p, (tree.size, 1))
     first = [verify_tree(tree, probs, rng)[0][0] for _ in range(n)]
     assert chi2_pvalue(first, p) >= P_MIN
+
+
+@pytest.mark.uses_exercise("5.1")
+@pytest.mark.host_only
+@pytest.mark.parametrize("rule", ["exact", "typical"])
+def test_judging_softmaxes_only_the_rows_its_walk_reaches(rng, rule):
+    """A chain of 4 whose first token the target never writes stops at the root: one row of 5 softmaxed; a chain
+    the target writes with certainty reads all 5. Either way the emitted tokens are those of the whole (n, V)
+    array under the same draws."""
+    V = 50
+    logits = rng.standard_normal((5, V)).astype(np.float32)
+    logits[0, 7] = logits[1, 8] = logits[2, 9] = logits[3, 10] = 40.0  # the target writes 7 8 9 10 ...
+    settings = SamplingSettings(1.0)
+    verify = {"exact": verify_tree, "typical": verify_tree_typical}[rule]
+    for chain, reached in (((3, 8, 9, 10), 1), ((7, 8, 9, 10), 5)):
+        tree = TokenTree((1, *chain), (-1, 0, 1, 2, 3))
+        probs = NodeProbs(tree, logits, settings)
+        lazy = verify(tree, probs, np.random.default_rng(5))
+        assert probs.computed == reached
+        assert lazy == verify(tree, settings.probs(logits), np.random.default_rng(5))
+        assert lazy == judge_tree(tree, logits, settings, np.random.default_rng(5), rule)
 
 
 def test_typical_acceptance_prefers_likely_candidates(rng):

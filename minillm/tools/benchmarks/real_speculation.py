@@ -23,12 +23,15 @@ otherwise: nothing wrong is timed); then ``--repeat`` alternating pairs (plain, 
 speed-up for a kind is the median over its prompts of (plain / method) decode time per token after the first
 token (after the first round's tokens for the method; ``speedup_with_prefill``: whole runs, prompt included).
 
-The cost model beside it: one round costs a verify of n tokens, v(n) decode steps (measured here as
-``measure.step_time`` ratios at the workload's context), plus the draft's time, c decode steps (the
-proposer's measured seconds per round over a decode step's); a round emits tau tokens, so
-predicted = tau / (v(n) + c). ``c_per_forward`` divides the draft's seconds by its forward passes instead
-(a chain of K tokens: one forward over the positions the target kept, then K - 1 single steps): the cost
-of one draft token against one target step.
+The cost model beside it, in decode steps (a cached forward of one token, ``measure.step_time`` at the
+workload's context): one round costs a verify of n tokens, v(n) (``measure.verify_cost``), plus the
+draft's time, c (the proposer's measured seconds per round), plus the judgement of the target's rows, a
+(``SpecStats.accept_s`` per round: the softmax of the rows the walk reaches and the acceptance walk; a
+greedy judgement is an argmax); a round emits tau tokens. A plain token costs one step plus its own
+sampling, s (``SamplingSettings.next_token`` on one row of logits, timed here; 0 in effect when greedy).
+So predicted = tau (1 + s) / (v(n) + c + a). ``c_per_forward`` divides the draft's seconds by its forward
+passes instead (a chain of K tokens: one forward over the positions the target kept, then K - 1 single
+steps): the cost of one draft token against one target step.
 """
 
 from __future__ import annotations
@@ -37,14 +40,17 @@ import argparse
 import statistics
 from dataclasses import dataclass, field
 
-from ...backend import set_fast_products
+import numpy as np
+
+from ...backend import set_fast_products, to_numpy
 from ...draft_free import LayerSkip, PromptLookup
 from ...eagle import EagleDraft, EagleProposer, shipped_draft_path
 from ...generate import generate
-from ...measure import TimedProposer, step_time, timed, verify_cost
+from ...measure import TimedProposer, step_time, time_fn, timed, verify_cost
 from ...medusa import MedusaHeads, MedusaProposer, shipped_heads_path
 from ...notebook import format_table
 from ...registry import SMOLLM2, load_model
+from ...sampling import SamplingSettings
 from ...speculative_chat import LOOKUP_DRAFT
 from ...token_tree import tree_generate
 from ...workloads import KINDS, WORKLOADS, read_prompts
@@ -79,6 +85,7 @@ class Cell:
     verified: int = 0
     draft_s: float = 0.0
     draft_calls: int = 0
+    accept_s: float = 0.0
     identical: bool = True
     ratios: list = field(default_factory=list)  # plain / method time per token after the first
     whole_ratios: list = field(default_factory=list)  # plain / method seconds of the whole run, prefill included
@@ -92,11 +99,24 @@ class Cell:
         self.verified += stats.verified
         self.draft_s += draft_s
         self.draft_calls += draft_calls
+        self.accept_s += stats.accept_s
 
 
 def verify_costs(model, context: int, ns) -> tuple[float, dict]:
     """(seconds of a decode step, {n: v(n) = ``measure.verify_cost``}) at ``context``, on the process's product path."""
     return step_time(model, 1, context, repeat=10), {n: verify_cost(model, n, context, repeat=5) for n in ns}
+
+
+def sampling_costs(model, ids, temperatures, t_step: float) -> dict:
+    """{temperature: s}, a plain token's sampling in decode steps: ``SamplingSettings.next_token`` on the
+    model's last row of logits after ``ids`` (the softmax over the vocabulary and the draw; an argmax when
+    greedy), the median of 20 calls."""
+    row = to_numpy(model.forward(np.asarray([ids]))[0, -1])
+    rng, costs = np.random.default_rng(0), {}
+    for t in temperatures:
+        settings = SamplingSettings(t)
+        costs[t] = time_fn(lambda s=settings: s.next_token(row, rng), warmup=2, repeat=20) / t_step
+    return costs
 
 
 def interpolate(costs: dict, n: float) -> float:
@@ -151,7 +171,7 @@ def run_prompt(model, ids, args, methods, proposers, temperature, cells, kind, s
                                  / statistics.median(s for s, _ in spec_runs))
 
 
-def rows_of(cells: dict, t_step: float, costs: dict) -> list[dict]:
+def rows_of(cells: dict, t_step: float, costs: dict, sampling: dict) -> list[dict]:
     rows = []
     for (method, kind, temperature), c in cells.items():
         if not c.ratios:
@@ -159,12 +179,14 @@ def rows_of(cells: dict, t_step: float, costs: dict) -> list[dict]:
         tau = (c.accepted + c.rounds) / c.rounds if c.rounds else float("nan")
         n = 1 + c.verified / c.target_calls if c.target_calls else 1
         v, draft_c = interpolate(costs, n), c.draft_s / max(c.rounds, 1) / t_step
+        accept_a, sample_s = c.accept_s / max(c.rounds, 1) / t_step, sampling[temperature]
         rows.append({"method": method, "kind": kind, "temperature": temperature, "identical": c.identical,
                      "alpha": round(c.accepted / c.checked, 3) if c.checked else None, "tau": round(tau, 2),
                      "tokens_per_call": round(c.new_tokens / c.target_calls, 2),
                      "verify_n": round(n, 1), "v_n": round(v, 2), "draft_c": round(draft_c, 2),
                      "c_per_forward": round(c.draft_s / c.draft_calls / t_step, 3) if c.draft_calls else None,
-                     "predicted_speedup": round(tau / (v + draft_c), 2),
+                     "accept_a": round(accept_a, 3), "sample_s": round(sample_s, 3),
+                     "predicted_speedup": round(tau * (1 + sample_s) / (v + draft_c + accept_a), 2),
                      "speedup": round(statistics.median(c.ratios), 2),
                      "speedup_with_prefill": round(statistics.median(c.whole_ratios), 2), "prompts": len(c.ratios)})
     return rows
@@ -210,17 +232,20 @@ def main(argv=None) -> int:
                for p in prompts]
     context = int(statistics.mean(len(ids) for _, ids in encoded)) + args.max_new_tokens // 2
     t_step, costs = verify_costs(model, context, [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20])
+    sampling = sampling_costs(model, encoded[0][1], args.temperatures, t_step)
     print(f"decode step {t_step * 1e3:.1f} ms at {context} tokens of context; v(n) "
-          + ", ".join(f"{n}: {v:.2f}" for n, v in costs.items()), flush=True)
+          + ", ".join(f"{n}: {v:.2f}" for n, v in costs.items()) + "; a plain token's sampling s(T) "
+          + ", ".join(f"{t:g}: {v:.3f}" for t, v in sampling.items()), flush=True)
     cells = {(m, k, t): Cell() for m in args.methods for k in KINDS for t in args.temperatures}
     for i, (kind, ids) in enumerate(encoded):
         for temperature in args.temperatures:
             run_prompt(model, ids, args, args.methods, proposers, temperature, cells, kind, seed=i,
                        eos=tok.eos_token_id)
         print(f"  prompt {i + 1}/{len(encoded)} ({kind}) done", flush=True)
-    rows = rows_of(cells, t_step, costs)
+    rows = rows_of(cells, t_step, costs, sampling)
     print(format_table(rows, ["method", "kind", "temperature", "identical", "alpha", "tau", "tokens_per_call",
-                              "verify_n", "v_n", "draft_c", "c_per_forward", "predicted_speedup", "speedup",
+                              "verify_n", "v_n", "draft_c", "c_per_forward", "accept_a", "sample_s",
+                              "predicted_speedup", "speedup",
                               "speedup_with_prefill", "prompts"]))
     if args.json:
         keys = ("method", "kind", "temperature", "identical", "alpha", "tau", "tokens_per_call", "predicted_speedup",
