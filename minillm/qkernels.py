@@ -184,10 +184,10 @@ def zero(acc):
 
 
 @inline
-def add_rows(acc, u, xt, t, w):
-    """acc[u, r, :] += x[r, t] * w[:] for every row r.  acc (U, R, L), xt (k, R), w (L,)"""
+def add_rows(acc, u, x, t, w):
+    """acc[u, r, :] += x[r, t] * w[:] for every row r.  acc (U, R, L), x (R, k), w (L,)"""
     for r in range(acc.shape[1]):
-        xr = xt[t, r]
+        xr = x[r, t]
         for p in range(acc.shape[2]):
             acc[u, r, p] += xr * w[p]
 
@@ -211,8 +211,8 @@ def store(acc, y, col):
 
 
 @jit
-def f32_kernel(xt, w, y, rows, chains, lanes):
-    """y = x @ W.T for W packed F32.  xt (k, R), w (m/P, k, P) float32, y (R, m)"""
+def f32_kernel(x, w, y, rows, chains, lanes):
+    """y = x @ W.T for W packed F32.  x (R, k), w (m/P, k, P) float32, y (R, m)"""
     numba.literally(rows)
     numba.literally(chains)
     numba.literally(lanes)
@@ -228,17 +228,17 @@ def f32_kernel(xt, w, y, rows, chains, lanes):
                     for u in range(chains):
                         prefetch(w, ahead + 64 * u)
                 for u in range(chains):
-                    add_rows(acc, u, xt, t + u, w[panel, t + u, lane:lane + lanes])
+                    add_rows(acc, u, x, t + u, w[panel, t + u, lane:lane + lanes])
                 t += chains
             while t < k:
-                add_rows(acc, 0, xt, t, w[panel, t, lane:lane + lanes])
+                add_rows(acc, 0, x, t, w[panel, t, lane:lane + lanes])
                 t += 1
             store(acc, y, panel * P + lane)
 
 
 @jit
-def bf16_kernel(xt, bits, y, rows, chains, lanes):
-    """y = x @ W.T for W packed BF16.  xt (k, R), bits (m/P, k, P) uint16, y (R, m)"""
+def bf16_kernel(x, bits, y, rows, chains, lanes):
+    """y = x @ W.T for W packed BF16.  x (R, k), bits (m/P, k, P) uint16, y (R, m)"""
     numba.literally(rows)
     numba.literally(chains)
     numba.literally(lanes)
@@ -257,19 +257,19 @@ def bf16_kernel(xt, bits, y, rows, chains, lanes):
                 for u in range(chains):
                     for p in range(lanes):
                         w[u, 0, p] = bits_to_f32(np.uint32(bits[panel, t + u, lane + p]) << np.uint32(16))
-                    add_rows(acc, u, xt, t + u, w[u, 0])
+                    add_rows(acc, u, x, t + u, w[u, 0])
                 t += chains
             while t < k:
                 for p in range(lanes):
                     w[0, 0, p] = bits_to_f32(np.uint32(bits[panel, t, lane + p]) << np.uint32(16))
-                add_rows(acc, 0, xt, t, w[0, 0])
+                add_rows(acc, 0, x, t, w[0, 0])
                 t += 1
             store(acc, y, panel * P + lane)
 
 
 @jit
-def q8_0_kernel(xt, d, q, y, rows, chains, lanes):
-    """y = x @ W.T for W packed Q8_0 (w = d * q).  xt (k, R), d (m/P, k/32, P) fp16 bits,
+def q8_0_kernel(x, d, q, y, rows, chains, lanes):
+    """y = x @ W.T for W packed Q8_0 (w = d * q).  x (R, k), d (m/P, k/32, P) fp16 bits,
     q (m/P, k/32, 32, P) int8, y (R, m)"""
     numba.literally(rows)
     numba.literally(chains)
@@ -292,13 +292,13 @@ def q8_0_kernel(xt, d, q, y, rows, chains, lanes):
                     for u in range(chains):
                         for p in range(lanes):
                             w[u, 0, p] = scale[0, 0, p] * np.float32(q[panel, b, j + u, lane + p])
-                        add_rows(acc, u, xt, b * QK + j + u, w[u, 0])
+                        add_rows(acc, u, x, b * QK + j + u, w[u, 0])
             store(acc, y, panel * P + lane)
 
 
 @jit
-def q4_1_kernel(xt, dm, qs, y, rows, chains, lanes):
-    """y = x @ W.T for W packed Q4_1 (w = d * q + m).  xt (k, R), dm (m/P, k/32, 2, P) fp16 bits,
+def q4_1_kernel(x, dm, qs, y, rows, chains, lanes):
+    """y = x @ W.T for W packed Q4_1 (w = d * q + m).  x (R, k), dm (m/P, k/32, 2, P) fp16 bits,
     qs (m/P, k/32, 16, P) uint8 (low nibble: position j, high: j + 16), y (R, m)"""
     numba.literally(rows)
     numba.literally(chains)
@@ -327,8 +327,8 @@ def q4_1_kernel(xt, dm, qs, y, rows, chains, lanes):
                             byte = qs[panel, b, j, lane + p]
                             w[0, 0, p] = scale[0, 0, p] * np.float32(byte & np.uint8(0x0F)) + scale[1, 0, p]
                             w[1, 0, p] = scale[0, 0, p] * np.float32(byte >> np.uint8(4)) + scale[1, 0, p]
-                        add_rows(acc, (2 * v) % chains, xt, b * QK + j, w[0, 0])
-                        add_rows(acc, (2 * v + 1) % chains, xt, b * QK + j + half, w[1, 0])
+                        add_rows(acc, (2 * v) % chains, x, b * QK + j, w[0, 0])
+                        add_rows(acc, (2 * v + 1) % chains, x, b * QK + j + half, w[1, 0])
             store(acc, y, panel * P + lane)
 
 
@@ -500,10 +500,10 @@ def int8_block_dot(typingctx, tile, row, weights, w_byte, signed, xq, x_byte):
 
 
 @jit
-def quantize_x(xt, rows):
-    """x (as xt (k, R)) -> int8 per block of 32: xq (R, k) int8, dx (nb, R) = max |x| / 127, sq (nb, R) = sum of
+def quantize_x(x, rows):
+    """x (R, k) -> int8 per block of 32: xq (R, k) int8, dx (nb, R) = max |x| / 127, sq (nb, R) = sum of
     the block's xq.  x ~ dx * xq, each within dx / 2."""
-    k = xt.shape[0]
+    k = x.shape[1]
     xq = np.empty((rows, k), dtype=np.int8)
     dx = np.empty((k // QK, rows), dtype=np.float32)
     sq = np.empty((k // QK, rows), dtype=np.float32)
@@ -511,7 +511,7 @@ def quantize_x(xt, rows):
     for r in range(rows):
         for b in range(k // QK):
             for t in range(QK):
-                block[0, 0, t] = xt[b * QK + t, r]
+                block[0, 0, t] = x[r, b * QK + t]
             amax = np.float32(0.0)
             for t in range(QK):
                 amax = max(amax, abs(block[0, 0, t]))
@@ -527,14 +527,14 @@ def quantize_x(xt, rows):
 
 
 @jit
-def q8_0_int8_kernel(xt, d, q, y, rows, chains, lanes):
+def q8_0_int8_kernel(x, d, q, y, rows, chains, lanes):
     """y ~ x @ W.T for W packed Q8_0, x quantized per block (above).  Shapes as q8_0_kernel's; chains, lanes unused."""
     numba.literally(rows)
     acc = stack_tile(1, rows, P)
     isum = stack_tile(1, rows, P)  # sum_t (q_w + 128) q_x of one block, per row
     scale = stack_tile(1, 1, P)
-    k, nb = xt.shape[0], q.shape[1]
-    xq, dx, sq = quantize_x(xt, rows)
+    k, nb = x.shape[1], q.shape[1]
+    xq, dx, sq = quantize_x(x, rows)
     for panel in range(q.shape[0]):
         zero(acc)
         for b in range(nb):
@@ -554,14 +554,14 @@ def q8_0_int8_kernel(xt, d, q, y, rows, chains, lanes):
 
 
 @jit
-def q4_1_int8_kernel(xt, dm, qs, y, rows, chains, lanes):
+def q4_1_int8_kernel(x, dm, qs, y, rows, chains, lanes):
     """y ~ x @ W.T for W packed Q4_1, x quantized per block (above).  Shapes as q4_1_kernel's; chains, lanes unused."""
     numba.literally(rows)
     acc = stack_tile(2, rows, P)  # 0: d dx sum(q_w q_x), 1: m dx sum(q_x) (two chains)
     isum = stack_tile(1, rows, P)
     scale = stack_tile(2, 1, P)
-    k, nb = xt.shape[0], qs.shape[1]
-    xq, dx, sq = quantize_x(xt, rows)
+    k, nb = x.shape[1], qs.shape[1]
+    xq, dx, sq = quantize_x(x, rows)
     for panel in range(qs.shape[0]):
         zero(acc)
         for b in range(nb):
@@ -811,10 +811,13 @@ def inner_loop(asm: str) -> list[str]:
 
 
 def stack_spills(asm: str) -> int:
-    """Vector instructions with a stack address ((%rsp) or (%rsp, index)) in a kernel's inner loop: registers
-    spilled and reloaded on every step, or a tile that SROA left in memory. 0 when the accumulators and the
-    dequantized weights fit in the register file. (Outside the loop, LLVM may still park a few registers.)"""
-    return sum(1 for line in inner_loop(asm) if "(%rsp" in line and re.search(r"%[xyz]mm\d", line))
+    """Vector instructions in a kernel's inner loop that keep its sums in memory: those with a stack address
+    ((%rsp) or (%rsp, index)), registers spilled and reloaded on every step, and every vector store (the loop
+    writes nothing: y is stored after it), a tile that SROA left in memory and LLVM walks with a pointer of its
+    own. 0 when the accumulators and the dequantized weights fit in the register file. (Outside the loop, LLVM
+    may still park a few registers.)"""
+    return sum(1 for line in inner_loop(asm) if re.search(r"%[xyz]mm\d", line)
+               and ("(%rsp" in line or re.match(r"\s+vmov\w*\s+%[xyz]mm\d+,\s*[-\w]*\(", line)))
 
 
 def product(x, packed: Packed, int8_x: bool = False) -> np.ndarray:
@@ -836,24 +839,24 @@ def product(x, packed: Packed, int8_x: bool = False) -> np.ndarray:
         raise QuantError(f"product: int8_x needs a {' or '.join(INT8_KERNELS)} weight (got {packed.format}) and a CPU "
                          f"with AVX512-VNNI or AVX2 (here: {int8_isa() or 'neither'})")
     n = x.shape[0]
+    x = np.ascontiguousarray(x)
     y = np.empty((n, m), dtype=np.float32)
     m_pad = packed.arrays[-1].shape[0] * P
-    if n == 1 and m == m_pad and x.flags.c_contiguous:  # a decode step, the common case, with nothing to copy
-        compiled(packed.format, 1, int8_x)(x.reshape(k, 1), *packed.arrays, y, *literals(packed.format, 1))
+    if n == 1 and m == m_pad:  # a decode step, the common case: one call on x itself
+        compiled(packed.format, 1, int8_x)(x, *packed.arrays, y, *literals(packed.format, 1))
         return y
     chunk = row_tiles()[-1]
     for start in range(0, n, chunk):  # chunks of 16 rows (8 on AVX2); each reads every weight once
         rows = min(chunk, n - start)
         tile = row_tile(rows)
-        if tile == 1:  # a decode step: x (1, k) is already xt (k, 1), a view
-            xt = x[start:start + 1].reshape(k, 1)
-        else:
-            xt = np.zeros((k, tile), dtype=np.float32)  # (k, R): x[r, t] of a position side by side
-            xt[:, :rows] = x[start:start + rows].T
+        if tile == rows:  # x's own rows, a view: nothing is copied
+            xs = x[start:start + rows]
+        else:  # 7 rows on the 8-row kernel: zero rows below them
+            xs = np.zeros((tile, k), dtype=np.float32)
+            xs[:rows] = x[start:start + rows]
         direct = tile == rows and m == m_pad  # the kernel can write y's rows itself
         out = y[start:start + rows] if direct else np.empty((tile, m_pad), dtype=np.float32)
-        kernel = compiled(packed.format, tile, int8_x)
-        kernel(np.ascontiguousarray(xt), *packed.arrays, out, *literals(packed.format, tile))
+        compiled(packed.format, tile, int8_x)(xs, *packed.arrays, out, *literals(packed.format, tile))
         if not direct:
             y[start:start + rows] = out[:rows, :m]
     return y

@@ -138,7 +138,7 @@ def test_int8_x_is_the_product_of_the_quantized_x(fmt):
     packed = qkernels.pack(weight)
     for n in (1, 3, 8, 17):
         x = 4 * rng.standard_normal((n, 3 * QK)).astype(np.float32)
-        xq, dx, _ = qkernels.quantize_x(np.ascontiguousarray(x.T), n)  # (n, k), (nb, n)
+        xq, dx, _ = qkernels.quantize_x(x, n)  # (n, k), (nb, n)
         x_hat = (xq.reshape(n, -1, QK) * dx.T[:, :, None].astype(np.float64)).reshape(n, -1)
         scale = np.abs(x_hat) @ np.abs(ref_w).T
         error = np.abs(qkernels.product(x, packed, int8_x=True) - x_hat @ ref_w.T)
