@@ -3,6 +3,7 @@ before timing (a method whose output differs is refused, nothing timed), every r
 of turn, and the JSON keys."""
 
 import argparse
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -19,12 +20,18 @@ ARGS = argparse.Namespace(max_new_tokens=12, repeat=1)
 USES = pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "8.1", "8.2", "8.3", "9.1", "9.2", "9.3")
 
 
+def stats(accepted, rounds, verified, accept_s, checked=None, new_tokens=None):
+    return SimpleNamespace(accepted=accepted, checked=accepted + 5 if checked is None else checked, rounds=rounds,
+                           new_tokens=accepted + rounds if new_tokens is None else new_tokens, target_calls=rounds,
+                           verified=verified, accept_s=accept_s)
+
+
 def test_interpolate_and_the_cost_model():
     costs = {1: 1.0, 2: 1.2, 4: 1.6}
     assert rs.interpolate(costs, 3) == pytest.approx(1.4)
     assert rs.interpolate(costs, 9) == 1.6 and rs.interpolate(costs, 0.5) == 1.0
-    cell = rs.Cell(accepted=20, checked=25, rounds=10, new_tokens=30, target_calls=10, verified=30, draft_s=0.1,
-                   draft_calls=40, accept_s=0.05, ratios=[1.5, 1.7, 1.6], whole_ratios=[1.2, 1.3, 1.1])
+    cell = rs.Cell(ratios=[1.5, 1.7, 1.6], whole_ratios=[1.2, 1.3, 1.1])
+    cell.add(stats(20, 10, 30, 0.05, checked=25, new_tokens=30), draft_s=0.1, draft_calls=40)
     sampling = {0.0: 0.001, 1.0: 0.03}
     (row,) = rs.rows_of({("eagle-chain", "chat", 0.0): cell}, t_step=0.05, costs=costs, sampling=sampling)
     # tau = (20 + 10) / 10 = 3; n = 1 + 30 / 10 = 4 -> v 1.6; c = 0.1 / 10 / 0.05 = 0.2; a = 0.05 / 10 / 0.05 = 0.1
@@ -35,9 +42,22 @@ def test_interpolate_and_the_cost_model():
     assert row["speedup_with_prefill"] == 1.2
     assert row["alpha"] == 0.8
     assert row["c_per_forward"] == pytest.approx(0.1 / 40 / 0.05)  # a draft forward against a target step
-    no_draft = rs.Cell(rounds=1, target_calls=1, draft_s=0.1, ratios=[1.0], whole_ratios=[1.0])
+    no_draft = rs.Cell(ratios=[1.0], whole_ratios=[1.0])
+    no_draft.add(stats(0, 1, 0, 0.0), draft_s=0.1, draft_calls=0)
     assert rs.rows_of({("lookup", "chat", 0.0): no_draft}, t_step=0.05, costs=costs,
                       sampling=sampling)[0]["c_per_forward"] is None
+
+
+def test_the_prediction_is_the_median_of_each_prompts_own():
+    """Like the measured speed-up (a median of per-prompt ratios), the prediction is the median of per-prompt
+    predictions, not one from the pooled counts: prompts with tau 1, 1 and 4 predict 1, 1 and 4 (median 1) at
+    v = 1, where the pooled tau ((0 + 0 + 3 accepted + 3 rounds) / 3 rounds = 2) would predict 2."""
+    costs = {1: 1.0, 16: 1.0}
+    cell = rs.Cell(ratios=[1.0, 1.0, 4.0], whole_ratios=[1.0, 1.0, 1.0])
+    for accepted in (0, 0, 3):
+        cell.add(stats(accepted, 1, 3, 0.0), draft_s=0.0, draft_calls=0)
+    (row,) = rs.rows_of({("lookup", "code", 0.0): cell}, t_step=0.05, costs=costs, sampling={0.0: 0.0})
+    assert row["tau"] == 2.0 and row["predicted_speedup"] == 1.0
 
 
 @USES

@@ -29,9 +29,11 @@ draft's time, c (the proposer's measured seconds per round), plus the judgement 
 (``SpecStats.accept_s`` per round: the softmax of the rows the walk reaches and the acceptance walk; a
 greedy judgement is an argmax); a round emits tau tokens. A plain token costs one step plus its own
 sampling, s (``SamplingSettings.next_token`` on one row of logits, timed here; 0 in effect when greedy).
-So predicted = tau (1 + s) / (v(n) + c + a). ``c_per_forward`` divides the draft's seconds by its forward
-passes instead (a chain of K tokens: one forward over the positions the target kept, then K - 1 single
-steps): the cost of one draft token against one target step.
+So a prompt's predicted = tau (1 + s) / (v(n) + c + a), from its own round counts; a row's prediction is
+the median over its prompts, as its measured speed-up is (the terms printed beside it pool the prompts).
+``c_per_forward`` divides the draft's seconds by its forward passes instead (a chain of K tokens: one
+forward over the positions the target kept, then K - 1 single steps): the cost of one draft token
+against one target step.
 """
 
 from __future__ import annotations
@@ -73,9 +75,14 @@ def make_proposer(method: str, model, args):
     return MedusaProposer(MedusaHeads.load(model, shipped_heads_path(SMOLLM2)))
 
 
+COUNTS = ("accepted", "checked", "rounds", "new_tokens", "target_calls", "verified", "draft_s", "draft_calls",
+          "accept_s")
+
+
 @dataclass
 class Cell:
-    """What one (method, kind, temperature) gathered over its prompts."""
+    """What one (method, kind, temperature) gathered over its prompts: the counters summed, and each prompt's own
+    (``prompts``, for its own prediction)."""
 
     accepted: int = 0
     checked: int = 0
@@ -89,17 +96,27 @@ class Cell:
     identical: bool = True
     ratios: list = field(default_factory=list)  # plain / method time per token after the first
     whole_ratios: list = field(default_factory=list)  # plain / method seconds of the whole run, prefill included
+    prompts: list = field(default_factory=list)  # a Cell per prompt
 
     def add(self, stats, draft_s: float, draft_calls: int) -> None:
-        self.accepted += stats.accepted
-        self.checked += stats.checked
-        self.rounds += stats.rounds
-        self.new_tokens += stats.new_tokens
-        self.target_calls += stats.target_calls
-        self.verified += stats.verified
-        self.draft_s += draft_s
-        self.draft_calls += draft_calls
-        self.accept_s += stats.accept_s
+        one = Cell(accepted=stats.accepted, checked=stats.checked, rounds=stats.rounds, new_tokens=stats.new_tokens,
+                   target_calls=stats.target_calls, verified=stats.verified, draft_s=draft_s,
+                   draft_calls=draft_calls, accept_s=stats.accept_s)
+        for name in COUNTS:
+            setattr(self, name, getattr(self, name) + getattr(one, name))
+        self.prompts.append(one)
+
+    def terms(self, t_step: float, costs: dict) -> tuple:
+        """The cost model's terms: (tau, verified tokens n, v(n), c, a), c and a in decode steps per round."""
+        rounds = max(self.rounds, 1)
+        tau = (self.accepted + self.rounds) / self.rounds if self.rounds else float("nan")
+        n = 1 + self.verified / self.target_calls if self.target_calls else 1
+        return tau, n, interpolate(costs, n), self.draft_s / rounds / t_step, self.accept_s / rounds / t_step
+
+    def predicted(self, t_step: float, costs: dict, sample_s: float) -> float:
+        """tau (1 + s) / (v(n) + c + a)"""
+        tau, _, v, draft_c, accept_a = self.terms(t_step, costs)
+        return tau * (1 + sample_s) / (v + draft_c + accept_a)
 
 
 def verify_costs(model, context: int, ns) -> tuple[float, dict]:
@@ -176,17 +193,16 @@ def rows_of(cells: dict, t_step: float, costs: dict, sampling: dict) -> list[dic
     for (method, kind, temperature), c in cells.items():
         if not c.ratios:
             continue
-        tau = (c.accepted + c.rounds) / c.rounds if c.rounds else float("nan")
-        n = 1 + c.verified / c.target_calls if c.target_calls else 1
-        v, draft_c = interpolate(costs, n), c.draft_s / max(c.rounds, 1) / t_step
-        accept_a, sample_s = c.accept_s / max(c.rounds, 1) / t_step, sampling[temperature]
+        tau, n, v, draft_c, accept_a = c.terms(t_step, costs)
+        sample_s = sampling[temperature]
         rows.append({"method": method, "kind": kind, "temperature": temperature, "identical": c.identical,
                      "alpha": round(c.accepted / c.checked, 3) if c.checked else None, "tau": round(tau, 2),
                      "tokens_per_call": round(c.new_tokens / c.target_calls, 2),
                      "verify_n": round(n, 1), "v_n": round(v, 2), "draft_c": round(draft_c, 2),
                      "c_per_forward": round(c.draft_s / c.draft_calls / t_step, 3) if c.draft_calls else None,
                      "accept_a": round(accept_a, 3), "sample_s": round(sample_s, 3),
-                     "predicted_speedup": round(tau * (1 + sample_s) / (v + draft_c + accept_a), 2),
+                     "predicted_speedup": round(statistics.median(p.predicted(t_step, costs, sample_s)
+                                                                  for p in c.prompts), 2),
                      "speedup": round(statistics.median(c.ratios), 2),
                      "speedup_with_prefill": round(statistics.median(c.whole_ratios), 2), "prompts": len(c.ratios)})
     return rows
