@@ -81,6 +81,10 @@ def test_a_method_that_changes_the_greedy_output_is_refused(monkeypatch):
     rs.run_prompt(model, ids, ARGS, list(proposers), proposers, 0.0, cells, "chat", seed=0, eos=-1)
     assert all(c.identical and len(c.ratios) == 1 and c.rounds > 0 for c in cells.values())
     assert cells[("eagle-chain", "chat", 0.0)].draft_calls >= cells[("eagle-chain", "chat", 0.0)].rounds
+    reply = rs.generate(model, ids, ARGS.max_new_tokens, temperature=0.0).tokens  # the draft holds the even ids
+    eagle = cells[("eagle-chain", "chat", 0.0)]
+    assert (eagle.reply_tokens, eagle.in_vocab) == (len(reply), sum(t % 2 == 0 for t in reply))
+    assert cells[("lookup", "chat", 0.0)].reply_tokens == 0  # no vocabulary to hold them
     real = rs.tree_generate
 
     def off_by_one(*args, **kwargs):

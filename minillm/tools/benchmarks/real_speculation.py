@@ -33,7 +33,8 @@ So a prompt's predicted = tau (1 + s) / (v(n) + c + a), from its own round count
 the median over its prompts, as its measured speed-up is (the terms printed beside it pool the prompts).
 ``c_per_forward`` divides the draft's seconds by its forward passes instead (a chain of K tokens: one
 forward over the positions the target kept, then K - 1 single steps): the cost of one draft token
-against one target step.
+against one target step. ``in_vocab``: the share of the plain replies' tokens that an EAGLE draft's
+reduced vocabulary holds (a token outside it is one the draft can never guess).
 """
 
 from __future__ import annotations
@@ -97,6 +98,8 @@ class Cell:
     ratios: list = field(default_factory=list)  # plain / method time per token after the first
     whole_ratios: list = field(default_factory=list)  # plain / method seconds of the whole run, prefill included
     prompts: list = field(default_factory=list)  # a Cell per prompt
+    reply_tokens: int = 0  # the plain replies' tokens, and those a draft's reduced vocabulary holds
+    in_vocab: int = 0
 
     def add(self, stats, draft_s: float, draft_calls: int) -> None:
         one = Cell(accepted=stats.accepted, checked=stats.checked, rounds=stats.rounds, new_tokens=stats.new_tokens,
@@ -178,6 +181,10 @@ def run_prompt(model, ids, args, methods, proposers, temperature, cells, kind, s
             cell.identical = False
             raise BenchmarkError(f"{method}: greedy output differs from plain decoding on a {kind} prompt")
         cell.add(result.stats, wrapped.seconds, calls)
+        subset = getattr(getattr(proposers[method], "draft", None), "subset", None)  # an EAGLE draft's vocabulary
+        if subset is not None:
+            cell.reply_tokens += len(reference)
+            cell.in_vocab += int(np.isin(reference, subset).sum())
         plain_runs, spec_runs = [], []
         for _ in range(args.repeat):
             plain_runs.append(timed(plain))
@@ -201,6 +208,7 @@ def rows_of(cells: dict, t_step: float, costs: dict, sampling: dict) -> list[dic
                      "verify_n": round(n, 1), "v_n": round(v, 2), "draft_c": round(draft_c, 2),
                      "c_per_forward": round(c.draft_s / c.draft_calls / t_step, 3) if c.draft_calls else None,
                      "accept_a": round(accept_a, 3), "sample_s": round(sample_s, 3),
+                     "in_vocab": round(c.in_vocab / c.reply_tokens, 3) if c.reply_tokens else None,
                      "predicted_speedup": round(statistics.median(p.predicted(t_step, costs, sample_s)
                                                                   for p in c.prompts), 2),
                      "speedup": round(statistics.median(c.ratios), 2),
@@ -260,7 +268,7 @@ def main(argv=None) -> int:
         print(f"  prompt {i + 1}/{len(encoded)} ({kind}) done", flush=True)
     rows = rows_of(cells, t_step, costs, sampling)
     print(format_table(rows, ["method", "kind", "temperature", "identical", "alpha", "tau", "tokens_per_call",
-                              "verify_n", "v_n", "draft_c", "c_per_forward", "accept_a", "sample_s",
+                              "verify_n", "v_n", "draft_c", "c_per_forward", "accept_a", "sample_s", "in_vocab",
                               "predicted_speedup", "speedup",
                               "speedup_with_prefill", "prompts"]))
     if args.json:
