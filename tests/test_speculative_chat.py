@@ -172,6 +172,16 @@ def test_chat_lookup_verifies_at_most_a_row_tile_of_the_4_bit_kernels():
     assert qkernels.row_tile(LOOKUP_DRAFT + 1) == LOOKUP_DRAFT + 1
 
 
+def test_chat_eagle_drafts_the_measured_chain_length():
+    """A chat's EAGLE proposer drafts EAGLE_DEPTH tokens a round (the shipped draft, the real model's vocabulary)."""
+    from minillm.registry import load_model
+    from minillm.speculative_chat import EAGLE_DEPTH, chat_proposers
+
+    model, _ = load_model("smollm2-135m")
+    eagle = chat_proposers(model, "eagle", "smollm2-135m")["eagle"]
+    assert eagle.max_depth == EAGLE_DEPTH == 1 and eagle.mode == "chain"
+
+
 @HOST
 @pytest.mark.parametrize("lookup_ms, chosen", [(0.95, "plain"), (0.85, "lookup")])
 def test_auto_speculates_only_where_a_proposer_beat_plain_by_the_margin(model, tok, lookup_ms, chosen, monkeypatch):
