@@ -235,7 +235,7 @@ class Llama(LlamaOps):
         if is_gpu() or not any(kept_in_blocks(w) for w in self.params.values()):
             raise ValueError(f"activations={name!r} switches the CPU kernels' products: load the model with "
                              "weights='q' (--weights q) on NumPy")
-        from .qkernels import return_freed_pages, with_int8_x
+        from .qkernels import with_int8_x
 
         def switched(w):
             return with_int8_x(w, name == "int8") if kept_in_blocks(w) else w
@@ -244,7 +244,6 @@ class Llama(LlamaOps):
         self.stacked = {n: switched(w) for n, w in self.stacked.items()}
         self.lm_head = switched(self.lm_head)
         self.activations = name
-        return_freed_pages()  # Q4_1 changes layout on AVX-512 (the int8 kernels read panels)
 
     def num_params(self) -> int:
         return self.config.num_params()

@@ -332,202 +332,6 @@ def q4_1_kernel(x, dm, qs, y, rows, chains, lanes):
             store(acc, y, panel * P + lane)
 
 
-# ---- Q4_1 on AVX-512: a 16-entry table per block (``TABLE``), the block's weights looked up ------------
-#
-# A Q4_1 block is 32 weights of ONE output with one d and one m: its weights take only 16 values,
-# T[i] = d * i + m for i = 0..15, one FMA on the vector 0..15. vpermps (AVX-512) looks 16 lanes up in a
-# 16-float vector by the low 4 bits of each index, so the block's 16 bytes, widened to 16 dwords, give its
-# 16 low-nibble weights with one vpermps and, shifted by 4, the 16 high-nibble ones with another: the
-# conversion to float and the FMA per weight of the panel kernel are gone. The vectors now run along the
-# positions of one output, so each product is 16 lanes of partial sums for one output and row, added up
-# at the end of the row (``reduce_store``). In the loop, per block, output and row: 1 widening, 1 shift,
-# 2 vpermps, 1 FMA for T, and 2 FMAs per row, where the panel kernel spends 8 vector instructions per
-# 32 weights before its 2 FMAs per row (docs/quantization.md, "A table per block").
-#
-# The layout (``pack``): panels of P outputs as before, each block's bytes in the file's order:
-#     dm [m/P, k/32, P, 2] fp16 bits      qs [m/P, k/32, P, 16] uint8 (q[j] | q[j + 16] << 4)
-# A panel is walked O outputs at a time (``table_outputs``: O x R sums in registers); the panel's
-# d and m are converted to float32 16 at a time first (``halves_to_f32``).
-
-TABLE = "Q4_1 table"  # the kernel's name beside KERNELS' formats (``kernel_name``)
-TABLE_ROW_TILES = (1, 2, 3, 4, 5, 6, 8)  # past 8 rows the FMAs' x operands no longer fit: 16 rows run as 2 x 8
-TABLE_SUMS = 16  # the most O x R accumulators (zmm) the table kernel keeps: at 20 LLVM already spilled a vector
-
-
-@intrinsic
-def nibble_lookup(typingctx, out, qs, offset, d, m):
-    """out[0, 0, :] = T[q & 15], out[1, 0, :] = T[q >> 4], T[i] = d * i + m (one FMA), for the 16 bytes q at
-    byte ``offset`` of qs: a Q4_1 block's 16 weights at positions j and at j + 16 (two vpermps)."""
-    def codegen(context, builder, sig, args):
-        out_a, qs_a, at, d_v, m_v = args
-        i8, i32 = ir.IntType(8), ir.IntType(32)
-        floats, dwords = ir.VectorType(ir.FloatType(), P), ir.VectorType(i32, P)
-        data = context.make_array(sig.args[1])(context, builder, qs_a).data
-        q = builder.zext(load_vector(builder, builder.gep(builder.bitcast(data, i8.as_pointer()), [at]), 0,
-                                     ir.VectorType(i8, P)), dwords)  # vpmovzxbd
-
-        def splat(v):
-            one = builder.insert_element(ir.Constant(floats, None), v, ir.Constant(i32, 0))
-            return builder.shuffle_vector(one, ir.Constant(floats, None), ir.Constant(dwords, [0] * P))
-
-        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(floats, [floats] * 3), "llvm.fma.v16f32")
-        table = builder.call(fma, [splat(d_v), ir.Constant(floats, [float(i) for i in range(P)]), splat(m_v)])
-        lookup = cgutils.get_or_insert_function(builder.module, ir.FunctionType(floats, [floats, dwords]),
-                                                "llvm.x86.avx512.permvar.sf.512")  # vpermps: the low 4 bits index
-        out = builder.bitcast(context.make_array(sig.args[0])(context, builder, out_a).data, floats.as_pointer())
-        builder.store(builder.call(lookup, [table, q]), out, align=4)
-        high = builder.lshr(q, ir.Constant(dwords, [4] * P))
-        builder.store(builder.call(lookup, [table, high]), builder.gep(out, [ir.Constant(ir.IntType(64), 1)]), align=4)
-        return context.get_dummy_value()
-
-    return types.none(out, qs, types.intp, types.float32, types.float32), codegen
-
-
-@intrinsic
-def halves_to_f32(typingctx, out, at, src, offset):
-    """out[at:at + 16] = the 16 fp16 values at byte ``offset`` of src as float32 (one vcvtph2ps)."""
-    def codegen(context, builder, sig, args):
-        out_a, at_v, src_a, offset_v = args
-        floats = ir.VectorType(ir.FloatType(), P)
-        data = context.make_array(sig.args[2])(context, builder, src_a).data
-        halves = load_vector(builder, builder.gep(builder.bitcast(data, ir.IntType(8).as_pointer()), [offset_v]), 0,
-                             ir.VectorType(ir.HalfType(), P))
-        dst = builder.gep(context.make_array(sig.args[0])(context, builder, out_a).data, [at_v])
-        builder.store(builder.fpext(halves, floats), builder.bitcast(dst, floats.as_pointer()), align=4)
-        return context.get_dummy_value()
-
-    return types.none(out, types.intp, src, types.intp), codegen
-
-
-def reduction_plan(n: int) -> tuple[list, list]:
-    """How ``reduce_store`` sums n vectors of 16 lanes (vector i: partial sums of sum i) into n sums with
-    shuffles and adds: pairs of vectors first, each result taking half the lanes of each output of both (so
-    n = 16 vectors take 15 shuffle pairs), then the last vector folded on itself until each output has one lane.
-    -> (steps, order): steps [(lo, hi)], a lane of the result is lane lo[i] + lane hi[i] of the pair's 32
-    lanes (of the one vector when folding); order[o] is output o's lane at the end.  n a power of 2, <= 16."""
-    if n < 1 or n > P or n & (n - 1):
-        raise ValueError(f"reduction_plan: n must be a power of 2 in 1..{P}, got {n}")
-
-    def halves(labels, offset):
-        lo, hi = [], []
-        for o in dict.fromkeys(labels):  # each output's lanes: the first half to lo, the second to hi
-            lanes = [offset + i for i, v in enumerate(labels) if v == o]
-            lo += lanes[: len(lanes) // 2]
-            hi += lanes[len(lanes) // 2:]
-        return lo, hi
-
-    vectors, steps = [[i] * P for i in range(n)], []
-    while len(vectors) > 1:
-        a, b, vectors = vectors[0], vectors[1], vectors[2:]
-        (alo, ahi), (blo, bhi) = halves(a, 0), halves(b, P)
-        steps.append((alo + blo, ahi + bhi))
-        vectors.append([(a + b)[i] for i in alo + blo])
-    (labels,) = vectors
-    while len(labels) > n:
-        lo, hi = halves(labels, 0)
-        steps.append((lo, hi))
-        labels = [labels[i] for i in lo]
-    return steps, [labels.index(o) for o in range(n)]
-
-
-@intrinsic
-def reduce_store(typingctx, acc, y, col, outs, rows):
-    """y[r, col + o] = the sum of the 16 lanes of acc[o, r, :] for o < outs, r < rows (literals): the outs x rows
-    vectors summed together by shuffles and adds (``reduction_plan``, zero vectors up to a power of 2), then one
-    store of outs floats per row. (More than 16 sums, as only a test plants: 16 at a time, stored one by one.)"""
-    if not all(isinstance(v, types.IntegerLiteral) for v in (outs, rows)):
-        return None
-    n_outs, n_rows = outs.literal_value, rows.literal_value
-    n = n_outs * n_rows
-    groups = [list(range(g, min(g + P, n))) for g in range(0, n, P)]  # sum i = o R + r
-    plans = [reduction_plan(1 << (len(g) - 1).bit_length()) for g in groups]
-
-    def codegen(context, builder, sig, args):
-        acc_a, y_a, col_v = args[:3]
-        i32, i64 = ir.IntType(32), ir.IntType(64)
-        floats = ir.VectorType(ir.FloatType(), P)
-        sums = builder.bitcast(context.make_array(sig.args[0])(context, builder, acc_a).data, floats.as_pointer())
-        y_arr = context.make_array(sig.args[1])(context, builder, y_a)
-        stride = builder.extract_value(y_arr.strides, 0)
-        y_bytes = builder.bitcast(y_arr.data, ir.IntType(8).as_pointer())
-
-        def y_at(r, o, vector):  # a pointer to y[r, col + o] as ``vector``
-            at = builder.add(builder.mul(ir.Constant(stride.type, r), stride),
-                             builder.mul(builder.add(col_v, ir.Constant(col_v.type, o)), ir.Constant(col_v.type, 4)))
-            return builder.bitcast(builder.gep(y_bytes, [at]), vector.as_pointer())
-
-        for group, (steps, order) in zip(groups, plans, strict=True):
-            vectors = [builder.load(builder.gep(sums, [ir.Constant(i64, i)]), align=4) for i in group]
-            vectors += [ir.Constant(floats, [0.0] * P)] * (len(order) - len(group))
-            for lo, hi in steps:
-                a, b = (vectors[0], vectors[1]) if len(vectors) > 1 else (vectors[0], vectors[0])
-
-                def pick(lanes, a=a, b=b):
-                    return builder.shuffle_vector(a, b, ir.Constant(ir.VectorType(i32, len(lanes)), lanes))
-
-                vectors = vectors[2:] + [builder.fadd(pick(lo), pick(hi))]
-            (total,) = vectors
-            if len(groups) == 1:  # one vector store of the row's outs sums
-                for r in range(n_rows):
-                    lanes = ir.Constant(ir.VectorType(i32, n_outs), [order[o * n_rows + r] for o in range(n_outs)])
-                    out = builder.shuffle_vector(total, total, lanes)
-                    builder.store(out, y_at(r, 0, out.type), align=4)
-            else:
-                for j, i in enumerate(group):
-                    o, r = divmod(i, n_rows)
-                    builder.store(builder.extract_element(total, ir.Constant(i32, order[j])),
-                                  y_at(r, o, ir.FloatType()), align=4)
-        return context.get_dummy_value()
-
-    return types.none(acc, y, types.intp, outs, rows), codegen
-
-
-@jit
-def q4_1_table_kernel(x, dm, qs, y, rows, outs):
-    """y = x @ W.T for W packed Q4_1 in blocks (``TABLE``).  x (R, k), dm (m/P, k/32, P, 2) fp16 bits,
-    qs (m/P, k/32, P, 16) uint8, y (R, m)"""
-    numba.literally(rows)
-    numba.literally(outs)
-    acc = stack_tile(outs, rows, P)
-    w = stack_tile(2, 1, P)  # a block's weights at positions j and j + 16
-    nb = qs.shape[1]
-    half = QK // 2
-    scales = np.empty(nb * P * 2, dtype=np.float32)  # d, m of one panel's blocks
-    for panel in range(qs.shape[0]):
-        for i in range(0, nb * P * 2, P):
-            halves_to_f32(scales, i, dm, (panel * nb * P * 2 + i) * 2)
-        for sub in range(0, P, outs):  # O outputs at a time; the panel's bytes stay in the cache for the next O
-            zero(acc)
-            for b in range(nb):
-                at = ((panel * nb + b) * P + sub) * half
-                if sub == 0:
-                    for line in range(half * P // 64):  # the block column of 16 outputs: 4 lines
-                        prefetch(qs, at + PREFETCH_BYTES + 64 * line)
-                    prefetch(dm, at // 4 + PREFETCH_BYTES // 4)  # and its d, m: 1 line, as far ahead in blocks
-                for o in range(outs):
-                    s = (b * P + sub + o) * 2
-                    nibble_lookup(w, qs, at + o * half, scales[s], scales[s + 1])
-                    for r in range(rows):
-                        for p in range(P):
-                            acc[o, r, p] += w[0, 0, p] * x[r, b * QK + p]
-                        for p in range(P):
-                            acc[o, r, p] += w[1, 0, p] * x[r, b * QK + half + p]
-            reduce_store(acc, y, panel * P + sub, outs, rows)
-
-
-@functools.cache
-def table_outputs(rows: int) -> int:
-    """O, the outputs the table kernel sums at once for ``rows`` token rows: the largest power of 2 up to 8 with
-    O x R <= TABLE_SUMS (8 at R = 1, 2; 4 at R = 3, 4; 2 at R = 5 to 8)."""
-    return max(o for o in (1, 2, 4, 8) if o == 1 or o * rows <= TABLE_SUMS)
-
-
-def table_kernel_here() -> bool:
-    """True where ``pack`` lays Q4_1 out for the table kernel: AVX-512 (vpermps over 16 floats; AVX2's
-    vpermps holds 8)."""
-    return host_vector()[0] == P
-
-
 KERNELS = {"F32": f32_kernel, "BF16": bf16_kernel, "Q8_0": q8_0_kernel, "Q4_1": q4_1_kernel}
 
 
@@ -807,12 +611,6 @@ class Packed:
     def nbytes(self) -> int:
         return sum(a.nbytes for a in self.arrays)
 
-    @property
-    def kernel(self) -> str:
-        """The kernel that multiplies it: its format's panel kernel (``KERNELS``), or ``TABLE`` for Q4_1 packed in
-        blocks (dm's last axis holds a block's d and m)."""
-        return TABLE if self.format == "Q4_1" and self.arrays[0].shape[-1] == 2 else self.format
-
     def product(self, x):
         """x @ W.T by the kernels (``product``), a prefill in chunks of 16 rows.  (..., k) float32 -> (..., m)
 
@@ -831,11 +629,6 @@ class Packed:
             raw = np.concatenate([d[panel, :, lane].view(np.uint8).reshape(len(ids), -1, 2),  # (n, nb, 2)
                                   q[panel, :, :, lane].view(np.uint8)], axis=-1)  # (n, nb, 32)
             return Q8_0(raw.reshape(len(ids), -1), k)
-        if self.kernel == TABLE:
-            dm, qs = self.arrays  # (m/P, nb, P, 2), (m/P, nb, P, 16)
-            raw = np.concatenate([dm[panel, :, lane].view(np.uint8).reshape(len(ids), -1, 4),  # (n, nb, 4)
-                                  qs[panel, :, lane]], axis=-1)  # (n, nb, 16)
-            return Q4_1(raw.reshape(len(ids), -1), k)
         if self.format == "Q4_1":
             dm, qs = self.arrays  # (m/P, nb, 2, P), (m/P, nb, 16, P)
             raw = np.concatenate([dm[panel, :, :, lane].view(np.uint8).reshape(len(ids), -1, 4),  # (n, nb, 4)
@@ -862,35 +655,12 @@ class Packed:
 
 
 def with_int8_x(packed: Packed, on: bool = True) -> Packed:
-    """The same weight, its products taking x quantized to int8 per block of 32 (``on``) or exact: llama.cpp's
+    """The same panels, their products taking x quantized to int8 per block of 32 (``on``) or exact: llama.cpp's
     route (``product(..., int8_x=True)``), for Q8_0 and Q4_1 on a CPU with an int8 kernel (``int8_isa``); other
-    formats (F32, BF16) keep their exact products. The int8 kernels read panels: a Q4_1 weight packed for the
-    table kernel is packed again into panels, once (its blocks' bytes, in another order), and back into pack's
-    own layout when switched off (the same exact products as before, bit for bit); otherwise nothing is copied."""
+    formats (F32, BF16) keep their exact products.  Nothing is copied."""
     if on and packed.format in INT8_KERNELS and int8_isa() is None:
         raise QuantError("int8 activations need a CPU with AVX512-VNNI or AVX2 (this one has neither)")
-    if packed.format == "Q4_1" and (packed.kernel == TABLE) != (not on and table_kernel_here()):
-        packed = repacked(packed, table=not on and table_kernel_here())
     return replace(packed, int8_x=on and packed.format in INT8_KERNELS)
-
-
-def return_freed_pages() -> None:
-    """Give the memory a repack freed back to the operating system, where the C library can (glibc's
-    ``malloc_trim``): the 66 MB of a model's Q4_1 weights in the other layout, freed in pieces that the allocator
-    would otherwise keep for later allocations, counted in the process's resident memory (30-45 MB of it, measured
-    on SmolLM2). Elsewhere nothing happens."""
-    import ctypes
-    import ctypes.util
-
-    try:
-        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # no glibc (macOS, musl): its allocator keeps them
-        pass
-
-
-def repacked(packed: Packed, table: bool) -> Packed:
-    """A Q4_1 weight in the other layout: the same blocks in panels (the panel and int8 kernels') or for TABLE."""
-    return replace(pack(packed.unpack(np.arange(packed.shape[0])), table=table), int8_x=packed.int8_x)
 
 
 def panels(a, m: int):
@@ -901,12 +671,10 @@ def panels(a, m: int):
     return a.reshape(-1, P, *a.shape[1:])
 
 
-def pack(weight, table: bool | None = None) -> Packed:
+def pack(weight) -> Packed:
     """A weight (a float32 (m, k) array, or minillm.quantize's F32, BF16, Q8_0, Q4_1) -> Packed.
 
-    Q4_1 goes in blocks for the table kernel where this CPU has one (``table_kernel_here``; ``table`` True or
-    False chooses), else in panels. Example: a Q4_1 weight (1536, 576) -> dm (96, 18, 16, 2) uint16 and qs
-    (96, 18, 16, 16) uint8 (table), or dm (96, 18, 2, 16) and qs (96, 18, 16, 16) (panels)."""
+    Example: a Q4_1 weight (1536, 576) -> dm (96, 18, 2, 16) uint16 and qs (96, 18, 16, 16) uint8."""
     if isinstance(weight, np.ndarray):
         weight = F32.quantize(weight)
     m, k = weight.shape
@@ -922,12 +690,8 @@ def pack(weight, table: bool | None = None) -> Packed:
     elif isinstance(weight, Q4_1):
         blocks = panels(weight.raw.reshape(m, k // QK, Q4_1_BYTES), m)  # (m/P, P, nb, 20)
         dm = blocks[..., :4].copy().view(np.uint16)  # (m/P, P, nb, 2)
-        if table_kernel_here() if table is None else table:
-            arrays = (np.ascontiguousarray(dm.transpose(0, 2, 1, 3)),  # (m/P, nb, P, 2)
-                      np.ascontiguousarray(blocks[..., 4:].transpose(0, 2, 1, 3)))  # (m/P, nb, P, 16)
-        else:
-            arrays = (np.ascontiguousarray(dm.transpose(0, 2, 3, 1)),  # (m/P, nb, 2, P)
-                      np.ascontiguousarray(blocks[..., 4:].transpose(0, 2, 3, 1)))  # (m/P, nb, 16, P)
+        arrays = (np.ascontiguousarray(dm.transpose(0, 2, 3, 1)),  # (m/P, nb, 2, P)
+                  np.ascontiguousarray(blocks[..., 4:].transpose(0, 2, 3, 1)))  # (m/P, nb, 16, P)
     else:
         raise QuantError(f"pack: no kernel for {type(weight).__name__}; kernels exist for {', '.join(KERNELS)}")
     return Packed(type(weight).__name__, (m, k), arrays)
@@ -936,37 +700,27 @@ def pack(weight, table: bool | None = None) -> Packed:
 # ---- compiling and calling --------------------------------------------------------------------------
 
 
-def row_tile(n: int, kernel: str | None = None) -> int:
-    """The compiled row count a product over n <= kernel_tiles(kernel)[-1] token rows runs with.  1 -> 1, 5 -> 5,
-    7 -> 8, 9 -> 16 (the panel kernels on AVX-512; on AVX2, and for the table kernel, the largest tile is 8)."""
-    return next(r for r in kernel_tiles(kernel) if r >= n)
+def row_tile(n: int) -> int:
+    """The compiled row count a product over n <= row_tiles()[-1] token rows runs with.  1 -> 1, 5 -> 5, 7 -> 8,
+    9 -> 16 (AVX-512; on AVX2 the largest tile is 8)."""
+    return next(r for r in row_tiles() if r >= n)
 
 
-def kernel_tiles(kernel: str | None = None) -> tuple:
-    """The row tiles of a kernel (a format of KERNELS, or TABLE): ``row_tiles()``, or TABLE_ROW_TILES."""
-    return TABLE_ROW_TILES if kernel == TABLE else row_tiles()
+_COMPILED = {}  # (format, R, int8_x) -> the compiled function's entry point
 
 
-def kernel_function(kernel: str, int8_x: bool = False):
-    """The numba function of a kernel name (``Packed.kernel``): a panel kernel, the int8 one, or the table kernel."""
-    return q4_1_table_kernel if kernel == TABLE else (INT8_KERNELS if int8_x else KERNELS)[kernel]
-
-
-_COMPILED = {}  # (kernel, R, int8_x) -> the compiled function's entry point
-
-
-def compiled(kernel: str, rows: int, int8_x: bool = False):
-    """The kernel (a format's, or TABLE) for ``rows`` token rows (the int8 one with ``int8_x``), compiled (or
-    loaded from the cache) on first use.
+def compiled(fmt: str, rows: int, int8_x: bool = False):
+    """The kernel of ``fmt`` for ``rows`` token rows (the int8 one with ``int8_x``), compiled (or loaded from
+    the cache) on first use.
 
     Calls go to the compiled entry point: the dispatcher would re-resolve the literal arguments on
     every call (milliseconds each)."""
-    entry = _COMPILED.get((kernel, rows, int8_x))
-    if entry is None:
+    kernel = _COMPILED.get((fmt, rows, int8_x))
+    if kernel is None:
         with vector_compile():
-            entry = kernel_function(kernel, int8_x).compile(kernel_signature(kernel, rows))
-        _COMPILED[kernel, rows, int8_x] = entry
-    return entry
+            kernel = (INT8_KERNELS if int8_x else KERNELS)[fmt].compile(kernel_signature(fmt, rows))
+        _COMPILED[fmt, rows, int8_x] = kernel
+    return kernel
 
 
 @functools.cache
@@ -1002,35 +756,32 @@ def row_tiles() -> tuple:
     return tuple(r for r in ROW_TILES if all(kernel_shape(fmt, r) for fmt in KERNELS))
 
 
-def literals(kernel: str, rows: int) -> tuple:
-    """The compile-time arguments of a kernel for ``rows`` token rows on this CPU: (R, U, L) for a format's panel
-    kernel, (R, O) for the table kernel."""
-    return (rows, table_outputs(rows)) if kernel == TABLE else (rows, *kernel_shape(kernel, rows))
+def literals(fmt: str, rows: int) -> tuple[int, int, int]:
+    """The compile-time arguments of ``fmt``'s kernel for ``rows`` token rows on this CPU: (R, U, L)."""
+    return (rows, *kernel_shape(fmt, rows))
 
 
-def kernel_signature(kernel: str, rows: int, chains: int | None = None, lanes: int | None = None) -> tuple:
-    """The argument types of a kernel for ``rows`` token rows: the arrays, then ``literals(kernel, rows)`` as
-    literal types (or these chains and lanes instead, to compare other choices; for TABLE, chains is O)."""
+def kernel_signature(fmt: str, rows: int, chains: int | None = None, lanes: int | None = None) -> tuple:
+    """The argument types of ``fmt``'s kernel for ``rows`` token rows: the arrays, then ``literals(fmt, rows)``
+    as literal types (or these chains and lanes instead, to compare other choices)."""
     weights = {"F32": (types.float32[:, :, ::1],), "BF16": (types.uint16[:, :, ::1],),
                "Q8_0": (types.uint16[:, :, ::1], types.int8[:, :, :, ::1]),
-               "Q4_1": (types.uint16[:, :, :, ::1], types.uint8[:, :, :, ::1]),
-               TABLE: (types.uint16[:, :, :, ::1], types.uint8[:, :, :, ::1])}[kernel]
-    chosen = literals(kernel, rows)
-    given = (rows, chains or chosen[1]) + ((lanes or chosen[2],) if kernel != TABLE else ())
-    return (types.float32[:, ::1], *weights, types.float32[:, ::1], *(types.literal(v) for v in given))
+               "Q4_1": (types.uint16[:, :, :, ::1], types.uint8[:, :, :, ::1])}[fmt]
+    return (types.float32[:, ::1], *weights, types.float32[:, ::1],
+            *(types.literal(v) for v in (rows, chains or literals(fmt, rows)[1], lanes or literals(fmt, rows)[2])))
 
 
-def machine_code(kernel: str, rows: int, fastmath=FASTMATH, int8_x: bool = False, chains: int | None = None,
+def machine_code(fmt: str, rows: int, fastmath=FASTMATH, int8_x: bool = False, chains: int | None = None,
                  lanes: int | None = None) -> str:
-    """The assembly of a kernel (a format's, the int8 one with ``int8_x``, or TABLE) for ``rows`` rows, freshly
-    compiled (a cached kernel keeps no assembly) under ``vector_compile`` with these fastmath flags (and these
-    chains and lanes, by default ``literals``')."""
-    source = kernel_function(kernel, int8_x).py_func
-    compiled_here = numba.njit(fastmath=fastmath, nogil=True, boundscheck=False)(source)
-    sig = kernel_signature(kernel, rows, chains, lanes)
+    """The assembly of ``fmt``'s kernel (the int8 one with ``int8_x``) for ``rows`` rows, freshly compiled (a
+    cached kernel keeps no assembly) under ``vector_compile`` with these fastmath flags (and these chains and
+    lanes, by default ``kernel_shape``'s)."""
+    source = (INT8_KERNELS if int8_x else KERNELS)[fmt].py_func
+    kernel = numba.njit(fastmath=fastmath, nogil=True, boundscheck=False)(source)
+    sig = kernel_signature(fmt, rows, chains, lanes)
     with vector_compile():
-        compiled_here.compile(sig)
-    return compiled_here.inspect_asm(compiled_here.signatures[0])
+        kernel.compile(sig)
+    return kernel.inspect_asm(kernel.signatures[0])
 
 
 def vector_fma_count(asm: str) -> dict:
@@ -1047,8 +798,7 @@ def vector_fma_count(asm: str) -> dict:
 def inner_loop(asm: str) -> list[str]:
     """The lines of a kernel's inner loop in its listing: of the innermost loops (a label and a later jump back to
     it, with no loop inside) of the first function (the kernel; numba's Python wrapper follows it), the one with
-    the most vector FMAs, the shortest of those (a loop's exit that jumps back to code placed above it, as the
-    table kernel's to its sums, spans the loop's body too)."""
+    the most vector FMAs."""
     kernel = asm.split(".Lfunc_end0")[0].splitlines()
     labels = {line[:-1]: i for i, line in enumerate(kernel) if re.fullmatch(r"\.LBB\w+:", line)}
     loops = [(labels[m[1]], j) for j, line in enumerate(kernel)
@@ -1056,8 +806,7 @@ def inner_loop(asm: str) -> list[str]:
     innermost = [(a, b) for a, b in loops if not any(a <= c and d <= b and (c, d) != (a, b) for c, d in loops)]
     if not innermost:
         return kernel
-    a, b = max(innermost, key=lambda ab: (sum(1 for line in kernel[ab[0]:ab[1]] if re.search(r"vfmadd\d+ps", line)),
-                                          ab[0] - ab[1]))  # of equals the shortest: a forward exit can look like a loop
+    a, b = max(innermost, key=lambda ab: sum(1 for line in kernel[ab[0]:ab[1]] if re.search(r"vfmadd\d+ps", line)))
     return kernel[a:b + 1]
 
 
@@ -1079,8 +828,7 @@ def product(x, packed: Packed, int8_x: bool = False) -> np.ndarray:
 
     ``int8_x=True`` (Q8_0 and Q4_1, a CPU with an int8 kernel: ``int8_isa``) quantizes x to int8 per block of 32
     and multiplies integers, as llama.cpp does: NOT exact, within sum_b (max_b |x| / 254) sum_{t in b} |w| of
-    x @ W.T. (A Q4_1 weight packed for the table kernel is packed into panels for it on every such call:
-    ``with_int8_x`` does that once.)"""
+    x @ W.T."""
     m, k = packed.shape
     x = np.asarray(x)
     if x.ndim != 2 or x.shape[1] != k or x.shape[0] == 0:
@@ -1090,19 +838,17 @@ def product(x, packed: Packed, int8_x: bool = False) -> np.ndarray:
     if int8_x and (packed.format not in INT8_KERNELS or int8_isa() is None):
         raise QuantError(f"product: int8_x needs a {' or '.join(INT8_KERNELS)} weight (got {packed.format}) and a CPU "
                          f"with AVX512-VNNI or AVX2 (here: {int8_isa() or 'neither'})")
-    if int8_x and packed.kernel == TABLE:
-        packed = repacked(packed, table=False)
-    n, kernel = x.shape[0], packed.kernel
+    n = x.shape[0]
     x = np.ascontiguousarray(x)
     y = np.empty((n, m), dtype=np.float32)
     m_pad = packed.arrays[-1].shape[0] * P
     if n == 1 and m == m_pad:  # a decode step, the common case: one call on x itself
-        compiled(kernel, 1, int8_x)(x, *packed.arrays, y, *literals(kernel, 1))
+        compiled(packed.format, 1, int8_x)(x, *packed.arrays, y, *literals(packed.format, 1))
         return y
-    chunk = kernel_tiles(kernel)[-1]
-    for start in range(0, n, chunk):  # chunks of 16 rows (8 on AVX2 and for TABLE); each reads every weight once
+    chunk = row_tiles()[-1]
+    for start in range(0, n, chunk):  # chunks of 16 rows (8 on AVX2); each reads every weight once
         rows = min(chunk, n - start)
-        tile = row_tile(rows, kernel)
+        tile = row_tile(rows)
         if tile == rows:  # x's own rows, a view: nothing is copied
             xs = x[start:start + rows]
         else:  # 7 rows on the 8-row kernel: zero rows below them
@@ -1110,7 +856,7 @@ def product(x, packed: Packed, int8_x: bool = False) -> np.ndarray:
             xs[:rows] = x[start:start + rows]
         direct = tile == rows and m == m_pad  # the kernel can write y's rows itself
         out = y[start:start + rows] if direct else np.empty((tile, m_pad), dtype=np.float32)
-        compiled(kernel, tile, int8_x)(xs, *packed.arrays, out, *literals(kernel, tile))
+        compiled(packed.format, tile, int8_x)(xs, *packed.arrays, out, *literals(packed.format, tile))
         if not direct:
             y[start:start + rows] = out[:rows, :m]
     return y

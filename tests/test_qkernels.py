@@ -28,12 +28,11 @@ FORMATS = {"F32": F32, "BF16": BF16, "Q8_0": Q8_0, "Q4_1": Q4_1}
 TOL = 2e-6  # relative to sum_t |x[i, t] w[j, t]|: float32 rounding of a sum reordered into 8 chains
 
 
-def check_product(fmt, w, x, table=None):
-    """product(x, pack(quantize(w))) == x @ dequantize(w).T (float64), row by row (Q4_1: in the layout ``table``
-    chooses, by default this CPU's)."""
+def check_product(fmt, w, x):
+    """product(x, pack(quantize(w))) == x @ dequantize(w).T (float64), row by row."""
     weight = FORMATS[fmt].quantize(w)
     ref_w = weight.dequantize().astype(np.float64)
-    y = qkernels.product(x, qkernels.pack(weight, table=table))
+    y = qkernels.product(x, qkernels.pack(weight))
     assert y.dtype == np.float32 and y.shape == (x.shape[0], w.shape[0])
     ref = x.astype(np.float64) @ ref_w.T
     scale = np.abs(x).astype(np.float64) @ np.abs(ref_w).T
@@ -51,42 +50,6 @@ def test_every_format_matches_the_reference_for_1_to_17_rows(fmt):
         check_product(fmt, w, rng.standard_normal((n, 3 * QK)).astype(np.float32))
 
 
-needs_table = pytest.mark.skipif(not qkernels.table_kernel_here(), reason="the table kernel needs AVX-512 (vpermps)")
-
-
-@pytest.mark.uses_exercise("13.1")
-@pytest.mark.parametrize("table", [False, pytest.param(True, marks=needs_table)])
-def test_q4_1_in_panels_and_in_blocks_matches_the_reference(table):
-    """Both Q4_1 kernels, whichever pack chooses here: the panel kernel (AVX2's, and the int8 kernels' layout) and
-    the table kernel (AVX-512: a block's 16 values looked up with vpermps), n = 1..17 (tiles 1 to 6 and 8, the
-    table kernel's 16 rows as two chunks of 8), m = 37, k = 96, and a panel of outputs whose blocks have other
-    scales than their neighbours' (a scale or minimum taken from the wrong block or output would show)."""
-    rng = np.random.default_rng(7)
-    w = rng.standard_normal((37, 3 * QK)).astype(np.float32) * rng.uniform(0.1, 10, (37, 3 * QK // 8)).repeat(8, 1)
-    w += rng.uniform(-3, 3, (37, 1)).astype(np.float32)  # a minimum per output
-    for n in range(1, 18):
-        check_product("Q4_1", w, rng.standard_normal((n, 3 * QK)).astype(np.float32), table=table)
-
-
-def test_reduction_plan_adds_every_lane_once():
-    """reduce_store's shuffles, simulated on lane values: for n = 1 .. 16 vectors the plan gives each output the sum
-    of its 16 lanes, each lane once (a plan that dropped or repeated a lane would be off by it), in order."""
-    rng = np.random.default_rng(8)
-    for n in (1, 2, 4, 8, 16):
-        steps, order = qkernels.reduction_plan(n)
-        lanes = rng.integers(-1000, 1000, (n, qkernels.P))
-        vectors = list(lanes)
-        for lo, hi in steps:
-            a, b = (vectors[0], vectors[1]) if len(vectors) > 1 else (vectors[0], vectors[0])
-            both = np.concatenate([a, b])
-            vectors = vectors[2:] + [both[lo] + both[hi]]
-        (v,) = vectors
-        np.testing.assert_array_equal(v[order], lanes.sum(1))
-        assert len(steps) == n - 1 + 4 - int(np.log2(n))  # n - 1 pairs, then folds down to one lane each
-    with pytest.raises(ValueError, match="power of 2"):
-        qkernels.reduction_plan(3)
-
-
 @pytest.mark.parametrize("fmt", ["F32", "BF16"])
 @pytest.mark.parametrize("n", [1, 3])
 def test_float_formats_take_any_inner_size(fmt, n):
@@ -99,20 +62,12 @@ def test_float_formats_take_any_inner_size(fmt, n):
 
 @pytest.mark.uses_exercise("13.1")
 def test_pack_layout_example():
-    """A Q4_1 (1536, 576) weight -> panels: dm (96, 18, 2, 16), qs (96, 18, 16, 16); blocks for the table kernel:
-    dm (96, 18, 16, 2), qs (96, 18, 16, 16). Either way the file's 20 bytes per block; pack's default is the
-    table where this CPU has the kernel, and with_int8_x puts a table-packed weight in panels."""
+    """A Q4_1 (1536, 576) weight -> dm (96, 18, 2, 16) and qs (96, 18, 16, 16): the file's 20 bytes per block."""
     w = np.random.default_rng(2).standard_normal((1536, 576)).astype(np.float32)
     weight = Q4_1.quantize(w)
-    panels, blocks = qkernels.pack(weight, table=False), qkernels.pack(weight, table=True)
-    assert [a.shape for a in panels.arrays] == [(96, 18, 2, 16), (96, 18, 16, 16)] and panels.kernel == "Q4_1"
-    assert [a.shape for a in blocks.arrays] == [(96, 18, 16, 2), (96, 18, 16, 16)] and blocks.kernel == qkernels.TABLE
-    assert panels.nbytes == blocks.nbytes == weight.raw.nbytes
-    assert qkernels.pack(weight).kernel == (qkernels.TABLE if qkernels.table_kernel_here() else "Q4_1")
-    if qkernels.int8_isa():
-        int8 = qkernels.with_int8_x(blocks)
-        assert int8.kernel == "Q4_1" and int8.int8_x
-        np.testing.assert_array_equal(int8.arrays[1], panels.arrays[1])
+    packed = qkernels.pack(weight)
+    assert [a.shape for a in packed.arrays] == [(96, 18, 2, 16), (96, 18, 16, 16)]
+    assert packed.nbytes == weight.raw.nbytes
 
 
 def test_bad_inputs_are_refused():
@@ -246,31 +201,11 @@ def test_row_tiles():
         assert qkernels.row_tile(9) == qkernels.row_tile(16) == 16
 
 
-@needs_table
-@pytest.mark.parametrize("rows", qkernels.TABLE_ROW_TILES)
-def test_the_table_kernel_is_zmm_code_with_its_sums_in_registers(rows):
-    """The table kernel's inner loop: two vpermps per block and output, its FMAs zmm ones (one for the table, two
-    per row), and no vector register stored to the stack (O x R <= TABLE_SUMS accumulators)."""
-    asm = qkernels.machine_code(qkernels.TABLE, rows)
-    loop = qkernels.inner_loop(asm)
-    outs = qkernels.table_outputs(rows)
-    assert sum("vpermps" in line or "vpermd" in line for line in loop) >= 2 * outs
-    assert qkernels.vector_fma_count("\n".join(loop)) | {"vnni": 0, "maddubs": 0} == \
-        {"zmm": outs * (1 + 2 * rows), "ymm": 0, "scalar": 0, "vnni": 0, "maddubs": 0}
-    assert qkernels.stack_spills(asm) == 0
-
-
-@needs_table
-def test_the_spill_check_catches_a_table_kernel_with_too_many_sums():
-    """Planted: 8 outputs of 8 rows (64 accumulators) cannot live in 32 zmm; the check above sees the spills."""
-    assert qkernels.stack_spills(qkernels.machine_code(qkernels.TABLE, 8, chains=8)) > 0
-
-
 @pytest.mark.parametrize("fmt", list(FORMATS))
 def test_the_chosen_kernel_keeps_its_sums_in_registers(fmt):
-    """The panel kernel for one row with the chains and lanes that kernel_shape chooses for this CPU (AVX-512: 32
-    zmm, a panel row is one vector; AVX2: 16 ymm, two) stores no vector register to the stack in its inner loop:
-    its accumulators and its dequantized weights fit in the register file."""
+    """The kernel for one row with the chains and lanes that kernel_shape chooses for this CPU (AVX-512: 32 zmm,
+    a panel row is one vector; AVX2: 16 ymm, two) stores no vector register to the stack in its inner loop: its
+    accumulators and its dequantized weights fit in the register file."""
     asm = qkernels.machine_code(fmt, 1)
     assert qkernels.vector_fma_count(asm)["scalar"] == 0
     assert qkernels.stack_spills(asm) == 0, f"{fmt}: {qkernels.stack_spills(asm)} stack loads and stores"
@@ -328,15 +263,14 @@ def test_benchmark_pass_and_table(tmp_path, capsys):
     assert existing.read_text() == "keep me" and "exists" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("fmt", ["Q8_0", pytest.param("Q4_1", marks=pytest.mark.uses_exercise("13.1")),
-                                 pytest.param("Q4_1 panels", marks=pytest.mark.uses_exercise("13.1"))])
+@pytest.mark.parametrize("fmt", ["Q8_0", pytest.param("Q4_1", marks=pytest.mark.uses_exercise("13.1"))])
 def test_packed_weight_gives_back_its_blocks(fmt):
     """unpack is pack's inverse (the file's bytes, row by row); rows() dequantizes only the looked-up rows;
     row_slice is a view of whole panels (or the rows packed anew); a prefill's product (more rows than
     a chunk of 16) runs in chunks and matches the reference."""
     rng = np.random.default_rng(4)
-    weight = FORMATS[fmt.split()[0]].quantize(rng.standard_normal((300, 96)).astype(np.float32))
-    packed = qkernels.pack(weight, table=False if fmt == "Q4_1 panels" else None)
+    weight = FORMATS[fmt].quantize(rng.standard_normal((300, 96)).astype(np.float32))
+    packed = qkernels.pack(weight)
     np.testing.assert_array_equal(packed.unpack(np.arange(300)).raw, weight.raw)
     ids = np.array([[299, 0, 17]])
     np.testing.assert_array_equal(packed[ids], weight.dequantize()[ids])

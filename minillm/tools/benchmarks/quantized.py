@@ -62,8 +62,7 @@ N_LAYER = 30
 # (out, in) of q, k, v, o, gate, up, down
 BLOCK_SHAPES = ((576, 576), (192, 576), (192, 576), (576, 576), (1536, 576), (1536, 576), (576, 1536))
 LM_HEAD = (49152, 576)
-FORMATS = ("F32", "BF16", "Q8_0", "Q4_1", "Q4_1-panels")  # Q4_1: the table kernel where the CPU has it (AVX-512)
-PANELS = "-panels"  # Q4_1-panels: Q4_1 in panels (the panel kernel) where Q4_1 itself takes the table kernel
+FORMATS = ("F32", "BF16", "Q8_0", "Q4_1")
 ROWS = (1, 2, 4, 8, 16)
 TOL = 2e-6  # the kernel tests' tolerance, relative to sum_t |x w|
 CACHE_WEIGHT = (256, 576)  # a weight that fits in L2 (590 KB as float32): the kernel's compute rate
@@ -74,35 +73,20 @@ def pass_shapes() -> list[tuple[int, int]]:
     return [shape for _ in range(N_LAYER) for shape in BLOCK_SHAPES] + [LM_HEAD]
 
 
-def default_formats() -> list[str]:
-    """FORMATS, without Q4_1-panels where Q4_1 itself is in panels (no table kernel on this CPU)."""
-    from ...qkernels import table_kernel_here
-
-    return [f for f in FORMATS if table_kernel_here() or not f.endswith(PANELS)]
-
-
-def packer(fmt: str):
-    """(the quantize format of a FORMATS name, its pack: ``qkernels.pack``, for Q4_1-panels in panels)."""
-    from ...qkernels import pack
-
-    table = False if fmt.endswith(PANELS) else None
-    return quantize.FORMATS[fmt.removesuffix(PANELS)], lambda weight: pack(weight, table=table)
-
-
 def pack_pass(fmt: str, rng) -> list:
     """Every weight of a pass in ``fmt``, packed; one random matrix per shape, each packed copy its own memory."""
-    cls, pack = packer(fmt)
+    from ...qkernels import pack
+
     shapes = sorted(set(pass_shapes()))
-    quantized = {s: cls.quantize(rng.standard_normal(s, dtype=np.float32)) for s in shapes}
+    quantized = {s: quantize.FORMATS[fmt].quantize(rng.standard_normal(s, dtype=np.float32)) for s in shapes}
     return [pack(quantized[s]) for s in pass_shapes()]
 
 
 def validate(fmt: str, rng) -> None:
     """The kernel equals x @ W.dequantize().T on gate's shape for n = 1 and 16, else BenchmarkError."""
-    from ...qkernels import product
+    from ...qkernels import pack, product
 
-    cls, pack = packer(fmt)
-    weight = cls.quantize(rng.standard_normal(BLOCK_SHAPES[4], dtype=np.float32))
+    weight = quantize.FORMATS[fmt].quantize(rng.standard_normal(BLOCK_SHAPES[4], dtype=np.float32))
     ref_w = weight.dequantize().astype(np.float64)
     packed = pack(weight)
     for n in (1, 16):
@@ -115,11 +99,11 @@ def validate(fmt: str, rng) -> None:
 def validate_int8(fmt: str, rng) -> None:
     """The int8_x product is within sum_b (dx_b / 2) sum_{t in b} |w| of x @ W.dequantize().T (dx_b = max_b |x| / 127)
     on gate's shape for n = 1 and 16, else BenchmarkError."""
-    from ...qkernels import pack, product, with_int8_x
+    from ...qkernels import pack, product
 
     weight = quantize.FORMATS[fmt].quantize(rng.standard_normal(BLOCK_SHAPES[4], dtype=np.float32))
     ref_w = weight.dequantize().astype(np.float64)
-    packed = with_int8_x(pack(weight))
+    packed = pack(weight)
     for n in (1, 16):
         x = rng.standard_normal((n, ref_w.shape[1]), dtype=np.float32)
         error = np.abs(product(x, packed, int8_x=True) - x.astype(np.float64) @ ref_w.T)
@@ -158,24 +142,19 @@ def kernel_fma_rate(rng, repeat: int) -> float:
 
 
 def kernel_choices(formats: list[str], rows_n: list[int]) -> str:
-    """What the kernels chose on this CPU (``qkernels.literals``): U sums x L outputs at once per format and n for
-    the panel kernels, O outputs at once for Q4_1's table kernel."""
-    from ...qkernels import TABLE, host_vector, kernel_tiles, literals, row_tile
+    """What the kernels chose on this CPU (``qkernels.kernel_shape``): U sums x L outputs at once, per format and n."""
+    from ...qkernels import host_vector, kernel_shape, row_tile, row_tiles
 
     lanes, registers = host_vector()
+    chunk = row_tiles()[-1]
 
     def shape(fmt: str, n: int) -> str:
-        cls, pack = packer(fmt)
-        kernel = pack(cls.quantize(np.ones((1, quantize.QK), np.float32))).kernel
-        chunk = kernel_tiles(kernel)[-1]
-        _, *chosen = literals(kernel, row_tile(min(n, chunk), kernel))
+        u, width = kernel_shape(fmt, row_tile(min(n, chunk)))
         passes = -(-n // chunk)
-        return (f"{n}: " + (f"O={chosen[0]}" if kernel == TABLE else f"{chosen[0]}x{chosen[1]}")
-                + (f" ({passes} chunks of {chunk} rows)" if passes > 1 else ""))
+        return f"{n}: {u}x{width}" + (f" ({passes} chunks of {chunk} rows)" if passes > 1 else "")
 
-    return "\n".join([f"kernels for {registers} vector registers of {lanes} float32 lanes, U sums x L outputs by n "
-                      f"(the table kernel: O outputs):"]
-                     + [f"  {fmt:>11}  " + ", ".join(shape(fmt, n) for n in rows_n) for fmt in formats])
+    return "\n".join([f"kernels for {registers} vector registers of {lanes} float32 lanes, U sums x L outputs by n:"]
+                     + [f"  {fmt:>4}  " + ", ".join(shape(fmt, n) for n in rows_n) for fmt in formats])
 
 
 def _timed(fn) -> float:
@@ -438,9 +417,8 @@ def main(argv=None) -> int:
                    help=f"with --decode, comma-separated from {', '.join(ENGINES)} (default: all available)")
     p.add_argument("--rounds", type=int_in(1, 20), default=2, help="with --decode, answers per prompt and engine")
     p.add_argument("--new-tokens", type=int_in(2, 512), default=NEW_TOKENS, help="with --decode, tokens per answer")
-    p.add_argument("--formats", type=list_of(str), default=None,
-                   help=f"comma-separated, from {', '.join(FORMATS)} (default: all; Q4_1-panels only where Q4_1 "
-                   "takes the table kernel)")
+    p.add_argument("--formats", type=list_of(str), default=list(FORMATS),
+                   help=f"comma-separated, from {', '.join(FORMATS)}")
     p.add_argument("--rows", type=list_of(int_in(1, 16)), default=list(ROWS), help="token rows n per pass (1..16)")
     p.add_argument("--repeat", type=int_in(1, 100), default=5, help="timed passes per (format, n); the best counts")
     p.add_argument("--no-int8-x", action="store_true",
@@ -461,11 +439,10 @@ def main(argv=None) -> int:
         if "q-int8" in engines and not available["q-int8"]:
             p.error("engine q-int8 needs a CPU with AVX512-VNNI or AVX2")
         return decode_main(args, engines)
-    args.formats = args.formats or default_formats()
     unknown = sorted(set(args.formats) - set(FORMATS))
     if unknown:
         p.error(f"unknown format(s) {', '.join(unknown)}: choose from {', '.join(FORMATS)}")
-    from ...qkernels import INT8_KERNELS, int8_isa, with_int8_x
+    from ...qkernels import INT8_KERNELS, int8_isa
 
     rows_n = sorted(set(args.rows) | {1})  # v(n) needs t(1)
     rng = np.random.default_rng(0)
@@ -484,7 +461,6 @@ def main(argv=None) -> int:
         times = {n: time_pass(packed, n, args.repeat, rng) for n in rows_n}
         table += format_rows(fmt, sum(q.nbytes for q in packed), times, bandwidth, fma_rate)
         if fmt in int8_formats:
-            packed = [with_int8_x(q) for q in packed]  # Q4_1 in panels for the int8 kernels
             times = {n: time_pass(packed, n, args.repeat, rng, int8_x=True) for n in rows_n}
             table += format_rows(f"{fmt} int8 x", sum(q.nbytes for q in packed), times, bandwidth, fma_rate)
         del packed
