@@ -189,6 +189,50 @@ def distinct_draw(pool: list, n: int, seed: int, make, what: str) -> list[dict]:
     raise ValueError(f"at most {len(out)} {what} can be made here, asked for {n}")
 
 
+# Everyday requests for advice, the kind of chat the topic templates above do not ask: what a person wants to
+# do or fix, and the ways of asking. Written for the draft's data; no situation is one of
+# docs/unseen_prompts.jsonl's chat prompts' (neighbours and noise, packing for a trip, food that goes stale,
+# studying at home), so that those stay unseen (``advice_prompts``).
+ADVICE_SITUATIONS = (
+    "start running without hurting my knees", "save money on groceries each month", "learn to cook simple meals",
+    "keep my houseplants alive", "fall asleep faster", "prepare for a job interview", "ask my boss for a raise",
+    "write a polite complaint to a company", "organize a small birthday party", "teach my child to ride a bike",
+    "clean a burnt pan", "remove a coffee stain from a shirt", "start a vegetable garden on a balcony",
+    "make new friends in a new city", "drink more water during the day",
+    "choose a good used car", "fix a squeaky door", "keep my cat off the kitchen table",
+    "train my puppy to walk on a leash", "prepare my first presentation at work",
+    "plan a budget for the first time", "decorate a small apartment cheaply", "learn to play the guitar",
+    "write a thank-you note to a teacher", "cut down on sugar", "get up earlier in the morning",
+    "keep a conversation going on a first date", "say no to extra work politely", "start journaling",
+    "help an elderly parent use a smartphone", "choose a gift for a coworker", "paint a room",
+    "get rid of fruit flies in the kitchen", "keep my car clean inside", "learn a new language as an adult",
+    "deal with a rude customer", "recover after a long flight", "motivate myself to exercise in winter",
+    "make my mornings less rushed", "split chores fairly with my roommates", "apologize to a friend",
+    "organize my email inbox", "plan a picnic with children",
+    "care for a sunburn", "choose running shoes", "reduce stress after work", "build a reading habit",
+    "clean windows without streaks", "prepare a simple vegetarian dinner for guests", "negotiate rent",
+    "back up the photos on my phone", "start volunteering in my town", "keep my bike from rusting",
+    "talk to my teenager about screen time", "stay warm in a cold house", "make a long drive less tiring",
+    "welcome a new colleague to the team", "plan meals for a busy week", "fix a slow laptop",
+)
+ADVICE_FORMS = (
+    "How can I {s}?", "What is the best way to {s}?", "I want to {s}. Where should I start?",
+    "Can you give me some tips to {s}?", "What mistakes should I avoid when I try to {s}?",
+    "My friend asked me how to {s}. What should I tell them?", "Give me a simple plan to {s}.",
+    "Is it hard to {s}? What would you suggest?", "I have tried and failed to {s}. Any advice?",
+    "What do I need to {s}?", "Explain step by step how to {s}.", "I'm a beginner. How do I {s}?",
+)
+
+
+def advice_prompts(n: int, seed: int = 0) -> list[dict]:
+    """n distinct chat prompts asking for everyday advice (ADVICE_SITUATIONS x ADVICE_FORMS), a reproducible
+    draw: chat as people ask it beside the topic templates' "Explain {t}" (``eagle-data --source advice``)."""
+    check_count(n, "advice prompts")
+    pool = list(itertools.product(ADVICE_SITUATIONS, ADVICE_FORMS))
+    return distinct_draw(pool, n, seed, lambda entry, rng: {"prompt": entry[1].format(s=entry[0]), "kind": "chat"},
+                         "advice prompts")
+
+
 def stdlib_prompts(n: int, seed: int = 0, root=None) -> list[dict]:
     """n distinct prompts {"prompt", "kind"} made from the standard library that ships with Python (its
     licence: the PSF License): write a function from its docstring (code), explain or document a function

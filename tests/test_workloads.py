@@ -7,10 +7,13 @@ import json
 import pytest
 
 from minillm.workloads import (
+    ADVICE_FORMS,
+    ADVICE_SITUATIONS,
     KINDS,
     LINE,
     TEXT_CHARS,
     WORKLOADS,
+    advice_prompts,
     check_held_out,
     read_prompts,
     source_pieces,
@@ -33,6 +36,20 @@ def test_workloads_are_held_out_and_the_check_catches_a_shared_prompt():
     assert {w["kind"] for w in WORKLOADS} == set(KINDS)
     with pytest.raises(ValueError, match="1 workload prompts are also training prompts"):
         check_held_out(WORKLOADS, [{"prompt": WORKLOADS[3]["prompt"], "kind": "chat"}])
+
+
+def test_advice_prompts_are_chat_reproducible_and_keep_the_unseen_prompts_unseen():
+    """Every situation x form once, all chat, a reproducible draw; none is a workload prompt, and no situation
+    shares a content word with docs/unseen_prompts.jsonl's chat prompts' main subjects (their neighbour's dog,
+    packing for a hike, stale bread, studying at home), so a speed-up measured there stays unseen."""
+    every = advice_prompts(len(ADVICE_SITUATIONS) * len(ADVICE_FORMS), seed=3)
+    assert every == advice_prompts(len(every), seed=3) != advice_prompts(len(every), seed=4)
+    assert len({p["prompt"] for p in every}) == len(every) and {p["kind"] for p in every} == {"chat"}
+    check_held_out(WORKLOADS, every)
+    unseen = {"neighbour", "dog", "barks", "pack", "hiking", "bread", "stale", "studying", "focused"}
+    assert not [s for s in ADVICE_SITUATIONS if unseen & set(s.split())]
+    with pytest.raises(ValueError, match=f"at most {len(every)} advice prompts"):
+        advice_prompts(len(every) + 1)
 
 
 def test_read_prompts(tmp_path):
