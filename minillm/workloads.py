@@ -224,13 +224,125 @@ ADVICE_FORMS = (
 )
 
 
+def pair_prompts(subjects: tuple, forms: tuple, kind: str, n: int, seed: int, what: str) -> list[dict]:
+    """n distinct prompts of one kind, every subject in every form once at most, a reproducible draw."""
+    check_count(n, what)
+    pool = list(itertools.product(subjects, forms))
+    return distinct_draw(pool, n, seed, lambda entry, rng: {"prompt": entry[1].format(s=entry[0]), "kind": kind}, what)
+
+
 def advice_prompts(n: int, seed: int = 0) -> list[dict]:
     """n distinct chat prompts asking for everyday advice (ADVICE_SITUATIONS x ADVICE_FORMS), a reproducible
     draw: chat as people ask it beside the topic templates' "Explain {t}" (``eagle-data --source advice``)."""
-    check_count(n, "advice prompts")
-    pool = list(itertools.product(ADVICE_SITUATIONS, ADVICE_FORMS))
-    return distinct_draw(pool, n, seed, lambda entry, rng: {"prompt": entry[1].format(s=entry[0]), "kind": "chat"},
-                         "advice prompts")
+    return pair_prompts(ADVICE_SITUATIONS, ADVICE_FORMS, "chat", n, seed, "advice prompts")
+
+
+# Everyday questions of "why" (chat) and small programs as people ask for them (code), written for the draft's
+# data like the advice above: no subject is one of docs/unseen_prompts.jsonl's (no food that goes stale, no
+# chunks of a list, bank accounts, CSV columns or words by length), checked in tests/test_workloads.py.
+WHY_FACTS = (
+    "the sky is blue", "leaves change colour in autumn", "ice floats on water", "onions make our eyes water",
+    "cats purr", "we yawn", "the sea is salty", "we get goosebumps", "metal feels colder than wood",
+    "soap removes grease", "a rainbow appears after rain", "our voice sounds strange on a recording",
+    "hot air balloons rise", "planes can fly", "we dream at night", "the moon changes shape during the month",
+    "popcorn pops", "fingers wrinkle in the bath", "we see lightning before we hear thunder", "stars twinkle",
+    "salt melts ice on roads", "a spoon looks bent in a glass of water", "bubbles are round", "we have fingerprints",
+    "the days are shorter in winter", "some people are left-handed", "birds fly south in winter", "we get hiccups",
+    "a candle flame points upward", "our ears pop on a plane", "the ocean has waves", "cold water makes teeth hurt",
+    "a ship made of steel floats", "we feel dizzy after spinning", "grass is green",
+    "the moon looks bigger near the horizon", "music can give us chills", "clocks change in spring",
+    "magnets stick to the fridge", "the Earth has seasons", "we need to sleep", "glass is transparent",
+    "sunsets are red", "tomatoes are called a fruit", "a moving bicycle stays upright", "copper turns green over time",
+    "we blink", "mirrors swap left and right", "a microwave heats soup", "the Dead Sea lets people float",
+    "frogs croak at night", "hair turns grey with age", "yawning is contagious", "deserts are cold at night",
+    "ants walk in lines", "a kettle whistles", "the tide comes in twice a day", "we sneeze",
+    "paper turns yellow with age", "owls can turn their heads so far",
+)
+WHY_FORMS = (
+    "Can you explain why {s}?", "I have always wondered why {s}. What is the reason?",
+    "Explain to a ten-year-old why {s}.", "What is the science behind the fact that {s}?",
+    "Is it true that {s}? If so, why?", "My daughter asked me why {s}. How should I answer?",
+    "In a few sentences, explain why {s}.", "Give me a simple explanation of why {s}.", "Why is it that {s}?",
+    "I read that {s}. Can you tell me why?", "How come {s}?", "Tell me why {s}, with an everyday example.",
+)
+PROGRAMS = (
+    "a function that returns the most common word in a text",
+    "a function that checks whether a password has eight characters, a digit and a capital letter",
+    "a class for a to-do list with methods to add, remove and show tasks",
+    "a function that merges two dictionaries, adding the values of shared keys",
+    "a function that groups a list of words by their first letter",
+    "a function that returns the number of days between two dates",
+    "a function that writes a list of dictionaries to a JSON file",
+    "a function that finds all the files with a given extension in a folder",
+    "a class for a rectangle with area and perimeter methods", "a function that removes the punctuation from a string",
+    "a function that rotates a list by k positions",
+    "a function that returns the intersection of two lists without duplicates",
+    "a function that converts a Roman numeral to an integer",
+    "a function that checks whether the parentheses in a string are balanced",
+    "a class for a stack with push, pop and peek methods", "a class for a queue built on two lists",
+    "a function that counts the characters, words and lines of a text",
+    "a function that returns the transpose of a matrix given as a list of lists",
+    "a function that generates a random password", "a function that checks an email address with a regular expression",
+    "a function that returns the running total of a list of numbers",
+    "a function that finds the longest common prefix of a list of strings",
+    "a function that converts a number of seconds to hours, minutes and seconds",
+    "a class for a temperature sensor that keeps its last ten readings",
+    "a function that replaces every vowel in a string with a star",
+    "a function that returns the pairs of numbers in a list that add up to a target",
+    "a function that prints the lines of a text file in reverse order",
+    "a function that computes the total price of a shopping cart with a discount",
+    "a class for a library book with a title, an author and a borrowed flag",
+    "a function that returns the unique characters of a string in the order they appear",
+    "a function that checks whether a number is a perfect square", "a function that returns the first n prime numbers",
+    "a function that converts a string to title case without str.title",
+    "a function that finds the missing number in a list of the numbers 1 to n",
+    "a function that returns the median of three numbers",
+    "a class for a point in two dimensions with a distance method",
+    "a function that calls another function again, up to three times, when it raises an exception",
+    "a decorator that prints how long a function takes",
+    "a function that counts how many times each letter appears in a file",
+    "a function that returns the keys of a dictionary ordered by their values",
+    "a function that checks whether a string contains only digits",
+    "a function that turns a list of tuples into a dictionary",
+    "a generator that yields the Fibonacci numbers below a limit",
+    "a function that counts the uppercase and lowercase letters in a string",
+    "a class for a counter that can be incremented, decremented and reset",
+    "a function that removes the empty strings from a list",
+    "a function that compresses a string by counting repeated letters, so aaabb becomes a3b2",
+    "a function that parses a date written as day/month/year",
+    "a function that returns the distance between two places given their latitudes and longitudes",
+    "a function that finds the most frequent item in a list",
+    "a function that shuffles a deck of cards and deals five of them",
+    "a function that returns the digits of a number as a list",
+    "a class for a shopping cart with add_item, remove_item and total methods",
+    "a function that checks whether a sentence uses every letter of the alphabet",
+    "a function that returns the common elements of three lists",
+    "a function that prints a multiplication table for a number",
+    "a function that converts a hexadecimal string to a decimal number",
+    "a function that returns every second element of a list",
+    "a function that counts the files in a folder and its subfolders",
+    "a function that saves a dictionary to a text file, one key and value per line",
+)
+PROGRAM_FORMS = (
+    "In Python, write {s}.", "Write, in Python, {s}.", "I am learning Python. Can you write {s}?",
+    "In Python, write {s}, and show a short example of its use.", "In Python, write {s}, with a docstring.",
+    "Using only Python's standard library, write {s}.", "In Python, write {s}, and explain how it works.",
+    "How would you write {s} in Python?", "In Python, write {s}, with comments.",
+    "In Python, with type hints, write {s}.", "I am a beginner in Python. Please write {s}.",
+    "Can you show me, in Python, {s}?",
+)
+
+
+def why_prompts(n: int, seed: int = 0) -> list[dict]:
+    """n distinct chat prompts asking why an everyday thing happens (WHY_FACTS x WHY_FORMS), a reproducible
+    draw (``eagle-data --source why``)."""
+    return pair_prompts(WHY_FACTS, WHY_FORMS, "chat", n, seed, "why prompts")
+
+
+def program_prompts(n: int, seed: int = 0) -> list[dict]:
+    """n distinct code prompts asking for a small program as people ask for one (PROGRAMS x PROGRAM_FORMS), a
+    reproducible draw (``eagle-data --source programs``)."""
+    return pair_prompts(PROGRAMS, PROGRAM_FORMS, "code", n, seed, "program prompts")
 
 
 def stdlib_prompts(n: int, seed: int = 0, root=None) -> list[dict]:

@@ -11,16 +11,22 @@ from minillm.workloads import (
     ADVICE_SITUATIONS,
     KINDS,
     LINE,
+    PROGRAM_FORMS,
+    PROGRAMS,
     TEXT_CHARS,
+    WHY_FACTS,
+    WHY_FORMS,
     WORKLOADS,
     advice_prompts,
     check_held_out,
+    program_prompts,
     read_prompts,
     source_pieces,
     source_segment,
     stdlib_prompts,
     stdlib_texts,
     training_prompts,
+    why_prompts,
 )
 
 
@@ -38,18 +44,27 @@ def test_workloads_are_held_out_and_the_check_catches_a_shared_prompt():
         check_held_out(WORKLOADS, [{"prompt": WORKLOADS[3]["prompt"], "kind": "chat"}])
 
 
-def test_advice_prompts_are_chat_reproducible_and_keep_the_unseen_prompts_unseen():
-    """Every situation x form once, all chat, a reproducible draw; none is a workload prompt, and no situation
-    shares a content word with docs/unseen_prompts.jsonl's chat prompts' main subjects (their neighbour's dog,
-    packing for a hike, stale bread, studying at home), so a speed-up measured there stays unseen."""
-    every = advice_prompts(len(ADVICE_SITUATIONS) * len(ADVICE_FORMS), seed=3)
-    assert every == advice_prompts(len(every), seed=3) != advice_prompts(len(every), seed=4)
-    assert len({p["prompt"] for p in every}) == len(every) and {p["kind"] for p in every} == {"chat"}
+@pytest.mark.parametrize("make, subjects, forms, kind, what, unseen", [
+    (advice_prompts, ADVICE_SITUATIONS, ADVICE_FORMS, "chat", "advice prompts",
+     {"neighbour", "dog", "barks", "pack", "hiking", "bread", "stale", "studying", "focused"}),
+    (why_prompts, WHY_FACTS, WHY_FORMS, "chat", "why prompts",
+     {"neighbour", "dog", "barks", "pack", "hiking", "bread", "stale", "fresh", "studying", "focused"}),
+    (program_prompts, PROGRAMS, PROGRAM_FORMS, "code", "program prompts",
+     {"chunks", "chunk", "bank", "account", "deposit", "withdraw", "balance", "csv", "column", "sorted", "length"}),
+])
+def test_pair_prompts_are_one_kind_reproducible_and_keep_the_unseen_prompts_unseen(make, subjects, forms, kind, what,
+                                                                                    unseen):
+    """Every subject x form once, all of one kind, a reproducible draw; none is a workload prompt, and no subject
+    shares a content word with the main subjects of docs/unseen_prompts.jsonl's prompts of that kind (their
+    neighbour's dog, packing for a hike, stale bread, studying at home; chunks of a list, a bank account, a CSV
+    column, words by length), so a speed-up measured there stays unseen."""
+    every = make(len(subjects) * len(forms), seed=3)
+    assert every == make(len(every), seed=3) != make(len(every), seed=4)
+    assert len({p["prompt"] for p in every}) == len(every) and {p["kind"] for p in every} == {kind}
     check_held_out(WORKLOADS, every)
-    unseen = {"neighbour", "dog", "barks", "pack", "hiking", "bread", "stale", "studying", "focused"}
-    assert not [s for s in ADVICE_SITUATIONS if unseen & set(s.split())]
-    with pytest.raises(ValueError, match=f"at most {len(every)} advice prompts"):
-        advice_prompts(len(every) + 1)
+    assert not [s for s in subjects if unseen & set(s.lower().replace(",", " ").split())]
+    with pytest.raises(ValueError, match=f"at most {len(every)} {what}"):
+        make(len(every) + 1)
 
 
 def test_read_prompts(tmp_path):
