@@ -26,9 +26,19 @@ from __future__ import annotations
 
 import numpy as np
 
+from .attention import causal_mask
 from .backend import is_gpu, on_device, to_numpy, weight_product, xp
 from .config import LlamaConfig
-from .model import DEFAULT_ATTENTION, INIT_STD, check_layers, check_params, get_attention, host_float32, token_positions
+from .model import (
+    CAUSAL_ONLY,
+    DEFAULT_ATTENTION,
+    INIT_STD,
+    check_layers,
+    check_params,
+    get_attention,
+    host_float32,
+    token_positions,
+)
 from .nn import apply_rope, merge_heads, repeat_kv, rms_norm, rope_cos_sin, silu, split_heads
 from .quantize import Blocks, as_blocks, concat_rows, kept_in_blocks
 
@@ -48,21 +58,29 @@ def model_weight(weight):
     return pack(weight)
 
 
-def grouped_attention(attention, n_rep: int):
+def grouped_attention(attention, n_rep: int, masks: bool = False):
     """attention(q, k, v) with k, v of n_kv_head heads: each group of n_rep query heads shares one.
 
     Returns f(q, k, v, causal=True, mask=None): (B, nh, Tq, hs), (B, nh / n_rep, Tk, hs) x 2 -> (B, nh, Tq, hs).
 
-    A decode step (Tq = 1: its query sees every key, so causal changes nothing) attends without copying k and
-    v: the n_rep query heads of a group become n_rep query rows of their one key/value head, (B, nh, 1, hs)
-    -> (B, nh / n_rep, n_rep, hs), the way llama.cpp broadcasts. Every other call repeats k and v
-    (``repeat_kv``). SmolLM2 at 128 cached tokens: the copies cost more than the rest of its attention.
+    The n_rep query heads of a group become n_rep x Tq query rows of their one key/value head, (B, nh, Tq, hs)
+    -> (B, nh / n_rep, n_rep Tq, hs), and attend without copying k and v, the way llama.cpp broadcasts. A
+    decode step's query (Tq = 1) sees every key; with more query rows the (Tq, Tk) mask (the causal one, or the
+    one given) is stacked n_rep times, so ``masks`` says whether ``attention`` takes an explicit mask (the CUDA
+    kernels know the causal rule only). Otherwise, and where n_rep Tq > Tk (a prefill into an empty cache), k
+    and v are repeated (``repeat_kv``). SmolLM2 at 128 cached tokens: the copies cost more than the rest of its
+    attention, 2 ms of a 5-token verify's 19 (docs/eagle.md).
     """
 
     def grouped(q, k, v, causal=True, mask=None):
         B, nh, Tq, hs = q.shape
-        if Tq == 1 and mask is None and 1 < n_rep <= k.shape[2]:  # (each attention takes Tq <= Tk query rows)
-            return attention(q.reshape(B, nh // n_rep, n_rep, hs), k, v, causal=False).reshape(B, nh, 1, hs)
+        Tk, rows = k.shape[2], n_rep * Tq
+        if 1 < n_rep and rows <= Tk and (masks or (Tq == 1 and mask is None)):
+            if mask is None and causal and Tq > 1:
+                mask = causal_mask(Tq, Tk)
+            stacked = None if mask is None else xp.tile(xp.asarray(mask, dtype=bool), (n_rep, 1))  # row (r, t): t's
+            out = attention(q.reshape(B, nh // n_rep, rows, hs), k, v, causal=False, mask=stacked)
+            return out.reshape(B, nh, Tq, hs)
         return attention(q, repeat_kv(k, n_rep), repeat_kv(v, n_rep), causal=causal, mask=mask)
 
     return grouped
@@ -223,7 +241,8 @@ class Llama(LlamaOps):
     def set_attention(self, name: str) -> None:
         """Switch the attention implementation; every choice gives the same logits."""
         self.attention_name = name
-        self.attention = grouped_attention(get_attention(name), self.config.n_head // self.config.n_kv_head)
+        self.attention = grouped_attention(get_attention(name), self.config.n_head // self.config.n_kv_head,
+                                           masks=name not in CAUSAL_ONLY)
 
     def set_activations(self, name: str) -> None:
         """What a product by a Q8_0 / Q4_1 weight multiplies: "float32" (exact, the default) or "int8", its input

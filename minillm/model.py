@@ -47,6 +47,7 @@ ATTENTION = {
     "cuda_v2": kernel_attention_v2,  # chapter 4: kernels/flash_attention_v2.cu, the fast one (emulated likewise)
 }
 DEFAULT_ATTENTION = "auto"  # a long prefill never builds its (T, T) score matrix
+CAUSAL_ONLY = ("cuda", "cuda_v2")  # the kernels know the causal rule only: they take no explicit mask
 
 
 def get_attention(name: str):

@@ -38,6 +38,7 @@ import numpy as np
 from .backend import synchronize, to_numpy, xp
 from .generate import GenerationResult, check_prompt, fit_context
 from .kv_cache import KVCache, MaskedView
+from .model import CAUSAL_ONLY
 from .sampling import SamplingSettings, sample
 from .speculative import SpecStats, residual_distribution
 
@@ -424,7 +425,7 @@ def tree_generate(model, prompt_ids, max_new_tokens, proposer: Proposer, tempera
     settings = SamplingSettings(temperature, top_k, top_p)
     if rule not in ("exact", "typical"):
         raise ValueError(f"acceptance rule must be 'exact' or 'typical', got {rule!r}")
-    if model.attention_name.startswith("cuda"):  # the kernels know the causal mask only
+    if model.attention_name in CAUSAL_ONLY:
         raise ValueError("tree verification needs an attention with explicit masks: use 'auto', 'naive' or 'flash'")
     rng = np.random.default_rng(seed)
     cache = KVCache(model.config) if cache is None else cache

@@ -198,6 +198,47 @@ def test_a_decode_step_attends_each_group_without_copies(name, Tk, rng, monkeypa
     np.testing.assert_allclose(to_numpy(out), to_numpy(ref), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.uses_exercise("8.3")  # more query rows than keys: the copies
+@pytest.mark.parametrize("name", ["naive", "flash", "auto"])
+@pytest.mark.parametrize("Tq, Tk", [(2, 9), (5, 16), (4, 8)])
+@pytest.mark.parametrize("explicit", [False, True])
+def test_several_query_rows_attend_each_group_without_copies(name, Tq, Tk, explicit, rng, monkeypatch):
+    """A verify's Tq query rows on 6 query heads and 2 key/value heads, causal or through an explicit mask (a
+    token tree's): the same as attention over k and v copied per query head; k and v are copied only where the
+    group's 3 Tq rows outnumber the keys (4 rows, 8 keys). Fails for the mask stacked row by row (np.repeat: row
+    (t, r) in place of (r, t)), the causal rule dropped for the group's rows, or a head's group taken as h % 2."""
+    from minillm import llama
+
+    q = rng.standard_normal((1, 6, Tq, 8)).astype(np.float32)
+    k, v = rng.standard_normal((2, 1, 2, Tk, 8)).astype(np.float32)
+    mask = None
+    if explicit:  # each row sees key 0 and a random half of the rest
+        mask = rng.random((Tq, Tk)) < 0.5
+        mask[:, 0] = True
+    ref = naive_attention(*(xp.asarray(t) for t in (q, np.repeat(k, 3, axis=1), np.repeat(v, 3, axis=1))),
+                          mask=None if mask is None else xp.asarray(mask))
+    if 3 * Tq <= Tk:
+        monkeypatch.setattr(llama, "repeat_kv", lambda *a: pytest.fail("k, v copied for a verify"))
+    out = grouped_attention(get_attention(name), 3, masks=True)(*(xp.asarray(t) for t in (q, k, v)),
+                                                                mask=None if mask is None else xp.asarray(mask))
+    np.testing.assert_allclose(to_numpy(out), to_numpy(ref), rtol=1e-5, atol=1e-6)
+
+
+def test_an_attention_that_takes_no_mask_gets_copies_for_several_rows(rng):
+    """The CUDA kernels know the causal rule only (``model.CAUSAL_ONLY``): a verify's rows reach them with k and v
+    copied and no mask, as a stand-in that refuses masks shows."""
+
+    def causal_only(q, k, v, causal=True, mask=None):
+        assert mask is None and causal and q.shape[1] == 6, "a mask or a group's stacked rows reached the kernel"
+        return naive_attention(q, k, v, causal)
+
+    q = rng.standard_normal((1, 6, 3, 8)).astype(np.float32)
+    k, v = rng.standard_normal((2, 1, 2, 12, 8)).astype(np.float32)
+    ref = naive_attention(*(xp.asarray(t) for t in (q, np.repeat(k, 3, axis=1), np.repeat(v, 3, axis=1))))
+    out = grouped_attention(causal_only, 3, masks=False)(*(xp.asarray(t) for t in (q, k, v)))
+    np.testing.assert_allclose(to_numpy(out), to_numpy(ref), rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.exercise("8.3")
 @pytest.mark.uses_exercise("8.1", "8.2")
 def test_gqa_equals_multi_head_with_copied_kv_weights():
