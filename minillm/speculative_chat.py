@@ -42,9 +42,8 @@ LOOKUP_DRAFT = 5  # prompt lookup's longest chain in a chat: a verify of 6 rows,
 # ms/token with 5, 14.0 with 10, plain 14.9 (docs/eagle.md, "On an Intel Xeon with AVX-512")
 EAGLE_DEPTH = 1  # EAGLE's chain in a chat: one draft token per round. At the shipped draft's acceptance (0.3-0.4 on
 # chat, 0.5-0.6 on code) a longer chain's verify costs more than its extra tokens bring: on unseen prompts a chain of
-# 1 decoded at 1.05x / 1.21x plain (chat / code), of 4 at 0.81x / 1.10x (docs/eagle.md, "Why things happen, and
-# programs"; an earlier draft: 0.85x / 1.02x with 1, 0.71x / 0.90x with 2, 0.54x / 0.77x with 4, "How long a
-# chain pays")
+# 1 decoded at 1.09x / 1.25x plain (chat / code), of 2 at 0.97x / 1.15x (docs/eagle.md, "A verify's grouped-query
+# attention without copies"); of 4 at 0.81x / 1.10x before that change ("Why things happen, and programs")
 
 
 def chat_proposers(model, speculate: str, model_name: str, draft_path=None) -> dict:
