@@ -45,6 +45,19 @@ def ngram_lookup(seq, max_ngram: int = MAX_NGRAM, max_draft: int = MAX_DRAFT) ->
     # EXERCISE 9.3 END
 
 
+def long_ngram_lookup(seq, min_ngram: int, max_ngram: int = MAX_NGRAM, max_draft: int = MAX_DRAFT) -> list[int]:
+    """``ngram_lookup`` for suffixes of at least ``min_ngram`` tokens only: the same search over the text's windows
+    of min_ngram tokens, where a suffix of j windows is one of min_ngram - 1 + j tokens, and each window after a
+    match brings one new token (its last).
+    Example: seq "a b c a x c" (min_ngram 2) -> [] (only "c" occurred before); "a b c d a b" -> ["c", "d", "a", "b"].
+    """
+    if not 1 <= min_ngram <= max_ngram:
+        raise ValueError(f"min_ngram must be in 1..max_ngram ({max_ngram}), got {min_ngram}")
+    seq = list(seq)
+    windows = [tuple(seq[i : i + min_ngram]) for i in range(len(seq) - min_ngram + 1)]
+    return [w[-1] for w in ngram_lookup(windows, max_ngram - min_ngram + 1, max_draft)]
+
+
 class PromptLookup:
     """Prompt-lookup decoding: a chain of the tokens that followed the text's suffix earlier on."""
 

@@ -21,7 +21,8 @@ when it wants it.
 ``EagleProposer`` drafts each round as a chain (K steps of the layer) or, as EAGLE-2 does, as a tree
 grown by confidence: each depth expands the ``width`` nodes of highest path probability by their
 top ``top_k`` tokens, and the ``max_nodes`` best nodes are verified in one target forward
-(``minillm.token_tree``).
+(``minillm.token_tree``). ``EagleLookup`` adds prompt lookup's chain (chapter 9) beside the draft's where the
+text repeats itself.
 
     python -m minillm eagle-train --data DIR --out eagle.npz      (``minillm.eagle_train``)
 """
@@ -51,6 +52,7 @@ from .checkpoint import (
     read_npz,
     trained_file,
 )
+from .draft_free import MAX_NGRAM, long_ngram_lookup
 from .kv_cache import KVCache, MaskedView
 from .llama import Llama, model_weight
 from .model import new_positions
@@ -394,6 +396,45 @@ class EagleProposer:
         index = {old: new for new, old in enumerate([0, *keep])}
         tree = TokenTree((root, *(tokens[n] for n in keep)), (-1, *(index[parents[n]] for n in keep)))
         return Proposal(tree)
+
+    def observe(self, state: Round, emitted: list, extra_logits) -> None:
+        pass
+
+
+class EagleLookup:
+    """EAGLE's chain, and beside it prompt lookup's chain (``draft_free``) where the text's last ``min_ngram`` or
+    more tokens occurred before: both paths go into one tree (``TokenTree.from_paths``), merged where they agree.
+
+    The draft guesses text the target writes anew; lookup guesses text the reply copies (a pasted passage, a
+    name, a line of code), which the draft guesses badly. A lookup of a single token matches too often on free
+    text to pay for its rows, so ``min_ngram`` is 2 by default. The lookup's tokens are deterministic candidates
+    and the draft's keep their q, so the exact rule stays lossless (``verify_tree``). Everything else (the draft's
+    cache, its forwards, its vocabulary) is the ``EagleProposer``'s, whose chain it extends.
+    """
+
+    def __init__(self, eagle: EagleProposer, max_draft: int, min_ngram: int = 2):
+        if eagle.mode != "chain":
+            raise ValueError(f"EagleLookup extends an EAGLE chain, not a {eagle.mode}")
+        long_ngram_lookup([0], min_ngram, MAX_NGRAM, max_draft)  # checks the arguments
+        self.eagle, self.max_draft, self.min_ngram = eagle, max_draft, min_ngram
+        self.max_depth = max(eagle.max_depth, max_draft)
+        self.draft, self.tap_layers = eagle.draft, eagle.tap_layers
+
+    @property
+    def synced(self) -> int:
+        return self.eagle.synced
+
+    @property
+    def draft_calls(self) -> int:
+        return self.eagle.draft_calls
+
+    def propose(self, state: Round) -> Proposal:
+        proposal = self.eagle.propose(state)
+        copied = long_ngram_lookup(state.seq, self.min_ngram, MAX_NGRAM, self.max_draft)[: state.room]
+        if not copied:
+            return proposal
+        drafted = list(proposal.tree.tokens[1:])  # a chain: node i + 1 is its i-th token, kept as node i + 1 below
+        return replace(proposal, tree=TokenTree.from_paths(state.seq[-1], [drafted, copied]))
 
     def observe(self, state: Round, emitted: list, extra_logits) -> None:
         pass

@@ -27,11 +27,12 @@ import time
 from .backend import xp
 from .chat import Chat
 from .draft_free import PromptLookup
-from .eagle import EagleProposer, load_draft
+from .eagle import EagleLookup, EagleProposer, load_draft
 from .generate import PREFILL_CHUNK
 from .token_tree import NoProposal, Round, target_rows, verify_round
 
 PLAIN = "plain"
+DRAFTS = (EagleProposer, EagleLookup)  # the proposers whose draft reads the target's hidden states
 TRIAL_TOKENS = 32  # reply tokens each candidate decodes before "auto" compares them
 SPECULATION_MARGIN = 0.9  # "auto" speculates only where a proposer's trial took at most 0.9 of plain's ms/token:
 # 32 tokens per candidate are noisy on a busy machine (lookup 23.6 against plain 24.3 chose lookup, which then
@@ -48,10 +49,14 @@ EAGLE_DEPTH = 1  # EAGLE's chain in a chat: one draft token per round. At the sh
 
 def chat_proposers(model, speculate: str, model_name: str, draft_path=None) -> dict:
     """The proposers ``speculate`` names: "eagle" (the draft at ``draft_path``, or the one shipped for
-    ``model_name``), "lookup" (prompt lookup), or both for "auto"."""
+    ``model_name``), "lookup" (prompt lookup), "eagle-lookup" (the draft's chain with lookup's beside it,
+    ``eagle.EagleLookup``), or "eagle" and "lookup" for "auto"."""
     proposers = {}
     if speculate in ("eagle", "auto"):
         proposers["eagle"] = EagleProposer(load_draft(model, model_name, draft_path), depth=EAGLE_DEPTH)
+    if speculate == "eagle-lookup":
+        eagle = EagleProposer(load_draft(model, model_name, draft_path), depth=EAGLE_DEPTH)
+        proposers["eagle-lookup"] = EagleLookup(eagle, LOOKUP_DRAFT)
     if speculate in ("lookup", "auto"):
         proposers["lookup"] = PromptLookup(max_draft=LOOKUP_DRAFT)
     return proposers
@@ -82,11 +87,11 @@ class SpeculativeChat(Chat):
         self.unsynced = None  # (m, C): the target's rows (``target_rows``) at the last m cached positions
 
     def reads_features(self) -> bool:
-        return any(isinstance(self.proposers[name], EagleProposer) for name in self.candidates())
+        return any(isinstance(self.proposers[name], DRAFTS) for name in self.candidates())
 
     def tap_layers(self) -> tuple:
         """The blocks whose inputs an EAGLE-3 candidate reads beside the top state (none for the others)."""
-        return next((p.tap_layers for name, p in self.proposers.items() if isinstance(p, EagleProposer)
+        return next((p.tap_layers for name, p in self.proposers.items() if isinstance(p, DRAFTS)
                      and name in self.candidates()), ())
 
     def keep_rows(self, h, read: bool) -> None:

@@ -14,6 +14,8 @@
 - bad input: one-line errors.
 """
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 from stats import P_MIN, chi2_pvalue
@@ -21,7 +23,8 @@ from stats import P_MIN, chi2_pvalue
 from minillm.backend import to_numpy
 from minillm.checkpoint import CheckpointError
 from minillm.config import LlamaConfig
-from minillm.eagle import EagleDraft, EagleProposer, frequency_subset, subset_coverage, token_counts
+from minillm.draft_free import MAX_NGRAM, long_ngram_lookup
+from minillm.eagle import EagleDraft, EagleLookup, EagleProposer, frequency_subset, subset_coverage, token_counts
 from minillm.eagle_train import AheadContext, draft_forward_backward, draft_step_loss, rms_norm_backward, rope_backward
 from minillm.generate import generate
 from minillm.kv_cache import KVCache, MaskedView
@@ -399,6 +402,66 @@ def test_the_harness_rejects_a_wrong_draft_distribution(target, draft, bug):
     cells = first_two_tokens(target, EagleProposer(broken, "chain", depth=2, seed=3), PROMPT, settings, table,
                              3000, seed=4)
     assert chi2_pvalue(cells, joint(table, CFG.vocab_size)) < P_MIN
+
+
+# ----------------------------------------------------------------------------------------------
+# EAGLE's chain with prompt lookup's beside it
+
+REPEATING = [1, 4, 2, 6, 1, 4]  # its last two tokens occurred before: lookup proposes 2, 6, ...
+
+
+class CopiedFirst(EagleLookup):
+    """Bug: lookup's path put first in the joined tree, so the draft's q, kept by node number, lands on lookup's
+    tokens: a copied token is accepted with min(1, p(x) / q(x)) for a q it was never drawn from."""
+
+    def propose(self, state):
+        proposal = self.eagle.propose(state)
+        copied = long_ngram_lookup(state.seq, self.min_ngram, MAX_NGRAM, self.max_draft)[: state.room]
+        return replace(proposal, tree=TokenTree.from_paths(state.seq[-1], [copied, list(proposal.tree.tokens[1:])]))
+
+
+@USES
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_eagle_with_lookup_is_lossless(target, draft, temperature):
+    """The draft's sampled chain of 2 and lookup's deterministic [2, 6] in one tree: the first two tokens are
+    distributed as the target's (chi-square over all 64 pairs); the harness rejects ``CopiedFirst``."""
+    settings = SamplingSettings(temperature)
+    table = target_table(target, REPEATING, settings)
+    expected = joint(table, CFG.vocab_size)
+    proposal = EagleLookup(EagleProposer(draft, "chain", depth=2, seed=3), 2).propose(
+        round_state(target, REPEATING, settings))
+    assert TokenTree.chain(4, [2, 6]).tokens[1:] == tuple(proposal.tree.tokens[i] for i in proposal.tree.path(
+        proposal.tree.size - 1)[1:])  # lookup's path is in the tree
+    for proposer, copied, ok in ((EagleLookup, 2, True), (CopiedFirst, 1, False)):  # the bug: lookup's token 2 only
+        cells = first_two_tokens(target, proposer(EagleProposer(draft, "chain", depth=2, seed=3), copied), REPEATING,
+                                 settings, table, 3000, seed=4)
+        assert (chi2_pvalue(cells, expected) >= P_MIN) == ok, proposer.__name__
+
+
+@USES
+@pytest.mark.parametrize("depth", [1, 3])
+def test_eagle_with_lookup_greedy_is_plain_decoding(target, draft, depth):
+    """Greedy output equals plain decoding's (past block_size: the window slides), and lookup's chain joined the
+    draft's in some rounds (a tree wider than the draft's chain)."""
+    proposer = EagleLookup(EagleProposer(draft, "chain", depth=depth), 4)
+    sizes, propose = [], proposer.propose
+
+    def recorded(state):
+        proposal = propose(state)
+        sizes.append(proposal.tree.size)
+        return proposal
+
+    proposer.propose = recorded
+    out = tree_generate(target, REPEATING, 60, proposer, temperature=0.0)
+    assert out.tokens == generate(target, REPEATING, 60, temperature=0.0).tokens
+    assert max(sizes) > 1 + depth
+
+
+def test_eagle_with_lookup_extends_a_chain_only(draft):
+    with pytest.raises(ValueError, match="chain"):
+        EagleLookup(EagleProposer(draft, "tree"), 4)
+    with pytest.raises(ValueError, match="min_ngram"):
+        EagleLookup(EagleProposer(draft), 4, min_ngram=0)
 
 
 # ----------------------------------------------------------------------------------------------

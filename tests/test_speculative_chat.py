@@ -14,7 +14,7 @@ from minillm.backend import to_numpy
 from minillm.chat import Chat
 from minillm.config import LlamaConfig
 from minillm.draft_free import PromptLookup
-from minillm.eagle import EagleDraft, EagleProposer
+from minillm.eagle import EagleDraft, EagleLookup, EagleProposer
 from minillm.llama import Llama
 from minillm.speculative_chat import SpeculativeChat
 
@@ -40,11 +40,14 @@ def model(tok):
     return m
 
 
-def proposers(model, tap_layers=()):
-    """EAGLE (an EAGLE-3 draft with ``tap_layers``: the target hands it those blocks' inputs too) and lookup."""
+def proposers(model, tap_layers=(), speculate="auto"):
+    """EAGLE (an EAGLE-3 draft with ``tap_layers``: the target hands it those blocks' inputs too) and lookup; for
+    "eagle-lookup" the draft's chain with lookup's beside it."""
     draft = EagleDraft.init(model, list(range(0, model.config.vocab_size, 2)), seed=1, tap_layers=tap_layers)
     if tap_layers:  # a fuse that reads its taps
         draft.params["fuse.weight"][...] = np.random.default_rng(3).normal(0.0, 0.1, draft.params["fuse.weight"].shape)
+    if speculate == "eagle-lookup":
+        return {"eagle-lookup": EagleLookup(EagleProposer(draft, depth=2), 4)}
     return {"eagle": EagleProposer(draft, depth=4), "lookup": PromptLookup()}
 
 
@@ -63,11 +66,12 @@ def plain(model, tok):
 
 
 @HOST
-@pytest.mark.parametrize("speculate,taps", [("eagle", ()), ("lookup", ()), ("auto", ()), ("eagle", (1,)),
-                                            ("auto", (1,))], ids=["eagle", "lookup", "auto", "eagle3", "auto-eagle3"])
+@pytest.mark.parametrize("speculate,taps", [("eagle", ()), ("lookup", ()), ("eagle-lookup", ()), ("auto", ()),
+                                            ("eagle", (1,)), ("auto", (1,))],
+                         ids=["eagle", "lookup", "eagle-lookup", "auto", "eagle3", "auto-eagle3"])
 def test_a_speculative_chat_replies_as_plain_chat(model, tok, plain, speculate, taps):
     want, reference = plain
-    chat = SpeculativeChat(model, tok, proposers(model, taps), speculate, max_len=512, trial_tokens=8)
+    chat = SpeculativeChat(model, tok, proposers(model, taps, speculate), speculate, max_len=512, trial_tokens=8)
     got, chat = conversation(chat)
     assert got == want
     assert "end of turn" in {finish for _, finish in want} and "max_new_tokens" in {finish for _, finish in want}
@@ -88,14 +92,15 @@ def test_auto_measures_each_candidate_then_says_what_it_chose(model, tok):
 
 
 @HOST
-@pytest.mark.parametrize("taps", [(), (1,)], ids=["eagle", "eagle3"])
-def test_the_draft_reads_every_cached_position_once(model, tok, taps):
+@pytest.mark.parametrize("taps, name", [((), "eagle"), ((1,), "eagle"), ((), "eagle-lookup")],
+                         ids=["eagle", "eagle3", "eagle-lookup"])
+def test_the_draft_reads_every_cached_position_once(model, tok, taps, name):
     """The rows handed to the EAGLE draft cover the cache: after each turn the draft's synced positions plus
     the rows it has not read equal the target's cache length; an EAGLE-3 draft's rows hold its taps too."""
-    chat = SpeculativeChat(model, tok, proposers(model, taps), "eagle", max_len=512)
+    chat = SpeculativeChat(model, tok, proposers(model, taps, name), name, max_len=512)
     for message in MESSAGES:
         chat.turn(message, max_new_tokens=40, temperature=0.0)
-        proposer = chat.proposers["eagle"]
+        proposer = chat.proposers[name]
         assert proposer.synced + len(chat.unsynced) == chat.cache.length
         assert chat.unsynced.shape[-1] == (len(taps) + 1) * model.config.n_embd
 

@@ -12,7 +12,7 @@ from stats import P_MIN, chi2_pvalue
 from minillm import GPT, GPTConfig, generate
 from minillm.backend import to_numpy
 from minillm.config import LlamaConfig
-from minillm.draft_free import LayerSkip, PromptLookup, ngram_lookup
+from minillm.draft_free import LayerSkip, PromptLookup, long_ngram_lookup, ngram_lookup
 from minillm.kv_cache import KVCache, MaskedView
 from minillm.llama import Llama
 from minillm.paged_kv import PagedKVCache
@@ -466,6 +466,41 @@ def test_ngram_never_matches_itself():
     assert ngram_lookup(list("abcd")) == []  # no suffix n-gram occurred before
     assert ngram_lookup([7]) == []
     assert ngram_lookup(list("aa")) == ["a"]  # "a" occurred at 0, followed by "a"
+
+
+def lookup_from(seq, min_ngram, max_ngram):
+    """The reference: try n = max_ngram .. min_ngram, the latest earlier start of the suffix n-gram, what followed."""
+    for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
+        for i in range(len(seq) - n - 1, -1, -1):
+            if seq[i : i + n] == seq[-n:]:
+                return seq[i + n :]
+    return []
+
+
+@pytest.mark.uses_exercise("9.3")
+@pytest.mark.parametrize("min_ngram, max_ngram", [(1, 3), (2, 3), (3, 3), (2, 4)])
+def test_long_ngram_lookup_matches_only_suffixes_of_min_ngram_tokens_or_more(min_ngram, max_ngram):
+    """On random texts over 2 or 3 symbols: the reference search limited to n >= min_ngram, up to 4 tokens. Fails for a
+    window's first token taken as the new one, a match of min_ngram - 1 tokens let through, or the windows' n-grams
+    counted as tokens (max_ngram windows: a suffix of max_ngram + min_ngram - 1 tokens)."""
+    rng = np.random.default_rng(min_ngram * 10 + max_ngram)
+    hits = 0
+    for _ in range(400):
+        seq = [int(t) for t in rng.integers(0, rng.integers(2, 4), rng.integers(1, 30))]
+        out = long_ngram_lookup(seq, min_ngram, max_ngram, max_draft=4)
+        assert out == lookup_from(seq, min_ngram, max_ngram)[:4], seq
+        hits += bool(out)
+    assert hits > 40  # the texts do repeat themselves
+
+
+def test_long_ngram_lookup_worked_example():
+    assert long_ngram_lookup(list("abcaxc"), 2) == []  # only the 1-gram "c" occurred before
+    assert ngram_lookup(list("abcaxc")) == list("axc")
+    assert long_ngram_lookup(list("abcdab"), 2) == list("cdab")
+    with pytest.raises(ValueError, match="min_ngram"):
+        long_ngram_lookup([1, 2], 0)
+    with pytest.raises(ValueError, match="min_ngram"):
+        long_ngram_lookup([1, 2], 4, max_ngram=3)
 
 
 def test_ngram_bad_input():

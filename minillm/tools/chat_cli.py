@@ -20,7 +20,7 @@ from .options import (
     set_activations,
 )
 
-SPECULATE = ("off", "eagle", "lookup", "auto")
+SPECULATE = ("off", "eagle", "lookup", "eagle-lookup", "auto")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,11 +37,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=seed_int, default=0, help="sampling seed, 0 to 2**63 - 1 (default 0)")
     p.add_argument("--prompt", help="answer this one message and exit (no interactive loop)")
     p.add_argument("--speculate", choices=SPECULATE, default="off",
-                   help="decode replies speculatively: eagle (the EAGLE draft), lookup (prompt lookup), auto (plain, "
-                   "eagle and lookup each timed on the first replies, the fastest kept); the replies are the "
-                   "model's own (default off)")
+                   help="decode replies speculatively: eagle (the EAGLE draft), lookup (prompt lookup), eagle-lookup "
+                   "(the draft's guess, and lookup's where the text repeats), auto (plain, eagle and lookup each "
+                   "timed on the first replies, the fastest kept); the replies are the model's own (default off)")
     p.add_argument("--eagle-draft", metavar="DRAFT.npz", default=None,
-                   help="--speculate eagle or auto: a draft written by eagle-train (default: the one shipped)")
+                   help="--speculate eagle, eagle-lookup or auto: a draft written by eagle-train (default: the one "
+                   "shipped)")
 
 
 def new_chat(args, model, tokenizer):

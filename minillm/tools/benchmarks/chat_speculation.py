@@ -1,7 +1,7 @@
 """``python -m minillm bench chat-speculation``: SmolLM2's chat replies, plain and speculative, beside llama.cpp.
 
     python -m minillm bench chat-speculation [--prompts FILE.jsonl]
-                                             [--engines plain,eagle,lookup,auto,llama.cpp,llama.cpp-lookup]
+                                             [--engines plain,eagle,lookup,eagle-lookup,auto,llama.cpp,llama.cpp-lookup]
                                              [--activations float32|int8]
 
 Engines, each answering every prompt in a fresh conversation, greedy, one thread, the order alternating
@@ -10,6 +10,7 @@ prompt by prompt:
     plain       ``chat.Chat``: one token per forward, the file's blocks on chapter 13's kernels
     eagle       ``speculative_chat.SpeculativeChat`` with the shipped EAGLE draft (kept in the target's blocks)
     lookup      the same with prompt lookup
+    eagle-lookup   the same with the EAGLE draft's guess and prompt lookup's chain beside it (``eagle.EagleLookup``)
     auto        the same, timing plain, eagle and lookup on its first replies and keeping the fastest
     llama.cpp   the same GGUF through llama-cpp-python (when installed), plain decoding, as many tokens as
                 minillm's plain reply
@@ -45,9 +46,9 @@ from ..options import add_activations_option, count, list_of, set_activations
 from .common import BenchmarkError, add_json_arg, parse_args, write_json
 from .quantized import LlamaCppEngine, cpu_name, llama_cpp_available
 
-ENGINES = ("plain", "eagle", "lookup", "auto", "llama.cpp", "llama.cpp-lookup")
-MINILLM = ENGINES[:4]
-LLAMA_CPP = ENGINES[4:]
+MINILLM = ("plain", "eagle", "lookup", "eagle-lookup", "auto")
+LLAMA_CPP = ("llama.cpp", "llama.cpp-lookup")
+ENGINES = MINILLM + LLAMA_CPP
 
 
 def new_chat(engine: str, model, tok, draft_path=None):

@@ -6,6 +6,8 @@ Methods (all verified by the target in one forward per round, ``token_tree.tree_
 
     eagle-chain   the shipped EAGLE draft (``minillm.eagle``), a chain of K tokens per round
     eagle-tree    the same draft growing an EAGLE-2 tree by confidence
+    eagle-lookup  the EAGLE chain, and prompt lookup's chain beside it where the text's last 2+ tokens occurred
+                  before (``eagle.EagleLookup``)
     lookup        prompt lookup: draft tokens copied from earlier in the text (``draft_free.PromptLookup``), at
                   most ``speculative_chat.LOOKUP_DRAFT`` of them, as ``chat --speculate`` drafts
     layer-skip    the target's first half of layers drafts (``draft_free.LayerSkip``)
@@ -47,7 +49,7 @@ import numpy as np
 
 from ...backend import set_fast_products, to_numpy
 from ...draft_free import LayerSkip, PromptLookup
-from ...eagle import EagleDraft, EagleProposer, shipped_draft_path
+from ...eagle import EagleDraft, EagleLookup, EagleProposer, shipped_draft_path
 from ...generate import generate
 from ...measure import TimedProposer, step_time, time_fn, timed, verify_cost
 from ...medusa import MedusaHeads, MedusaProposer, shipped_heads_path
@@ -60,15 +62,16 @@ from ...workloads import KINDS, WORKLOADS, read_prompts
 from ..options import add_weights_option, count, float_in, int_in, list_of
 from .common import BenchmarkError, add_json_arg, parse_args, write_json
 
-METHODS = ("eagle-chain", "eagle-tree", "lookup", "layer-skip", "medusa")
+METHODS = ("eagle-chain", "eagle-tree", "eagle-lookup", "lookup", "layer-skip", "medusa")
 TEMPERATURES = (0.0, 0.7, 1.0)
 
 
 def make_proposer(method: str, model, args):
-    if method in ("eagle-chain", "eagle-tree"):
+    if method.startswith("eagle-"):
         draft = EagleDraft.load(model, args.draft or shipped_draft_path(SMOLLM2))
-        mode = method.removeprefix("eagle-")
-        return EagleProposer(draft, mode, depth=args.depth, max_nodes=args.tree_nodes)
+        mode = "tree" if method == "eagle-tree" else "chain"
+        eagle = EagleProposer(draft, mode, depth=args.depth, max_nodes=args.tree_nodes)
+        return EagleLookup(eagle, LOOKUP_DRAFT) if method == "eagle-lookup" else eagle
     if method == "lookup":
         return PromptLookup(max_draft=LOOKUP_DRAFT)  # as chat --speculate drafts: a verify the kernels take whole
     if method == "layer-skip":
