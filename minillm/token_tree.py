@@ -36,7 +36,7 @@ from typing import Protocol
 import numpy as np
 
 from .backend import synchronize, to_numpy, xp
-from .generate import GenerationResult, check_prompt, fit_context
+from .generate import GenerationResult, call_cache_len, check_prompt, fit_context
 from .kv_cache import KVCache, MaskedView
 from .model import CAUSAL_ONLY
 from .sampling import SamplingSettings, sample
@@ -291,6 +291,8 @@ def judge_tree(tree: TokenTree, logits, settings: SamplingSettings, rng, rule: s
 # ----------------------------------------------------------------------------------------------
 # the decoding loop
 
+ROUND_ROOM = 64  # cache positions past the last token wanted: a round's tree and extra tokens (Lookahead's window)
+
 
 @dataclass
 class Round:
@@ -428,7 +430,9 @@ def tree_generate(model, prompt_ids, max_new_tokens, proposer: Proposer, tempera
     if model.attention_name in CAUSAL_ONLY:
         raise ValueError("tree verification needs an attention with explicit masks: use 'auto', 'naive' or 'flash'")
     rng = np.random.default_rng(seed)
-    cache = KVCache(model.config) if cache is None else cache
+    if cache is None:  # sized as ``generate`` sizes it, plus a round's room: zeroing SmolLM2's 8,192 positions took
+        # 0.03-0.3 s a call
+        cache = KVCache(model.config, max_len=call_cache_len(model.config, prompt_ids, max_new_tokens + ROUND_ROOM))
     cache.reset()
     stats = SpecStats(k=proposer.max_depth, prompt_tokens=len(prompt_ids))
     seq, pending, hidden, kept_hidden = list(prompt_ids), list(prompt_ids), None, None

@@ -11,6 +11,7 @@ import pytest
 from minillm import CharTokenizer, save_model
 from minillm.checkpoint import shipped_path
 from minillm.eagle import shipped_draft_path
+from minillm.speculative_chat import EAGLE_DEPTH
 from minillm.tools import cli
 from minillm.tools.benchmarks import common
 from minillm.tools.benchmarks import paged as paged_bench
@@ -153,7 +154,7 @@ def test_demo_options_with_and_without_the_demo_command(args, capsys):
     real = "--no-real-model" not in args and registry_model_installed()
     assert ("assistant: The capital of France is Paris" in out and "TTFT" in out) == real
     eagle = real and shipped_draft_path("smollm2-135m").is_file()
-    assert ("EAGLE chain K=4" in out and "identical: yes" in out) == eagle
+    assert (f"EAGLE chain K={EAGLE_DEPTH}" in out and "identical: yes" in out) == eagle
 
 
 def registry_model_installed() -> bool:

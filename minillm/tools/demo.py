@@ -36,6 +36,7 @@ from ..registry import SMOLLM2
 from ..registry import load_model as load_any_model
 from ..sampling import SamplingSettings
 from ..speculative import speculative_generate
+from ..speculative_chat import EAGLE_DEPTH  # part 3 drafts as the chat does: the chain length measured best
 from ..token_tree import tree_generate
 from .chat_cli import check_message
 from .options import MAX_NEW_TOKENS, add_weights_option, finite_float, int_in, new_tokens, positive_int, seed_int
@@ -43,7 +44,6 @@ from .options import MAX_NEW_TOKENS, add_weights_option, finite_float, int_in, n
 DEFAULT_PROMPT = "ROMEO:\nBut soft, what light"
 DEFAULT_QUESTION = "What is the capital of France?"
 WARMUP_TOKENS = 8  # untimed runs first, so neither method pays for first-call overheads
-EAGLE_DEPTH = 4  # draft tokens per round in part 3
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
