@@ -52,11 +52,12 @@ def chat_proposers(model, speculate: str, model_name: str, draft_path=None) -> d
     ``model_name``), "lookup" (prompt lookup), "eagle-lookup" (the draft's chain with lookup's beside it,
     ``eagle.EagleLookup``), or "eagle" and "lookup" for "auto"."""
     proposers = {}
-    if speculate in ("eagle", "auto"):
-        proposers["eagle"] = EagleProposer(load_draft(model, model_name, draft_path), depth=EAGLE_DEPTH)
-    if speculate == "eagle-lookup":
+    if speculate in ("eagle", "eagle-lookup", "auto"):
         eagle = EagleProposer(load_draft(model, model_name, draft_path), depth=EAGLE_DEPTH)
-        proposers["eagle-lookup"] = EagleLookup(eagle, LOOKUP_DRAFT)
+        if speculate == "eagle-lookup":
+            proposers["eagle-lookup"] = EagleLookup(eagle, LOOKUP_DRAFT)
+        else:
+            proposers["eagle"] = eagle
     if speculate in ("lookup", "auto"):
         proposers["lookup"] = PromptLookup(max_draft=LOOKUP_DRAFT)
     return proposers
