@@ -345,6 +345,79 @@ def program_prompts(n: int, seed: int = 0) -> list[dict]:
     return pair_prompts(PROGRAMS, PROGRAM_FORMS, "code", n, seed, "program prompts")
 
 
+# Plans and lists for an occasion, and opinions asked for (chat), written for the draft's data like the advice
+# above: no subject shares a word with docs/unseen_prompts.jsonl's chat subjects or with packing, trips and
+# travel (checked in tests/test_workloads.py).
+PLAN_OCCASIONS = (
+    "a birthday dinner for six friends", "my first week at a new job", "a garage sale on Saturday",
+    "a family reunion in the summer", "moving into a new flat", "a bake sale at my son's school",
+    "a surprise party for my sister", "a quiet weekend at home", "a board game night", "a small wedding in a garden",
+    "the first day of a new school year", "spring cleaning the whole house", "a charity run in the park",
+    "a job fair next month", "a retirement party for a colleague", "a children's craft afternoon",
+    "a dinner party for my in-laws", "the arrival of a new baby", "a workshop for ten volunteers",
+    "a cooking class for beginners", "a neighbourhood clean-up day", "a movie night in the backyard",
+    "a visit from my grandparents", "a housewarming party", "a team lunch at the office",
+    "a fundraising concert", "the end of the football season", "a sleepover for four children",
+    "a month of healthier eating", "a home office in a small room", "the first month with a new kitten",
+    "a book club meeting", "a Thanksgiving dinner", "a science fair project", "a yard sale with my neighbours",
+    "a week of meals under fifty dollars", "a photography walk in the city", "a quiz night at a pub",
+    "a farewell party for a friend who is moving abroad", "a tea party for my grandmother's ninetieth birthday",
+    "a first aid kit for the house", "a small vegetable patch in spring", "a week of exercise for a beginner",
+    "a garden party", "an open day at a small bakery", "a talent show at school",
+    "a Sunday brunch for eight people", "a pumpkin carving evening", "a repair café in the library",
+    "a picnic lunch for the office", "my daughter's graduation party", "a weekend of painting the fence",
+    "a dinner for a friend who is vegan", "a Christmas market stall", "the first week of learning to swim",
+    "a quiet evening routine", "a clothes swap with friends", "a small art exhibition", "a reading corner for children",
+    "a puzzle evening with my family",
+)
+PLAN_FORMS = (
+    "Help me plan {s}.", "Make me a checklist for {s}.", "What do I need for {s}?",
+    "Can you suggest a few ideas for {s}?", "Give me a to-do list for {s}.", "Write a simple schedule for {s}.",
+    "What should I think about when I prepare {s}?", "I am in charge of {s}. Where do I begin?",
+    "What are the most important things to get right for {s}?", "Give me a step-by-step plan for {s}.",
+    "What could go wrong with {s}, and how do I avoid it?", "List five things to do a week before {s}.",
+)
+OPINION_CHOICES = (
+    "working from home", "buying an electric car", "learning to code after fifty", "living without a car",
+    "renting instead of buying a house", "getting a parrot while working full time",
+    "reading paper books instead of e-books",
+    "cooking every meal at home", "going to university later in life", "using a standing desk",
+    "keeping a budget spreadsheet", "switching to a four-day work week", "buying second-hand clothes",
+    "learning two languages at once", "having a smartphone at the age of ten", "starting a small online shop",
+    "taking a year off before university", "eating breakfast every day", "running a marathon without a coach",
+    "moving to the countryside", "joining a gym instead of training outdoors", "writing by hand instead of typing",
+    "homeschooling children", "buying a house with friends", "using a password manager", "going vegetarian",
+    "changing careers at forty", "having a big wedding", "buying insurance for a phone", "learning to play chess",
+    "keeping chickens in the garden", "taking cold showers", "watching the news every day", "owning a fish tank",
+    "working night shifts", "living in a tiny house", "buying an expensive mattress", "taking an online course",
+    "learning to knit", "sharing a flat with strangers", "drinking coffee in the afternoon",
+    "getting a part-time job as a student", "paying off a loan early", "using a paper calendar", "owning two cats",
+    "giving children pocket money", "growing tomatoes indoors", "taking naps in the afternoon",
+    "leaving social media", "buying a used laptop", "learning to draw as an adult", "cycling to work",
+    "meal prepping on Sundays", "playing video games with my kids", "wearing a watch", "buying a robot vacuum",
+    "writing a blog", "taking music lessons as an adult", "building my own furniture", "keeping a diary",
+)
+OPINION_FORMS = (
+    "What do you think about {s}?", "What are the pros and cons of {s}?", "Is {s} a good idea?",
+    "I am thinking about {s}. What would you advise?", "Give me your honest opinion on {s}.",
+    "Should I consider {s}? Help me decide.", "What are the main arguments for and against {s}?",
+    "Is {s} worth it?", "My partner is against {s}. Who is right?", "In a few sentences, what do you think of {s}?",
+    "What should I know before {s}?", "Who is {s} a good fit for, and who should avoid it?",
+)
+
+
+def plan_prompts(n: int, seed: int = 0) -> list[dict]:
+    """n distinct chat prompts asking for a plan or a list for an occasion (PLAN_OCCASIONS x PLAN_FORMS), a
+    reproducible draw (``eagle-data --source plans``)."""
+    return pair_prompts(PLAN_OCCASIONS, PLAN_FORMS, "chat", n, seed, "plan prompts")
+
+
+def opinion_prompts(n: int, seed: int = 0) -> list[dict]:
+    """n distinct chat prompts asking for an opinion on a choice (OPINION_CHOICES x OPINION_FORMS), a reproducible
+    draw (``eagle-data --source opinions``)."""
+    return pair_prompts(OPINION_CHOICES, OPINION_FORMS, "chat", n, seed, "opinion prompts")
+
+
 def stdlib_prompts(n: int, seed: int = 0, root=None) -> list[dict]:
     """n distinct prompts {"prompt", "kind"} made from the standard library that ships with Python (its
     licence: the PSF License): write a function from its docstring (code), explain or document a function

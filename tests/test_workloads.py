@@ -11,6 +11,10 @@ from minillm.workloads import (
     ADVICE_SITUATIONS,
     KINDS,
     LINE,
+    OPINION_CHOICES,
+    OPINION_FORMS,
+    PLAN_FORMS,
+    PLAN_OCCASIONS,
     PROGRAM_FORMS,
     PROGRAMS,
     TEXT_CHARS,
@@ -19,6 +23,8 @@ from minillm.workloads import (
     WORKLOADS,
     advice_prompts,
     check_held_out,
+    opinion_prompts,
+    plan_prompts,
     program_prompts,
     read_prompts,
     source_pieces,
@@ -44,13 +50,18 @@ def test_workloads_are_held_out_and_the_check_catches_a_shared_prompt():
         check_held_out(WORKLOADS, [{"prompt": WORKLOADS[3]["prompt"], "kind": "chat"}])
 
 
+CHAT_UNSEEN = {"neighbour", "neighbour's", "dog", "barks", "pack", "hiking", "bread", "stale", "fresh", "studying",
+               "focused"}
+
+
 @pytest.mark.parametrize("make, subjects, forms, kind, what, unseen", [
-    (advice_prompts, ADVICE_SITUATIONS, ADVICE_FORMS, "chat", "advice prompts",
-     {"neighbour", "dog", "barks", "pack", "hiking", "bread", "stale", "studying", "focused"}),
-    (why_prompts, WHY_FACTS, WHY_FORMS, "chat", "why prompts",
-     {"neighbour", "dog", "barks", "pack", "hiking", "bread", "stale", "fresh", "studying", "focused"}),
+    (advice_prompts, ADVICE_SITUATIONS, ADVICE_FORMS, "chat", "advice prompts", CHAT_UNSEEN),
+    (why_prompts, WHY_FACTS, WHY_FORMS, "chat", "why prompts", CHAT_UNSEEN),
     (program_prompts, PROGRAMS, PROGRAM_FORMS, "code", "program prompts",
      {"chunks", "chunk", "bank", "account", "deposit", "withdraw", "balance", "csv", "column", "sorted", "length"}),
+    (plan_prompts, PLAN_OCCASIONS, PLAN_FORMS, "chat", "plan prompts", CHAT_UNSEEN | {"trip", "travel", "packing"}),
+    (opinion_prompts, OPINION_CHOICES, OPINION_FORMS, "chat", "opinion prompts",
+     CHAT_UNSEEN | {"trip", "travel", "packing"}),
 ])
 def test_pair_prompts_are_one_kind_reproducible_and_keep_the_unseen_prompts_unseen(make, subjects, forms, kind, what,
                                                                                     unseen):

@@ -1,7 +1,7 @@
 """``python -m minillm eagle-data`` and ``eagle-train``: the EAGLE draft's training text, then the draft.
 
     python -m minillm eagle-data --out DIR [--prompts 1200] [--resume]
-                                 [--source templates|stdlib|texts|advice|why|programs]
+                                 [--source templates|stdlib|texts|advice|why|programs|plans|opinions]
     python -m minillm eagle-taps --data DIR --out TAPS [--resume]
     python -m minillm eagle-train --data DIR [DIR ...] --out eagle.npz [--vocab 4096] [--steps 1500] [--ahead 2]
                                   [--taps TAPS [TAPS ...]] [--resume]
@@ -39,6 +39,8 @@ from ..workloads import (
     WORKLOADS,
     advice_prompts,
     check_held_out,
+    opinion_prompts,
+    plan_prompts,
     program_prompts,
     stdlib_prompts,
     stdlib_texts,
@@ -49,7 +51,8 @@ from .options import add_weights_option, int_in, nonnegative_count, nonnegative_
 
 COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
 PROMPT_SOURCES = {"templates": training_prompts, "stdlib": stdlib_prompts, "texts": stdlib_texts,
-                  "advice": advice_prompts, "why": why_prompts, "programs": program_prompts}
+                  "advice": advice_prompts, "why": why_prompts, "programs": program_prompts,
+                  "plans": plan_prompts, "opinions": opinion_prompts}
 AHEAD_STEPS = (1, 2, 3)  # eagle-train --ahead: each step costs one more pass of the draft per window
 FIXED_TEXT_TOKENS = 1  # --source texts: the answer is fixed text, read teacher-forced; one token of the target's own
 
@@ -64,8 +67,8 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
                    "the corpus), stdlib (the Python standard library's docstrings and source), texts (questions "
                    "about the standard library answered with its own source and docstrings: fixed text the target "
                    "reads, a prefill each), advice (everyday requests for advice, situations x ways of asking), why "
-                   "(why everyday things happen) or programs (small programs asked for as people ask; default "
-                   "templates)")
+                   "(why everyday things happen), programs (small programs asked for as people ask), plans (plans and "
+                   "lists for an occasion) or opinions (an opinion on a choice; default templates)")
     p.add_argument("--max-new-tokens", type=nonnegative_count, default=None,
                    help=f"most tokens per answer (default {ANSWER_TOKENS}; {FIXED_TEXT_TOKENS} for --source texts)")
     p.add_argument("--seed", type=nonnegative_count, default=0, help="the prompts' draw and the sampled answers")
