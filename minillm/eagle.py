@@ -204,8 +204,10 @@ class EagleDraft:
     def new_cache(self, max_len: int) -> KVCache:
         return KVCache(replace(self.config, block_size=max(max_len, self.config.block_size)), max_len=max_len)
 
-    def step(self, features, tokens, cache=None):
-        """Features f (T, C) and the tokens after them (T,) -> (f^ (T, C), subset logits (T, V')).
+    def step(self, features, tokens, cache=None, last: bool = False):
+        """Features f (T, C) and the tokens after them (T,) -> (f^ (T, C), subset logits (T, V'), or (1, V') of the
+        last row with ``last``: a catch-up over many rows reads only that one, and the head is half the draft's
+        bytes).
 
         Row t reads (f_t, x_{t+1}) and guesses f_{t+1} and q of x_{t+2}. With a cache (or a
         ``MaskedView``) the rows sit after the cached ones. A draft with tap layers also reads the target's
@@ -219,7 +221,7 @@ class EagleDraft:
         u = weight_product(xp.concatenate([e, f], axis=-1)[None], self.params["fc.weight"])  # (1, T, C)
         pos = new_positions(u.shape[1], cache, self.config)
         f_hat = self.layer.blocks(u, pos, cache)[0]  # (T, C)
-        return f_hat, self.layer.logits(f_hat)
+        return f_hat, self.layer.logits(f_hat[-1:] if last else f_hat)
 
     def full_probs(self, subset_probs) -> np.ndarray:
         """(..., V') probabilities over the subset -> (..., V) over the vocabulary, zero outside it."""
@@ -324,7 +326,7 @@ class EagleProposer:
         if state.cache.length - m != self.synced:  # the target started over (a new prompt, a slid window)
             self.synced = 0
         self.cache.truncate(self.synced)
-        f_hat, logits = self.draft.step(kept, state.seq[len(state.seq) - m :], self.cache)
+        f_hat, logits = self.draft.step(kept, state.seq[len(state.seq) - m :], self.cache, last=True)
         self.synced += m
         self.draft_calls += 1
         return f_hat[-1], to_numpy(logits[-1])

@@ -536,6 +536,22 @@ def test_the_recompute_check_catches_cache_bugs(target, draft, bug):
     assert any(chain != reference_chain(target, draft, seq, len(chain)) for seq, chain in rounds)
 
 
+@USES
+def test_a_catch_up_reads_the_head_for_its_last_row_only(target, draft, monkeypatch):
+    """The first round feeds the draft the whole prompt and later rounds the accepted path; the chain needs
+    the logits of the last row only, and the head is half the draft's bytes, so no call of a chain's round
+    runs the head on more than one row (the recompute test above checks what that row holds)."""
+    rows, logits = [], draft.layer.logits
+    monkeypatch.setattr(draft.layer, "logits", lambda h: rows.append(h.shape[-2]) or logits(h))
+    fed = []
+    proposer = EagleProposer(draft, "chain", depth=3)
+    sync = proposer.sync
+    monkeypatch.setattr(proposer, "sync", lambda state: fed.append(len(state.kept_hidden)) or sync(state))
+    tree_generate(target, PROMPT, 14, proposer, temperature=0.0)
+    assert fed[0] == len(PROMPT) and max(fed[1:]) >= 2  # catch-ups of several rows did happen
+    assert rows and set(rows) == {1}
+
+
 def reference_tree(target, draft, seq, depth, top_k, width, max_nodes):
     """EAGLE-2's tree after seq with no cache: every node's logits from one forward over the prefix's pairs and
     the pairs along its path (the feature a node reads is its parent's f^). -> (the tree's tokens after the
@@ -567,12 +583,12 @@ def reference_tree(target, draft, seq, depth, top_k, width, max_nodes):
 
 class TreeRecording(EagleProposer):
     """Records each round: the sequence, the tree's tokens after the root, its depth, and each draft forward's
-    logits (one row per token it was fed)."""
+    logits (one row per token it was fed; the catch-up's last row only)."""
 
     def propose(self, state):
         calls, step = [], self.draft.step
-        def recorded(features, tokens, cache=None):
-            f_hat, logits = step(features, tokens, cache)
+        def recorded(features, tokens, cache=None, last=False):
+            f_hat, logits = step(features, tokens, cache, last)
             calls.append(to_numpy(logits))
             return f_hat, logits
         self.draft.step = recorded
