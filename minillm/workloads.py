@@ -333,6 +333,60 @@ PROGRAM_FORMS = (
 )
 
 
+UTILITIES = (  # more small programs, in PROGRAM_FORMS: none repeats PROGRAMS' subjects
+    "a function that renames every .txt file in a folder by adding today's date to its name",
+    "a function that returns the largest and the smallest number of a list in one pass",
+    "a function that checks whether a year is a leap year", "a function that converts Celsius to Fahrenheit and back",
+    "a function that flattens a list of lists", "a function that removes the duplicates from a list, keeping the order",
+    "a function that reverses the words of a sentence", "a function that checks whether a string is a palindrome",
+    "a function that computes the factorial of a number without recursion",
+    "a function that returns the greatest common divisor of two numbers",
+    "a function that counts the vowels in a string", "a function that converts a binary string to an integer",
+    "a function that returns the second largest number in a list",
+    "a function that capitalizes the first letter of every word",
+    "a function that reads a text file and returns its ten most common words with their counts",
+    "a function that checks whether two strings are anagrams",
+    "a function that computes the average of a list of grades",
+    "a function that returns a dictionary of word frequencies",
+    "a function that converts a list of strings to integers",
+    "a function that finds the index of an item with binary search",
+    "a function that merges two lists that are already in order into one ordered list",
+    "a class for a circle with area and circumference methods",
+    "a class for a row of light switches that can be turned on and off",
+    "a class for a simple timer with start, stop and elapsed methods",
+    "a class for an inventory of items with quantities", "a class for a student with a name and a list of grades",
+    "a class for a playlist that can add, remove and shuffle songs",
+    "a class for a parking lot that tracks free and taken spaces",
+    "a class for a simple calculator with add, subtract, multiply and divide",
+    "a class for a linked list with append and print methods",
+    "a function that validates a phone number with a regular expression",
+    "a function that returns the current time as a string in hours and minutes",
+    "a function that copies a file to a backup folder", "a function that deletes the empty lines of a text file",
+    "a function that appends a line to a log file with a timestamp",
+    "a function that computes compound interest over a number of years",
+    "a function that simulates rolling two dice a thousand times and counts the totals",
+    "a function that draws a triangle of stars with n rows", "a function that prints the even numbers from 1 to 100",
+    "a function that sums the digits of a number", "a function that checks whether a number is an Armstrong number",
+    "a function that converts a string to snake_case", "a function that converts a string to camelCase",
+    "a function that masks all but the last four digits of a card number",
+    "a function that extracts all the numbers from a string",
+    "a function that returns the nth row of Pascal's triangle",
+    "a function that returns the prime factors of a number",
+    "a function that computes the body mass index from weight and height",
+    "a function that returns the longest word in a sentence", "a function that counts the sentences in a paragraph",
+    "a function that checks whether a list is a palindrome",
+    "a function that zips two lists into a list of pairs without using zip",
+    "a function that builds a simple histogram of a list of numbers with stars",
+    "a function that reads a JSON file and prints its keys",
+    "a function that splits a URL into its scheme, host and path",
+    "a function that generates all the subsets of a small set",
+    "a function that returns all the permutations of a string",
+    "a function that converts minutes into a string like 2h 05m",
+    "a function that splits a full name into first and last",
+    "a function that returns the day of the week for a date",
+)
+
+
 def why_prompts(n: int, seed: int = 0) -> list[dict]:
     """n distinct chat prompts asking why an everyday thing happens (WHY_FACTS x WHY_FORMS), a reproducible
     draw (``eagle-data --source why``)."""
@@ -416,6 +470,12 @@ def opinion_prompts(n: int, seed: int = 0) -> list[dict]:
     """n distinct chat prompts asking for an opinion on a choice (OPINION_CHOICES x OPINION_FORMS), a reproducible
     draw (``eagle-data --source opinions``)."""
     return pair_prompts(OPINION_CHOICES, OPINION_FORMS, "chat", n, seed, "opinion prompts")
+
+
+def utility_prompts(n: int, seed: int = 0) -> list[dict]:
+    """n distinct code prompts asking for more small programs (UTILITIES x PROGRAM_FORMS), a reproducible draw
+    (``eagle-data --source utilities``)."""
+    return pair_prompts(UTILITIES, PROGRAM_FORMS, "code", n, seed, "utility prompts")
 
 
 def stdlib_prompts(n: int, seed: int = 0, root=None) -> list[dict]:

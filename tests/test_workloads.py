@@ -18,6 +18,7 @@ from minillm.workloads import (
     PROGRAM_FORMS,
     PROGRAMS,
     TEXT_CHARS,
+    UTILITIES,
     WHY_FACTS,
     WHY_FORMS,
     WORKLOADS,
@@ -32,6 +33,7 @@ from minillm.workloads import (
     stdlib_prompts,
     stdlib_texts,
     training_prompts,
+    utility_prompts,
     why_prompts,
 )
 
@@ -53,12 +55,15 @@ def test_workloads_are_held_out_and_the_check_catches_a_shared_prompt():
 CHAT_UNSEEN = {"neighbour", "neighbour's", "dog", "barks", "pack", "hiking", "bread", "stale", "fresh", "studying",
                "focused"}
 
+CODE_UNSEEN = {"chunks", "chunk", "bank", "account", "deposit", "withdraw", "balance", "csv", "column", "sorted",
+               "length"}
+
 
 @pytest.mark.parametrize("make, subjects, forms, kind, what, unseen", [
     (advice_prompts, ADVICE_SITUATIONS, ADVICE_FORMS, "chat", "advice prompts", CHAT_UNSEEN),
     (why_prompts, WHY_FACTS, WHY_FORMS, "chat", "why prompts", CHAT_UNSEEN),
-    (program_prompts, PROGRAMS, PROGRAM_FORMS, "code", "program prompts",
-     {"chunks", "chunk", "bank", "account", "deposit", "withdraw", "balance", "csv", "column", "sorted", "length"}),
+    (program_prompts, PROGRAMS, PROGRAM_FORMS, "code", "program prompts", CODE_UNSEEN),
+    (utility_prompts, UTILITIES, PROGRAM_FORMS, "code", "utility prompts", CODE_UNSEEN),
     (plan_prompts, PLAN_OCCASIONS, PLAN_FORMS, "chat", "plan prompts", CHAT_UNSEEN | {"trip", "travel", "packing"}),
     (opinion_prompts, OPINION_CHOICES, OPINION_FORMS, "chat", "opinion prompts",
      CHAT_UNSEEN | {"trip", "travel", "packing"}),

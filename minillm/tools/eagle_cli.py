@@ -1,7 +1,7 @@
 """``python -m minillm eagle-data`` and ``eagle-train``: the EAGLE draft's training text, then the draft.
 
     python -m minillm eagle-data --out DIR [--prompts 1200] [--resume]
-                                 [--source templates|stdlib|texts|advice|why|programs|plans|opinions]
+                                 [--source templates|stdlib|texts|advice|why|programs|utilities|plans|opinions]
     python -m minillm eagle-taps --data DIR --out TAPS [--resume]
     python -m minillm eagle-train --data DIR [DIR ...] --out eagle.npz [--vocab 4096] [--steps 1500] [--ahead 2]
                                   [--taps TAPS [TAPS ...]] [--resume]
@@ -45,6 +45,7 @@ from ..workloads import (
     stdlib_prompts,
     stdlib_texts,
     training_prompts,
+    utility_prompts,
     why_prompts,
 )
 from .options import add_weights_option, int_in, nonnegative_count, nonnegative_float
@@ -52,7 +53,7 @@ from .options import add_weights_option, int_in, nonnegative_count, nonnegative_
 COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
 PROMPT_SOURCES = {"templates": training_prompts, "stdlib": stdlib_prompts, "texts": stdlib_texts,
                   "advice": advice_prompts, "why": why_prompts, "programs": program_prompts,
-                  "plans": plan_prompts, "opinions": opinion_prompts}
+                  "plans": plan_prompts, "opinions": opinion_prompts, "utilities": utility_prompts}
 AHEAD_STEPS = (1, 2, 3)  # eagle-train --ahead: each step costs one more pass of the draft per window
 FIXED_TEXT_TOKENS = 1  # --source texts: the answer is fixed text, read teacher-forced; one token of the target's own
 
@@ -67,8 +68,9 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
                    "the corpus), stdlib (the Python standard library's docstrings and source), texts (questions "
                    "about the standard library answered with its own source and docstrings: fixed text the target "
                    "reads, a prefill each), advice (everyday requests for advice, situations x ways of asking), why "
-                   "(why everyday things happen), programs (small programs asked for as people ask), plans (plans and "
-                   "lists for an occasion) or opinions (an opinion on a choice; default templates)")
+                   "(why everyday things happen), programs (small programs asked for as people ask), utilities (more "
+                   "of them), plans (plans and lists for an occasion) or opinions (an opinion on a choice; default "
+                   "templates)")
     p.add_argument("--max-new-tokens", type=nonnegative_count, default=None,
                    help=f"most tokens per answer (default {ANSWER_TOKENS}; {FIXED_TEXT_TOKENS} for --source texts)")
     p.add_argument("--seed", type=nonnegative_count, default=0, help="the prompts' draw and the sampled answers")
