@@ -333,7 +333,7 @@ PROGRAM_FORMS = (
 )
 
 
-UTILITIES = (  # more small programs, in PROGRAM_FORMS: none repeats PROGRAMS' subjects
+UTILITIES = (  # more small programs, asked for in PROGRAM_FORMS; none is one of PROGRAMS word for word
     "a function that renames every .txt file in a folder by adding today's date to its name",
     "a function that returns the largest and the smallest number of a list in one pass",
     "a function that checks whether a year is a leap year", "a function that converts Celsius to Fahrenheit and back",
