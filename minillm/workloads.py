@@ -472,6 +472,56 @@ def opinion_prompts(n: int, seed: int = 0) -> list[dict]:
     return pair_prompts(OPINION_CHOICES, OPINION_FORMS, "chat", n, seed, "opinion prompts")
 
 
+# Texts to rework, written by the target itself: first it writes everyday texts for the occasions above (an
+# email, notes, instructions: ``eagle-data --source writings``), then it is asked to rework each one
+# (``--source rewrites --texts DIR``): grounded requests whose text the prompt hands over, as people make them.
+WRITING_FORMS = (
+    "Write a short email to your team about {s}.", "Write a short email to a friend about {s}.",
+    "Write a few notes, as a list, for {s}.", "Write short instructions for the helpers at {s}.",
+    "Write a short announcement for {s}.", "Write a text message inviting your cousin to {s}.",
+    "Write a short story about {s}.", "Write a short diary entry about {s}.",
+    "Write a short letter to the guests of {s}.", "Write a short news item about {s}.",
+    "Write a short report on how {s} went.", "Write a note for the fridge about {s}.",
+)
+REWRITE_FORMS = (
+    "Sum up this text in a few sentences:\n\n{s}", "Rewrite this text in a more formal tone:\n\n{s}",
+    "Turn this text into a numbered list of its main points:\n\n{s}",
+    "Make this text shorter without losing anything important:\n\n{s}",
+    "Rewrite this text so that a ten-year-old can follow it:\n\n{s}",
+    "Using only what this text says, what is it about, and what should the reader do?\n\n{s}",
+    "Write a short reply to this message:\n\n{s}",
+    "Give this text a title, then say its main point in one sentence:\n\n{s}",
+    "Correct any mistakes in this text and give the corrected version:\n\n{s}",
+    "Turn this text into one short paragraph:\n\n{s}",
+    "List the people, dates and places this text mentions:\n\n{s}",
+    "Rewrite this text as a friendly message:\n\n{s}",
+)
+SHORTEST_TEXT = 120  # characters: a written text shorter than this, once cut to whole sentences, is not reworked
+
+
+def writing_prompts(n: int, seed: int = 0) -> list[dict]:
+    """n distinct chat prompts asking the target to write an everyday text for an occasion (PLAN_OCCASIONS x
+    WRITING_FORMS), a reproducible draw (``eagle-data --source writings``): its answers are the texts that
+    ``rewrite_prompts`` hands back to it."""
+    return pair_prompts(PLAN_OCCASIONS, WRITING_FORMS, "chat", n, seed, "writing prompts")
+
+
+def whole_sentences(text: str) -> str:
+    """A written answer cut after its last sentence end or line break (an answer stops at a token limit, often
+    mid-sentence); "" when none."""
+    text = text.strip()
+    cut = max(text.rfind(end) for end in (".", "!", "?", "\n"))
+    return text[: cut + 1].strip() if cut >= 0 else ""
+
+
+def rewrite_prompts(texts, n: int, seed: int = 0) -> list[dict]:
+    """n distinct grounded prompts asking to rework one of ``texts`` (each cut to whole sentences; those shorter
+    than SHORTEST_TEXT left out) in one of REWRITE_FORMS, a reproducible draw (``eagle-data --source rewrites
+    --texts DIR``)."""
+    kept = tuple(t for t in map(whole_sentences, texts) if len(t) >= SHORTEST_TEXT)
+    return pair_prompts(kept, REWRITE_FORMS, "grounded", n, seed, "rewrite prompts")
+
+
 def utility_prompts(n: int, seed: int = 0) -> list[dict]:
     """n distinct code prompts asking for more small programs (UTILITIES x PROGRAM_FORMS), a reproducible draw
     (``eagle-data --source utilities``)."""

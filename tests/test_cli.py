@@ -468,6 +468,9 @@ def test_eagle_commands_bad_input_is_one_line(tmp_path, capsys):
     assert "holds no EAGLE data parts" in capsys.readouterr().err
     assert cli.main(["eagle-data", "--out", str(tmp_path / "data"), "--prompts", "0"]) == 1
     assert "--prompts and --max-new-tokens must be >= 1" in capsys.readouterr().err
+    for source, texts in (["rewrites"], []), (["advice"], ["--texts", str(tmp_path)]):
+        assert cli.main(["eagle-data", "--out", str(tmp_path / "data"), "--source", *source, *texts]) == 1
+        assert "--texts DIR goes with --source rewrites, and --source rewrites needs it" in capsys.readouterr().err
 
 
 @pytest.mark.host_only

@@ -25,6 +25,7 @@ from minillm.config import LlamaConfig
 from minillm.eagle import EagleDraft, load_draft
 from minillm.eagle_train import DraftData, held_out_accuracy, read_answers, write_answers, write_taps
 from minillm.llama import Llama
+from minillm.tools.eagle_cli import written_texts
 
 # the data and the accuracy run the target (a Llama: 8.1-8.3) with its KV cache (3.x)
 USES = pytest.mark.uses_exercise("3.1", "3.2", "3.3", "8.1", "8.2", "8.3")
@@ -146,6 +147,9 @@ class ByteTokenizer:
     def apply_chat_template(self, messages):
         return "sys\nuser\n" + messages[0]["content"] + "\n"
 
+    def decode(self, ids):
+        return "".join("abcdefgh"[i] for i in ids)
+
 
 PROMPTS = [{"prompt": p, "kind": "chat"} for p in ("ab", "abc", "b", "cab", "ba", "bca")]
 
@@ -173,6 +177,18 @@ def test_parts_read_back_whole(target, data_dir):
     data = read_answers(data_dir, target)
     assert data["parts"] == 3 and len(data["sequences"]) == len(PROMPTS)
     assert all(len(f) == len(s) - 1 for s, f in zip(data["sequences"], data["features"]))
+
+
+@USES
+def test_written_texts_are_the_answers_without_their_end_of_turn(target, data_dir):
+    """``eagle-data --source rewrites --texts DIR`` reworks what the target wrote: each answer of the folder as
+    text, its end of turn left out (it would be handed back inside the next prompt)."""
+    tok = ByteTokenizer()
+    data = read_answers(data_dir, target)
+    answers = [[int(t) for t in s[p:]] for s, p in zip(data["sequences"], data["prompt_lengths"])]
+    assert sum(a[-1] == tok.eos_token_id for a in answers) >= 1  # a reply that ended is there
+    assert written_texts(data_dir, target, tok) == [tok.decode(a[:-1] if a[-1] == tok.eos_token_id else a)
+                                                     for a in answers]
 
 
 @USES

@@ -17,24 +17,30 @@ from minillm.workloads import (
     PLAN_OCCASIONS,
     PROGRAM_FORMS,
     PROGRAMS,
+    REWRITE_FORMS,
+    SHORTEST_TEXT,
     TEXT_CHARS,
     UTILITIES,
     WHY_FACTS,
     WHY_FORMS,
     WORKLOADS,
+    WRITING_FORMS,
     advice_prompts,
     check_held_out,
     opinion_prompts,
     plan_prompts,
     program_prompts,
     read_prompts,
+    rewrite_prompts,
     source_pieces,
     source_segment,
     stdlib_prompts,
     stdlib_texts,
     training_prompts,
     utility_prompts,
+    whole_sentences,
     why_prompts,
+    writing_prompts,
 )
 
 
@@ -55,6 +61,9 @@ def test_workloads_are_held_out_and_the_check_catches_a_shared_prompt():
 CHAT_UNSEEN = {"neighbour", "neighbour's", "dog", "barks", "pack", "hiking", "bread", "stale", "fresh", "studying",
                "focused"}
 
+GROUNDED_UNSEEN = {"quarterly", "review", "projector", "slides", "windmill", "village", "mill", "landlord", "heating",
+                   "rent", "machine", "tank", "filter"}
+
 CODE_UNSEEN = {"chunks", "chunk", "bank", "account", "deposit", "withdraw", "balance", "csv", "column", "sorted",
                "length"}
 
@@ -67,6 +76,7 @@ CODE_UNSEEN = {"chunks", "chunk", "bank", "account", "deposit", "withdraw", "bal
     (plan_prompts, PLAN_OCCASIONS, PLAN_FORMS, "chat", "plan prompts", CHAT_UNSEEN | {"trip", "travel", "packing"}),
     (opinion_prompts, OPINION_CHOICES, OPINION_FORMS, "chat", "opinion prompts",
      CHAT_UNSEEN | {"trip", "travel", "packing"}),
+    (writing_prompts, PLAN_OCCASIONS, WRITING_FORMS, "chat", "writing prompts", CHAT_UNSEEN | GROUNDED_UNSEEN),
 ])
 def test_pair_prompts_are_one_kind_reproducible_and_keep_the_unseen_prompts_unseen(make, subjects, forms, kind, what,
                                                                                     unseen):
@@ -81,6 +91,39 @@ def test_pair_prompts_are_one_kind_reproducible_and_keep_the_unseen_prompts_unse
     assert not [s for s in subjects if unseen & set(s.lower().replace(",", " ").split())]
     with pytest.raises(ValueError, match=f"at most {len(every)} {what}"):
         make(len(every) + 1)
+
+
+def test_writing_forms_share_no_word_with_the_unseen_prompts():
+    """The texts the target writes for ``rewrite_prompts`` start from these requests: none names a subject of the
+    unseen chat or grounded prompts (a form once invited "a neighbour")."""
+    words = {w.strip(".,").lower() for form in WRITING_FORMS for w in form.split()}
+    assert not words & (CHAT_UNSEEN | GROUNDED_UNSEEN)
+
+
+@pytest.mark.parametrize("text, whole", [
+    ("Hi all. The party is on Friday! Bring a", "Hi all. The party is on Friday!"),
+    ("- buy cake\n- call Tom\n- chairs fr", "- buy cake\n- call Tom"),
+    ("Is it ready? Yes", "Is it ready?"),
+    ("  Done.  ", "Done."),
+    ("no end at all", ""),
+])
+def test_whole_sentences_cut_an_answer_after_its_last_sentence(text, whole):
+    assert whole_sentences(text) == whole
+
+
+def test_rewrite_prompts_rework_the_written_texts_whole_and_long_enough():
+    """Each prompt is one of REWRITE_FORMS around one text cut to whole sentences; a text too short once cut, and a
+    repeated one, are left out; every text x form at most once, reproducibly."""
+    long_a, long_b = "A" * SHORTEST_TEXT + ". Then", "We meet at noon. " * 10
+    texts = [long_a, long_b, long_b, "Too short. " + "and on without an end " * 10, "x" * 500]
+    every = rewrite_prompts(texts, 2 * len(REWRITE_FORMS), seed=1)
+    assert every == rewrite_prompts(texts, len(every), seed=1) != rewrite_prompts(texts, len(every), seed=2)
+    kept = {"A" * SHORTEST_TEXT + ".", long_b.strip()}
+    assert {p["kind"] for p in every} == {"grounded"} and len({p["prompt"] for p in every}) == len(every)
+    assert {(f, t) for p in every for f in REWRITE_FORMS for t in kept if p["prompt"] == f.format(s=t)} == {
+        (f, t) for f in REWRITE_FORMS for t in kept}
+    with pytest.raises(ValueError, match=f"at most {len(every)} rewrite prompts"):
+        rewrite_prompts(texts, len(every) + 1)
 
 
 def test_read_prompts(tmp_path):

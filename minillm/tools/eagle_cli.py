@@ -1,7 +1,8 @@
 """``python -m minillm eagle-data`` and ``eagle-train``: the EAGLE draft's training text, then the draft.
 
     python -m minillm eagle-data --out DIR [--prompts 1200] [--resume]
-                                 [--source templates|stdlib|texts|advice|why|programs|utilities|plans|opinions]
+                                 [--source templates|stdlib|texts|advice|why|programs|utilities|plans|opinions|writings]
+    python -m minillm eagle-data --out DIR --source rewrites --texts WRITINGS_DIR [--prompts 1200] [--resume]
     python -m minillm eagle-taps --data DIR --out TAPS [--resume]
     python -m minillm eagle-train --data DIR [DIR ...] --out eagle.npz [--vocab 4096] [--steps 1500] [--ahead 2]
                                   [--taps TAPS [TAPS ...]] [--resume]
@@ -42,18 +43,21 @@ from ..workloads import (
     opinion_prompts,
     plan_prompts,
     program_prompts,
+    rewrite_prompts,
     stdlib_prompts,
     stdlib_texts,
     training_prompts,
     utility_prompts,
     why_prompts,
+    writing_prompts,
 )
 from .options import add_weights_option, int_in, nonnegative_count, nonnegative_float
 
 COVERAGE_SIZES = (1024, 2048, 4096, 8192, 16384, 32768)
 PROMPT_SOURCES = {"templates": training_prompts, "stdlib": stdlib_prompts, "texts": stdlib_texts,
                   "advice": advice_prompts, "why": why_prompts, "programs": program_prompts,
-                  "plans": plan_prompts, "opinions": opinion_prompts, "utilities": utility_prompts}
+                  "plans": plan_prompts, "opinions": opinion_prompts, "utilities": utility_prompts,
+                  "writings": writing_prompts, "rewrites": rewrite_prompts}
 AHEAD_STEPS = (1, 2, 3)  # eagle-train --ahead: each step costs one more pass of the draft per window
 FIXED_TEXT_TOKENS = 1  # --source texts: the answer is fixed text, read teacher-forced; one token of the target's own
 
@@ -69,8 +73,11 @@ def add_data_arguments(p: argparse.ArgumentParser) -> None:
                    "about the standard library answered with its own source and docstrings: fixed text the target "
                    "reads, a prefill each), advice (everyday requests for advice, situations x ways of asking), why "
                    "(why everyday things happen), programs (small programs asked for as people ask), utilities (more "
-                   "of them), plans (plans and lists for an occasion) or opinions (an opinion on a choice; default "
-                   "templates)")
+                   "of them), plans (plans and lists for an occasion), opinions (an opinion on a choice), writings "
+                   "(everyday texts for an occasion) or rewrites (requests to rework the texts --texts holds; "
+                   "default templates)")
+    p.add_argument("--texts", default=None, metavar="DIR",
+                   help="--source rewrites: a folder eagle-data --source writings wrote; its answers are the texts")
     p.add_argument("--max-new-tokens", type=nonnegative_count, default=None,
                    help=f"most tokens per answer (default {ANSWER_TOKENS}; {FIXED_TEXT_TOKENS} for --source texts)")
     p.add_argument("--seed", type=nonnegative_count, default=0, help="the prompts' draw and the sampled answers")
@@ -84,13 +91,29 @@ def run_data(args) -> int:
         new_tokens = FIXED_TEXT_TOKENS if args.source == "texts" else ANSWER_TOKENS
     if args.prompts < 1 or new_tokens < 1:
         raise ValueError(f"--prompts and --max-new-tokens must be >= 1, got {args.prompts} and {args.max_new_tokens}")
-    prompts = PROMPT_SOURCES[args.source](args.prompts, args.seed)
-    check_held_out(WORKLOADS, prompts)
+    if (args.source == "rewrites") != (args.texts is not None):
+        raise ValueError("--texts DIR goes with --source rewrites, and --source rewrites needs it")
     model, tokenizer = load_model(args.model, weights=args.weights)
+    source = PROMPT_SOURCES[args.source]
+    prompts = (source(written_texts(args.texts, model, tokenizer), args.prompts, args.seed) if args.texts
+               else source(args.prompts, args.seed))
+    check_held_out(WORKLOADS, prompts)
     summary = write_answers(model, tokenizer, prompts, args.out, new_tokens, seed=args.seed,
                             resume=args.resume, progress=not args.quiet)
     print(json.dumps(summary))
     return 0
+
+
+def written_texts(data_dir, model, tokenizer) -> list[str]:
+    """The answers in an eagle-data folder, as text: what the target wrote after each prompt, up to its end of turn."""
+    data = read_answers(data_dir, model)
+    texts = []
+    for ids, start in zip(data["sequences"], data["prompt_lengths"]):
+        answer = [int(t) for t in ids[start:]]
+        if tokenizer.eos_token_id in answer:
+            answer = answer[: answer.index(tokenizer.eos_token_id)]
+        texts.append(tokenizer.decode(answer))
+    return texts
 
 
 def add_taps_arguments(p: argparse.ArgumentParser) -> None:
