@@ -10,9 +10,10 @@ Speculation pays only when enough drafts are accepted to cover what drafting and
 verification cost, and that depends on the conversation (a question about a pasted text suits prompt
 lookup, free chat suits neither on some CPUs). So ``speculate="auto"`` measures instead of guessing:
 the first ``trial_tokens`` reply tokens of each candidate -- plain decoding first, then each proposer
--- are timed (ms per emitted token, over whole rounds), and the fastest decodes from then on.
-``choice_note`` says which won and by what numbers (``python -m minillm chat`` prints it). A named
-proposer ("eagle", "lookup") decodes every reply; its ms/token is in ``measured``.
+(``chat_proposers``: the EAGLE draft's chain with prompt lookup's beside it, then lookup alone) -- are
+timed (ms per emitted token, over whole rounds), and the fastest decodes from then on. ``choice_note``
+says which won and by what numbers (``python -m minillm chat`` prints it). A named proposer ("eagle",
+"lookup", "eagle-lookup") decodes every reply; its ms/token is in ``measured``.
 
 An EAGLE draft reads the target's hidden state at every cached position. This chat keeps the rows the
 draft has not read yet (``unsynced``: the prefill's, and every round's while another candidate
@@ -50,14 +51,15 @@ EAGLE_DEPTH = 1  # EAGLE's chain in a chat: one draft token per round. At the sh
 def chat_proposers(model, speculate: str, model_name: str, draft_path=None) -> dict:
     """The proposers ``speculate`` names: "eagle" (the draft at ``draft_path``, or the one shipped for
     ``model_name``), "lookup" (prompt lookup), "eagle-lookup" (the draft's chain with lookup's beside it,
-    ``eagle.EagleLookup``), or "eagle" and "lookup" for "auto"."""
+    ``eagle.EagleLookup``), or "eagle-lookup" and "lookup" for "auto": the draft's chain alone never measured
+    faster than with lookup's beside it, on any kind of prompt (docs/eagle.md)."""
     proposers = {}
     if speculate in ("eagle", "eagle-lookup", "auto"):
         eagle = EagleProposer(load_draft(model, model_name, draft_path), depth=EAGLE_DEPTH)
-        if speculate == "eagle-lookup":
-            proposers["eagle-lookup"] = EagleLookup(eagle, LOOKUP_DRAFT)
-        else:
+        if speculate == "eagle":
             proposers["eagle"] = eagle
+        else:
+            proposers["eagle-lookup"] = EagleLookup(eagle, LOOKUP_DRAFT)
     if speculate in ("lookup", "auto"):
         proposers["lookup"] = PromptLookup(max_draft=LOOKUP_DRAFT)
     return proposers

@@ -177,14 +177,19 @@ def test_chat_lookup_verifies_at_most_a_row_tile_of_the_4_bit_kernels():
     assert qkernels.row_tile(LOOKUP_DRAFT + 1) == LOOKUP_DRAFT + 1
 
 
-def test_chat_eagle_drafts_the_measured_chain_length():
-    """A chat's EAGLE proposer drafts EAGLE_DEPTH tokens a round (the shipped draft, the real model's vocabulary)."""
+def test_chat_eagle_drafts_the_measured_chain_length_and_auto_tries_it_with_lookup():
+    """A chat's EAGLE proposer drafts EAGLE_DEPTH tokens a round (the shipped draft, the real model's vocabulary);
+    "auto" times that chain with lookup's beside it, and lookup alone."""
     from minillm.registry import load_model
-    from minillm.speculative_chat import EAGLE_DEPTH, chat_proposers
+    from minillm.speculative_chat import EAGLE_DEPTH, LOOKUP_DRAFT, chat_proposers
 
     model, _ = load_model("smollm2-135m")
     eagle = chat_proposers(model, "eagle", "smollm2-135m")["eagle"]
     assert eagle.max_depth == EAGLE_DEPTH == 1 and eagle.mode == "chain"
+    auto = chat_proposers(model, "auto", "smollm2-135m")
+    assert set(auto) == {"eagle-lookup", "lookup"} and isinstance(auto["lookup"], PromptLookup)
+    both = auto["eagle-lookup"]
+    assert isinstance(both, EagleLookup) and both.eagle.max_depth == EAGLE_DEPTH and both.max_draft == LOOKUP_DRAFT
 
 
 @HOST

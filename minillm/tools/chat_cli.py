@@ -38,8 +38,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--prompt", help="answer this one message and exit (no interactive loop)")
     p.add_argument("--speculate", choices=SPECULATE, default="off",
                    help="decode replies speculatively: eagle (the EAGLE draft), lookup (prompt lookup), eagle-lookup "
-                   "(the draft's guess, and lookup's where the text repeats), auto (plain, eagle and lookup each "
-                   "timed on the first replies, the fastest kept); the replies are the model's own (default off)")
+                   "(the draft's guess, and lookup's where the text repeats), auto (plain, eagle-lookup and lookup "
+                   "each timed on the first replies, the fastest kept); the replies are the model's own (default off)")
     p.add_argument("--eagle-draft", metavar="DRAFT.npz", default=None,
                    help="--speculate eagle, eagle-lookup or auto: a draft written by eagle-train (default: the one "
                    "shipped)")

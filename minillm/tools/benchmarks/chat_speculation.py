@@ -11,7 +11,7 @@ prompt by prompt:
     eagle       ``speculative_chat.SpeculativeChat`` with the shipped EAGLE draft (kept in the target's blocks)
     lookup      the same with prompt lookup
     eagle-lookup   the same with the EAGLE draft's guess and prompt lookup's chain beside it (``eagle.EagleLookup``)
-    auto        the same, timing plain, eagle and lookup on its first replies and keeping the fastest
+    auto        the same, timing plain, eagle-lookup and lookup on its first replies and keeping the fastest
     llama.cpp   the same GGUF through llama-cpp-python (when installed), plain decoding, as many tokens as
                 minillm's plain reply
     llama.cpp-lookup   the same with llama-cpp-python's own prompt lookup (``LlamaPromptLookupDecoding``,
