@@ -9,10 +9,14 @@ chat's token for token, at any other its tokens are distributed as plain chat's.
 Speculation pays only when enough drafts are accepted to cover what drafting and the wider
 verification cost, and that depends on the conversation (a question about a pasted text suits prompt
 lookup, free chat suits neither on some CPUs). So ``speculate="auto"`` measures instead of guessing:
-the first ``trial_tokens`` reply tokens of each candidate -- plain decoding first, then each proposer
-(``chat_proposers``: the EAGLE draft's chain with prompt lookup's beside it, then lookup alone) -- are
-timed (ms per emitted token, over whole rounds), and the fastest decodes from then on. ``choice_note``
-says which won and by what numbers (``python -m minillm chat`` prints it). A named proposer ("eagle",
+the candidates -- plain decoding and each proposer (``chat_proposers``: the EAGLE draft's chain with prompt
+lookup's beside it, and lookup alone) -- take turns round by round, the one with the fewest timed tokens next,
+until each has emitted ``trial_tokens`` timed tokens (ms per emitted token, over whole rounds); the fastest
+decodes from then on. Taking turns pairs the candidates on the same stretch of the reply and the same load
+on the machine. What would bias the comparison stays out of it: the kernels of every row count a candidate
+verifies are loaded before the trial (``warm_up``), and each candidate's first round, where a draft catches
+up on the whole prompt, is not timed. ``choice_note`` says which won and by what numbers (``python -m
+minillm chat`` prints it). A named proposer ("eagle",
 "lookup", "eagle-lookup") decodes every reply; its ms/token is in ``measured``.
 
 An EAGLE draft reads the target's hidden state at every cached position. This chat keeps the rows the
@@ -30,6 +34,8 @@ from .chat import Chat
 from .draft_free import PromptLookup
 from .eagle import EagleLookup, EagleProposer, load_draft
 from .generate import PREFILL_CHUNK
+from .kv_cache import KVCache
+from .qkernels import row_tiles
 from .token_tree import NoProposal, Round, target_rows, verify_round
 
 PLAIN = "plain"
@@ -46,6 +52,23 @@ EAGLE_DEPTH = 1  # EAGLE's chain in a chat: one draft token per round. At the sh
 # chat, 0.5-0.6 on code) a longer chain's verify costs more than its extra tokens bring: on unseen prompts a chain of
 # 1 decoded at 1.09x / 1.25x plain (chat / code), of 2 at 0.97x / 1.15x (docs/eagle.md, "A verify's grouped-query
 # attention without copies"); of 4 at 0.81x / 1.10x before that change ("Why things happen, and programs")
+
+
+def warm_up(model, proposers: dict) -> None:
+    """One forward of each row tile of the 4-bit kernels (``qkernels.row_tiles``: 1 to 6, 8 and 16 token rows)
+    through the target and through each EAGLE draft among ``proposers``, on throwaway caches, so that every kernel
+    a candidate runs is ready before "auto" times anything. A kernel is compiled on the first product of its row
+    tile after an install, loaded from numba's cache in every later process, and left to the trial either fell on
+    whichever candidate first verified that many rows: with nothing cached the trial timed the EAGLE chain with
+    lookup's beside it at 105.6 ms/token against plain's 12.0 (docs/eagle.md, "What auto measures")."""
+    cache = KVCache(model.config, max_len=row_tiles()[-1])
+    drafts = {id(p.draft): p.draft for p in proposers.values() if isinstance(p, DRAFTS)}.values()
+    for n in row_tiles():
+        cache.truncate(0)
+        model.forward(xp.zeros((1, n), dtype=xp.int64), cache)
+        for draft in drafts:
+            width = (len(draft.tap_layers) + 1) * model.config.n_embd  # the rows a draft reads: [taps; f]
+            draft.step(xp.zeros((n, width), dtype=xp.float32), [0] * n, draft.new_cache(n))
 
 
 def chat_proposers(model, speculate: str, model_name: str, draft_path=None) -> dict:
@@ -78,8 +101,11 @@ class SpeculativeChat(Chat):
             speculate: proposers[speculate]}
         self.chosen = None if speculate == "auto" else speculate
         self.trial_tokens = trial_tokens
-        self.measured = {name: [0.0, 0] for name in self.proposers}  # seconds, tokens emitted
+        self.measured = {name: [0.0, 0] for name in self.proposers}  # seconds, tokens emitted (timed rounds)
+        self.rounds = dict.fromkeys(self.proposers, 0)  # rounds decoded by each, the first one untimed
         self.choice_note = None
+        if speculate == "auto":
+            warm_up(model, proposers)
         super().__init__(model, tokenizer, system=system, max_len=max_len, seed=seed)
 
     # ---- what the cache holds, and the rows the draft has not read ------------------------------------
@@ -133,13 +159,14 @@ class SpeculativeChat(Chat):
         return 1e3 * seconds / max(tokens, 1)
 
     def current(self) -> str:
-        """The proposer of the next round: the chosen one, else the first candidate still on trial; once every
-        candidate has decoded ``trial_tokens`` tokens, the fastest is chosen if it beat plain decoding by the
-        margin (else plain), and ``choice_note`` says so."""
+        """The proposer of the next round: the chosen one, else the candidate still on trial with the fewest timed
+        tokens (the first of them in order on a tie); once every candidate has decoded ``trial_tokens`` timed
+        tokens, the fastest is chosen if it beat plain decoding by the margin (else plain), and ``choice_note``
+        says so."""
         if self.chosen is None:
             on_trial = [name for name in self.proposers if self.measured[name][1] < self.trial_tokens]
             if on_trial:
-                return on_trial[0]
+                return min(on_trial, key=lambda name: self.measured[name][1])
             fastest = min(self.proposers, key=self.ms_per_token)
             plain = self.ms_per_token(PLAIN)
             self.chosen = fastest if self.ms_per_token(fastest) <= SPECULATION_MARGIN * plain else PLAIN
@@ -192,9 +219,10 @@ class SpeculativeChat(Chat):
                                                    self.tap_layers())  # the rows the draft reads, whoever drafts
             now = time.perf_counter()
             self.keep_rows(kept, read=getattr(self.proposers[name], "synced", None) == cached)  # the draft read them
-            if self.chosen is None:
+            if self.chosen is None and self.rounds[name] > 0:  # a candidate's first round is its warm-up
                 self.measured[name][0] += now - start
                 self.measured[name][1] += len(emitted)
+            self.rounds[name] += 1
             times += [now - t0] * len(emitted)
             if self.tokenizer.eos_token_id in emitted[:-1]:  # the turn ended inside the path: drop what follows
                 end = emitted.index(self.tokenizer.eos_token_id)

@@ -204,3 +204,54 @@ def test_auto_speculates_only_where_a_proposer_beat_plain_by_the_margin(model, t
     monkeypatch.setattr(SpeculativeChat, "ms_per_token", lambda self, name: times[name])
     _, chat = conversation(SpeculativeChat(model, tok, proposers(model), "auto", max_len=512, trial_tokens=5))
     assert chat.chosen == chosen and chat.choice_note.endswith(f"-> {chosen}")
+
+
+@HOST
+def test_auto_takes_turns_and_leaves_each_candidates_first_round_untimed(model, tok, monkeypatch):
+    """On trial, the candidate with the fewest timed tokens decodes the next round (so the candidates share the
+    same stretch of text and the same load on the machine), and each one's first round, where a draft catches up
+    on the prompt, adds nothing to its timing."""
+    picks, current = [], SpeculativeChat.current
+
+    def recorded(self):
+        before = {name: list(m) for name, m in self.measured.items()}
+        name = current(self)
+        if self.chosen is None:
+            picks.append((name, before))
+        return name
+
+    monkeypatch.setattr(SpeculativeChat, "current", recorded)
+    chat = SpeculativeChat(model, tok, proposers(model), "auto", max_len=512, trial_tokens=8)
+    chat.turn(MESSAGES[0], max_new_tokens=60, temperature=0.0)
+    assert chat.chosen is not None and len(picks) > 6
+    names = [name for name, _ in picks]
+    assert names[:6] == ["plain", "plain", "eagle", "eagle", "lookup", "lookup"]
+    seen = set()
+    for (name, before), (_, after) in zip(picks, picks[1:]):
+        on_trial = {n: m[1] for n, m in before.items() if m[1] < 8}
+        assert before[name][1] == min(on_trial.values())  # the fewest timed tokens decodes next
+        timed = after[name][1] - before[name][1]
+        assert (timed > 0) == (name in seen)  # the first round untimed, every later one timed
+        seen.add(name)
+
+
+@HOST
+def test_auto_loads_the_kernels_of_every_row_tile_before_its_trial(monkeypatch):
+    """Constructing an "auto" chat runs each row tile of the 4-bit kernels through the target and the draft, so that
+    no kernel loads (or compiles) inside a timed round."""
+    from test_quantized_model import TINY, tiny_params
+
+    from minillm import qkernels
+
+    target = Llama(TINY, tiny_params()[0])
+    weights = [*target.params.values(), *target.stacked.values(), target.lm_head]
+    formats = {w.format for w in weights if isinstance(w, qkernels.Packed)}
+    assert {"Q8_0", "Q4_1"} <= formats
+    subset = list(range(0, TINY.vocab_size, 2))
+    params = {k: to_numpy(v) for k, v in EagleDraft.init(target, subset).params.items()}
+    draft = EagleDraft(target, params, subset, keep_blocks=True)
+    loaded = {}
+    monkeypatch.setattr(qkernels, "_COMPILED", loaded)
+    SpeculativeChat(target, CharChatTokenizer(), {"eagle-lookup": EagleLookup(EagleProposer(draft, depth=1), 5),
+                                                  "lookup": PromptLookup()}, "auto", max_len=64)
+    assert {(fmt, rows, False) for fmt in formats for rows in qkernels.row_tiles()} <= set(loaded)
