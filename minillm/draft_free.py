@@ -53,21 +53,24 @@ def long_ngram_lookup(seq, min_ngram: int, max_ngram: int = MAX_NGRAM, max_draft
     """
     if not 1 <= min_ngram <= max_ngram:
         raise ValueError(f"min_ngram must be in 1..max_ngram ({max_ngram}), got {min_ngram}")
+    if min_ngram == 1:  # windows of one token are the tokens
+        return ngram_lookup(seq, max_ngram, max_draft)
     seq = list(seq)
     windows = [tuple(seq[i : i + min_ngram]) for i in range(len(seq) - min_ngram + 1)]
     return [w[-1] for w in ngram_lookup(windows, max_ngram - min_ngram + 1, max_draft)]
 
 
 class PromptLookup:
-    """Prompt-lookup decoding: a chain of the tokens that followed the text's suffix earlier on."""
+    """Prompt-lookup decoding: a chain of the tokens that followed the text's suffix earlier on; with ``min_ngram``
+    > 1 only where a suffix of that many tokens or more occurred before (``long_ngram_lookup``)."""
 
-    def __init__(self, max_ngram: int = MAX_NGRAM, max_draft: int = MAX_DRAFT):
-        ngram_lookup([0], max_ngram, max_draft)  # checks the arguments
-        self.max_ngram, self.max_draft = max_ngram, max_draft
+    def __init__(self, max_ngram: int = MAX_NGRAM, max_draft: int = MAX_DRAFT, min_ngram: int = 1):
+        long_ngram_lookup([0], min_ngram, max_ngram, max_draft)  # checks the arguments
+        self.max_ngram, self.max_draft, self.min_ngram = max_ngram, max_draft, min_ngram
         self.max_depth = max_draft
 
     def propose(self, state: Round) -> Proposal:
-        drafts = ngram_lookup(state.seq, self.max_ngram, self.max_draft)
+        drafts = long_ngram_lookup(state.seq, self.min_ngram, self.max_ngram, self.max_draft)
         return Proposal(TokenTree.chain(state.seq[-1], drafts[: state.room]))
 
     def observe(self, state: Round, emitted: list, extra_logits) -> None:

@@ -48,6 +48,10 @@ LOOKUP_DRAFT = 5  # prompt lookup's longest chain in a chat: a verify of 6 rows,
 # On one core those kernels are compute-bound past one row, so a 10-token chain (11 rows, the 16-row kernels:
 # 3.7 steps of products) costs more than its extra accepted tokens bring: grounded chats decoded at 10.2
 # ms/token with 5, 14.0 with 10, plain 14.9 (docs/eagle.md, "On an Intel Xeon with AVX-512")
+LOOKUP_MIN_NGRAM = 2  # a chat's lookups start from a suffix of 2 tokens: from 1, a lone common token matches too often
+# in free text to pay for the rows it drafts (chat and code replies at 1.30 / 1.34 of plain's ms/token with lookups
+# from 1 token, 1.03-1.04 / 1.08-1.09 from 2, grounded ones alike at 0.46-0.48; docs/eagle.md). EAGLE's chain pairs
+# with lookups from 2 tokens as well (``eagle.EagleLookup``)
 EAGLE_DEPTH = 1  # EAGLE's chain in a chat: one draft token per round. At the shipped draft's acceptance (0.3-0.4 on
 # chat, 0.5-0.6 on code) a longer chain's verify costs more than its extra tokens bring: on unseen prompts a chain of
 # 1 decoded at 1.09x / 1.25x plain (chat / code), of 2 at 0.97x / 1.15x (docs/eagle.md, "A verify's grouped-query
@@ -82,10 +86,16 @@ def chat_proposers(model, speculate: str, model_name: str, draft_path=None) -> d
         if speculate == "eagle":
             proposers["eagle"] = eagle
         else:
-            proposers["eagle-lookup"] = EagleLookup(eagle, LOOKUP_DRAFT)
+            proposers["eagle-lookup"] = EagleLookup(eagle, LOOKUP_DRAFT, LOOKUP_MIN_NGRAM)
     if speculate in ("lookup", "auto"):
-        proposers["lookup"] = PromptLookup(max_draft=LOOKUP_DRAFT)
+        proposers["lookup"] = chat_lookup()
     return proposers
+
+
+def chat_lookup() -> PromptLookup:
+    """Prompt lookup as a chat drafts it: chains of at most LOOKUP_DRAFT tokens after a suffix of LOOKUP_MIN_NGRAM
+    tokens or more."""
+    return PromptLookup(max_draft=LOOKUP_DRAFT, min_ngram=LOOKUP_MIN_NGRAM)
 
 
 class SpeculativeChat(Chat):

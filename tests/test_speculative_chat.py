@@ -175,13 +175,15 @@ def test_chat_lookup_verifies_at_most_a_row_tile_of_the_4_bit_kernels():
     tree = lookup.propose(SimpleNamespace(seq=text + text[:3], room=100)).tree
     assert tree.size == LOOKUP_DRAFT + 1 and tree.depth == LOOKUP_DRAFT
     assert qkernels.row_tile(LOOKUP_DRAFT + 1) == LOOKUP_DRAFT + 1
+    lone = lookup.propose(SimpleNamespace(seq=text + [7, 99, 3], room=100)).tree  # only "3" occurred before
+    assert lone.size == 1  # a chat's lookups start from 2 tokens (LOOKUP_MIN_NGRAM)
 
 
 def test_chat_eagle_drafts_the_measured_chain_length_and_auto_tries_it_with_lookup():
     """A chat's EAGLE proposer drafts EAGLE_DEPTH tokens a round (the shipped draft, the real model's vocabulary);
     "auto" times that chain with lookup's beside it, and lookup alone."""
     from minillm.registry import load_model
-    from minillm.speculative_chat import EAGLE_DEPTH, LOOKUP_DRAFT, chat_proposers
+    from minillm.speculative_chat import EAGLE_DEPTH, LOOKUP_DRAFT, LOOKUP_MIN_NGRAM, chat_proposers
 
     model, _ = load_model("smollm2-135m")
     eagle = chat_proposers(model, "eagle", "smollm2-135m")["eagle"]
@@ -190,6 +192,7 @@ def test_chat_eagle_drafts_the_measured_chain_length_and_auto_tries_it_with_look
     assert set(auto) == {"eagle-lookup", "lookup"} and isinstance(auto["lookup"], PromptLookup)
     both = auto["eagle-lookup"]
     assert isinstance(both, EagleLookup) and both.eagle.max_depth == EAGLE_DEPTH and both.max_draft == LOOKUP_DRAFT
+    assert both.min_ngram == auto["lookup"].min_ngram == LOOKUP_MIN_NGRAM == 2
 
 
 @HOST

@@ -3,6 +3,8 @@ draft-free proposers of minillm.draft_free: the tree mask, one forward scoring e
 alone, the accepted path's K/V compacted into place (contiguous and paged), greedy acceptance equal to
 plain decoding, lossless sampling over a tree (chi-square), prompt lookup and layer skipping."""
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -501,6 +503,20 @@ def test_long_ngram_lookup_worked_example():
         long_ngram_lookup([1, 2], 0)
     with pytest.raises(ValueError, match="min_ngram"):
         long_ngram_lookup([1, 2], 4, max_ngram=3)
+
+
+def test_prompt_lookup_from_min_ngram_tokens_drafts_only_after_such_a_suffix():
+    """``PromptLookup(min_ngram=2)`` proposes nothing where only the last token occurred before, and lookup's chain
+    where the last two did; the default (1) drafts after a lone token too."""
+    def drafted(proposer, text):
+        tree = proposer.propose(SimpleNamespace(seq=[ord(c) for c in text], room=10)).tree
+        return "".join(chr(t) for t in tree.tokens[1:])
+
+    assert drafted(PromptLookup(min_ngram=2), "abcaxc") == ""
+    assert drafted(PromptLookup(), "abcaxc") == "axc"
+    assert drafted(PromptLookup(min_ngram=2), "abcdab") == "cdab"
+    with pytest.raises(ValueError, match="min_ngram"):
+        PromptLookup(min_ngram=4)
 
 
 def test_ngram_bad_input():

@@ -8,8 +8,9 @@ Methods (all verified by the target in one forward per round, ``token_tree.tree_
     eagle-tree    the same draft growing an EAGLE-2 tree by confidence
     eagle-lookup  the EAGLE chain, and prompt lookup's chain beside it where the text's last 2+ tokens occurred
                   before (``eagle.EagleLookup``)
-    lookup        prompt lookup: draft tokens copied from earlier in the text (``draft_free.PromptLookup``), at
-                  most ``speculative_chat.LOOKUP_DRAFT`` of them, as ``chat --speculate`` drafts
+    lookup        prompt lookup: draft tokens copied from earlier in the text (``draft_free.PromptLookup``) where
+                  its last 2+ tokens occurred before, at most ``speculative_chat.LOOKUP_DRAFT`` of them, as ``chat
+                  --speculate`` drafts (``speculative_chat.chat_lookup``)
     layer-skip    the target's first half of layers drafts (``draft_free.LayerSkip``)
     medusa        the shipped Medusa heads' sparse tree (``medusa.MedusaProposer``)
 
@@ -48,7 +49,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from ...backend import set_fast_products, to_numpy
-from ...draft_free import LayerSkip, PromptLookup
+from ...draft_free import LayerSkip
 from ...eagle import EagleDraft, EagleLookup, EagleProposer, shipped_draft_path
 from ...generate import generate
 from ...measure import TimedProposer, step_time, time_fn, timed, verify_cost
@@ -56,7 +57,7 @@ from ...medusa import MedusaHeads, MedusaProposer, shipped_heads_path
 from ...notebook import format_table
 from ...registry import SMOLLM2, load_model
 from ...sampling import SamplingSettings
-from ...speculative_chat import LOOKUP_DRAFT
+from ...speculative_chat import LOOKUP_DRAFT, LOOKUP_MIN_NGRAM, chat_lookup
 from ...token_tree import tree_generate
 from ...workloads import KINDS, WORKLOADS, read_prompts
 from ..options import add_weights_option, count, float_in, int_in, list_of
@@ -71,9 +72,9 @@ def make_proposer(method: str, model, args):
         draft = EagleDraft.load(model, args.draft or shipped_draft_path(SMOLLM2))
         mode = "tree" if method == "eagle-tree" else "chain"
         eagle = EagleProposer(draft, mode, depth=args.depth, max_nodes=args.tree_nodes)
-        return EagleLookup(eagle, LOOKUP_DRAFT) if method == "eagle-lookup" else eagle
+        return EagleLookup(eagle, LOOKUP_DRAFT, LOOKUP_MIN_NGRAM) if method == "eagle-lookup" else eagle
     if method == "lookup":
-        return PromptLookup(max_draft=LOOKUP_DRAFT)  # as chat --speculate drafts: a verify the kernels take whole
+        return chat_lookup()  # as chat --speculate drafts: a verify the kernels take whole
     if method == "layer-skip":
         return LayerSkip(model, model.config.n_layer // 2)
     return MedusaProposer(MedusaHeads.load(model, shipped_heads_path(SMOLLM2)))
