@@ -22,7 +22,14 @@ from .token_tree import Proposal, Round, TokenTree
 
 MAX_NGRAM = 3
 MAX_DRAFT = 10
-
+LOOKUP_DRAFT = 5  # prompt lookup's longest chain on the 4-bit kernels (a chat's, a lone served request's): a verify
+# of 6 rows, the widest 4-bit kernel below 8. On one core those kernels are compute-bound past one row, so a 10-token
+# chain (11 rows, the 16-row kernels: 3.7 steps of products) costs more than its extra accepted tokens bring: grounded
+# chats decoded at 10.2 ms/token with 5, 14.0 with 10, plain 14.9 (docs/eagle.md, "On an Intel Xeon with AVX-512")
+LOOKUP_MIN_NGRAM = 2  # and its lookups start from a suffix of 2 tokens: from 1, a lone common token matches too often
+# in free text to pay for the rows it drafts (chat and code replies at 1.30 / 1.34 of plain's ms/token with lookups
+# from 1 token, 1.03-1.04 / 1.08-1.09 from 2, grounded ones alike at 0.46-0.48; docs/eagle.md). EAGLE's chain pairs
+# with lookups from 2 tokens as well (``eagle.EagleLookup``)
 
 def ngram_lookup(seq, max_ngram: int = MAX_NGRAM, max_draft: int = MAX_DRAFT) -> list[int]:
     """The tokens that followed the latest earlier occurrence of the longest suffix n-gram of ``seq``.

@@ -30,13 +30,13 @@ next tokens up to the end of the list; when the cache holds them all, the last l
                      already emitted are never sampled again, so it produces exactly what it would have.
 
 Speculation for a lone request (``speculate=True``): when one greedy request is running and none is
-waiting, a step feeds its last token and up to ``MAX_DRAFT`` tokens prompt lookup copies from earlier
-in its text (chapter 9's ``ngram_lookup``), takes the target's greedy walk over them
-(``verify_tree_greedy``) and truncates the cache past the last accepted one: several tokens from one
-forward, and exactly the tokens plain steps give. A verify of 11 tokens costs several decode steps on
-a CPU, so the engine times its lone steps both ways on its clock (``LoneTimer``) and speculates only
-while that measures faster. With a second request the batch is back to one token each (a batch's
-forward already shares the weights' pass; chapter 7).
+waiting, a step feeds its last token and up to ``LOOKUP_DRAFT`` (5) tokens prompt lookup copies from earlier
+in its text where its last 2 or more tokens occurred before (chapter 9's search, ``long_ngram_lookup``, as a
+chat's lookup drafts), takes the target's greedy walk over them (``verify_tree_greedy``) and truncates the
+cache past the last accepted one: several tokens from one forward, and exactly the tokens plain steps give.
+A verify of 6 tokens costs nearly two decode steps on a CPU, so the engine times its lone steps both ways on
+its clock (``LoneTimer``) and speculates only while that measures faster. With a second request the batch
+is back to one token each (a batch's forward already shares the weights' pass; chapter 7).
 
 Chunked prefill (Sarathi-Serve, Agrawal et al., OSDI 2024): a long prompt fed in one step makes every
 running request wait for that whole prefill (a long gap between two of their tokens); fed C tokens
@@ -62,7 +62,7 @@ import numpy as np
 from .backend import synchronize, to_numpy
 from .batch_speculative import forward_ragged, last_logits
 from .config import check_count, is_int
-from .draft_free import MAX_DRAFT, MAX_NGRAM, ngram_lookup
+from .draft_free import LOOKUP_DRAFT, LOOKUP_MIN_NGRAM, MAX_NGRAM, long_ngram_lookup
 from .paged_kv import OutOfBlocksError, PagedKVCache, num_blocks_for
 from .prefix_blocks import PrefixBlockCache
 from .sampling import SamplingSettings, next_tokens
@@ -498,7 +498,8 @@ class Engine:
             return self._step()
         t0 = self.clock.now()  # a lone decode step: timed, plain or speculating (``LoneTimer``)
         room = lone.request.max_new_tokens - len(lone.output) - 1  # its last token is the target's own
-        drafts = ngram_lookup(lone.tokens, MAX_NGRAM, MAX_DRAFT)[:room] if self.lone_timer.speculates() else []
+        drafts = (long_ngram_lookup(lone.tokens, LOOKUP_MIN_NGRAM, MAX_NGRAM, LOOKUP_DRAFT)[:room]
+                  if self.lone_timer.speculates() else [])
         new = self._speculative_step(lone, drafts) if drafts else self._step()
         self.lone_timer.add(bool(drafts), self.clock.now() - t0, len(new.get(lone.id, [])))
         return new

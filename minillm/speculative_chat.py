@@ -31,7 +31,7 @@ import time
 
 from .backend import xp
 from .chat import Chat
-from .draft_free import PromptLookup
+from .draft_free import LOOKUP_DRAFT, LOOKUP_MIN_NGRAM, PromptLookup
 from .eagle import EagleLookup, EagleProposer, load_draft
 from .generate import PREFILL_CHUNK
 from .kv_cache import KVCache
@@ -44,14 +44,6 @@ TRIAL_TOKENS = 32  # reply tokens each candidate decodes before "auto" compares 
 SPECULATION_MARGIN = 0.9  # "auto" speculates only where a proposer's trial took at most 0.9 of plain's ms/token:
 # 32 tokens per candidate are noisy on a busy machine (lookup 23.6 against plain 24.3 chose lookup, which then
 # decoded 1.2 times slower than plain; docs/eagle.md)
-LOOKUP_DRAFT = 5  # prompt lookup's longest chain in a chat: a verify of 6 rows, the widest 4-bit kernel below 8.
-# On one core those kernels are compute-bound past one row, so a 10-token chain (11 rows, the 16-row kernels:
-# 3.7 steps of products) costs more than its extra accepted tokens bring: grounded chats decoded at 10.2
-# ms/token with 5, 14.0 with 10, plain 14.9 (docs/eagle.md, "On an Intel Xeon with AVX-512")
-LOOKUP_MIN_NGRAM = 2  # a chat's lookups start from a suffix of 2 tokens: from 1, a lone common token matches too often
-# in free text to pay for the rows it drafts (chat and code replies at 1.30 / 1.34 of plain's ms/token with lookups
-# from 1 token, 1.03-1.04 / 1.08-1.09 from 2, grounded ones alike at 0.46-0.48; docs/eagle.md). EAGLE's chain pairs
-# with lookups from 2 tokens as well (``eagle.EagleLookup``)
 EAGLE_DEPTH = 1  # EAGLE's chain in a chat: one draft token per round. At the shipped draft's acceptance (0.3-0.4 on
 # chat, 0.5-0.6 on code) a longer chain's verify costs more than its extra tokens bring: on unseen prompts a chain of
 # 1 decoded at 1.09x / 1.25x plain (chat / code), of 2 at 0.97x / 1.15x (docs/eagle.md, "A verify's grouped-query

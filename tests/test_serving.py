@@ -25,6 +25,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from minillm import GPT, GPTConfig, generate, serving, to_numpy
+from minillm.draft_free import LOOKUP_DRAFT
 from minillm.serving import (
     Engine,
     Request,
@@ -263,10 +264,35 @@ def test_speculate_a_lone_request_takes_fewer_forwards_and_stops_where_solo_does
     assert h.output == reference == streamed[h.id] and h.finish_reason == "length"
     decode_steps = [r for r in engine.history if r.prefill_tokens == 0]
     assert len(decode_steps) < len(reference) - 1, "no step emitted more than one token"
-    assert max(max(r.scheduled.values()) for r in decode_steps) > 1
+    assert 1 < max(max(r.scheduled.values()) for r in decode_steps) <= LOOKUP_DRAFT + 1  # a chat's chain at most
     eos = Request(REPEATING.prompt, 10, temperature=0, eos_id=reference[3])
     (h,), _ = run_checked(Engine(MODEL, num_blocks=32, page_size=BS, clock=SimulatedClock(), speculate=True), [eos])
     assert h.output == solo(eos) and h.finish_reason == "eos"
+
+
+@pytest.mark.uses_exercise("3.1", "3.3", "6.1", "6.3", "7.1", "9.2", "9.3", "10.1", "10.2", "10.3")
+def test_speculate_drafts_as_a_chat_does():
+    """Lookups start from a suffix of LOOKUP_MIN_NGRAM (2) tokens: where the text's last token occurred before but
+    not its last two, the lone request's first decode step feeds its one token; and they draft LOOKUP_DRAFT (5)
+    tokens at most, where ten followed the suffix's earlier occurrence."""
+    rng = np.random.default_rng(1)
+    while True:  # a prompt b_0 .. b_10 b_0 whose first greedy token is b_1: ten tokens followed "b_0 b_1" before
+        b = [int(t) for t in rng.permutation(CFG.vocab_size)[:11]]
+        if solo(Request((*b, b[0]), 1, temperature=0)) == [b[1]]:
+            break
+    engine = Engine(MODEL, num_blocks=32, page_size=BS, clock=SimulatedClock(), speculate=True)
+    run_checked(engine, [Request((*b, b[0]), 12, temperature=0)])
+    assert engine.history[1].prefill_tokens == 0 and max(engine.history[1].scheduled.values()) == LOOKUP_DRAFT + 1
+    tested, rng = 0, np.random.default_rng(0)
+    while tested < 3:
+        prompt = tuple(int(t) for t in rng.integers(0, CFG.vocab_size, 5))
+        first = solo(Request(prompt, 1, temperature=0))[0]
+        if first not in prompt[:-1] or any(prompt[i : i + 2] == (prompt[-1], first) for i in range(4)):
+            continue  # the last token after the first output must repeat a lone token of the prompt
+        engine = Engine(MODEL, num_blocks=32, page_size=BS, clock=SimulatedClock(), speculate=True)
+        run_checked(engine, [Request(prompt, 3, temperature=0)])
+        assert engine.history[1].prefill_tokens == 0 and max(engine.history[1].scheduled.values()) == 1
+        tested += 1
 
 
 @pytest.mark.uses_exercise("3.1", "3.3", "6.1", "6.3", "7.1", "9.2", "9.3", "10.1", "10.2", "10.3")

@@ -9,7 +9,7 @@ Methods (all verified by the target in one forward per round, ``token_tree.tree_
     eagle-lookup  the EAGLE chain, and prompt lookup's chain beside it where the text's last 2+ tokens occurred
                   before (``eagle.EagleLookup``)
     lookup        prompt lookup: draft tokens copied from earlier in the text (``draft_free.PromptLookup``) where
-                  its last 2+ tokens occurred before, at most ``speculative_chat.LOOKUP_DRAFT`` of them, as ``chat
+                  its last 2+ tokens occurred before, at most ``draft_free.LOOKUP_DRAFT`` of them, as ``chat
                   --speculate`` drafts (``speculative_chat.chat_lookup``)
     layer-skip    the target's first half of layers drafts (``draft_free.LayerSkip``)
     medusa        the shipped Medusa heads' sparse tree (``medusa.MedusaProposer``)
