@@ -31,6 +31,7 @@ LOOKUP_MIN_NGRAM = 2  # and its lookups start from a suffix of 2 tokens: from 1,
 # from 1 token, 1.03-1.04 / 1.08-1.09 from 2, grounded ones alike at 0.46-0.48; docs/eagle.md). EAGLE's chain pairs
 # with lookups from 2 tokens as well (``eagle.EagleLookup``)
 
+
 def ngram_lookup(seq, max_ngram: int = MAX_NGRAM, max_draft: int = MAX_DRAFT) -> list[int]:
     """The tokens that followed the latest earlier occurrence of the longest suffix n-gram of ``seq``.
 

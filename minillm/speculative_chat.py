@@ -16,8 +16,8 @@ decodes from then on. Taking turns pairs the candidates on the same stretch of t
 on the machine. What would bias the comparison stays out of it: the kernels of every row count a candidate
 verifies are loaded before the trial (``warm_up``), and each candidate's first round, where a draft catches
 up on the whole prompt, is not timed. ``choice_note`` says which won and by what numbers (``python -m
-minillm chat`` prints it). A named proposer ("eagle",
-"lookup", "eagle-lookup") decodes every reply; its ms/token is in ``measured``.
+minillm chat`` prints it). A named proposer ("eagle", "lookup", "eagle-lookup") decodes every reply; its
+ms/token is in ``measured``.
 
 An EAGLE draft reads the target's hidden state at every cached position. This chat keeps the rows the
 draft has not read yet (``unsynced``: the prefill's, and every round's while another candidate
@@ -54,7 +54,7 @@ def warm_up(model, proposers: dict) -> None:
     """One forward of each row tile of the 4-bit kernels (``qkernels.row_tiles``: 1 to 6, 8 and 16 token rows)
     through the target and through each EAGLE draft among ``proposers``, on throwaway caches, so that every kernel
     a candidate runs is ready before "auto" times anything. A kernel is compiled on the first product of its row
-    tile after an install, loaded from numba's cache in every later process, and left to the trial either fell on
+    tile after an install and loaded from numba's cache in every later process; left to the trial, that fell on
     whichever candidate first verified that many rows: with nothing cached the trial timed the EAGLE chain with
     lookup's beside it at 105.6 ms/token against plain's 12.0 (docs/eagle.md, "What auto measures")."""
     cache = KVCache(model.config, max_len=row_tiles()[-1])

@@ -272,19 +272,23 @@ def test_speculate_a_lone_request_takes_fewer_forwards_and_stops_where_solo_does
 
 @pytest.mark.uses_exercise("3.1", "3.3", "6.1", "6.3", "7.1", "9.2", "9.3", "10.1", "10.2", "10.3")
 def test_speculate_drafts_as_a_chat_does():
-    """Lookups start from a suffix of LOOKUP_MIN_NGRAM (2) tokens: where the text's last token occurred before but
-    not its last two, the lone request's first decode step feeds its one token; and they draft LOOKUP_DRAFT (5)
-    tokens at most, where ten followed the suffix's earlier occurrence."""
+    """A lone request's lookups draft LOOKUP_DRAFT (5) tokens at most, where ten followed the suffix's earlier
+    occurrence; and they start from a suffix of LOOKUP_MIN_NGRAM (2) tokens: where the text's last token occurred
+    before but not its last two, its first decode step feeds its one token."""
     rng = np.random.default_rng(1)
-    while True:  # a prompt b_0 .. b_10 b_0 whose first greedy token is b_1: ten tokens followed "b_0 b_1" before
+    for _ in range(2000):  # a prompt b_0 .. b_10 b_0 whose first greedy token is b_1: ten tokens followed "b_0 b_1"
         b = [int(t) for t in rng.permutation(CFG.vocab_size)[:11]]
         if solo(Request((*b, b[0]), 1, temperature=0)) == [b[1]]:
             break
+    else:
+        pytest.fail("no prompt of the kind found")
     engine = Engine(MODEL, num_blocks=32, page_size=BS, clock=SimulatedClock(), speculate=True)
     run_checked(engine, [Request((*b, b[0]), 12, temperature=0)])
     assert engine.history[1].prefill_tokens == 0 and max(engine.history[1].scheduled.values()) == LOOKUP_DRAFT + 1
     tested, rng = 0, np.random.default_rng(0)
-    while tested < 3:
+    for _ in range(2000):
+        if tested == 3:
+            break
         prompt = tuple(int(t) for t in rng.integers(0, CFG.vocab_size, 5))
         first = solo(Request(prompt, 1, temperature=0))[0]
         if first not in prompt[:-1] or any(prompt[i : i + 2] == (prompt[-1], first) for i in range(4)):
@@ -293,6 +297,7 @@ def test_speculate_drafts_as_a_chat_does():
         run_checked(engine, [Request(prompt, 3, temperature=0)])
         assert engine.history[1].prefill_tokens == 0 and max(engine.history[1].scheduled.values()) == 1
         tested += 1
+    assert tested == 3
 
 
 @pytest.mark.uses_exercise("3.1", "3.3", "6.1", "6.3", "7.1", "9.2", "9.3", "10.1", "10.2", "10.3")
