@@ -98,6 +98,11 @@ class TokenTree:
         return len(self.tokens)
 
     @property
+    def is_chain(self) -> bool:
+        """Every node's parent is the node before it: one path, which attends as causally as a prompt."""
+        return all(p == i - 1 for i, p in enumerate(self.parents))
+
+    @property
     def depths(self) -> np.ndarray:
         """(n,) depth of each node: 0 for the root, parent's + 1 for the others."""
         depths = np.zeros(self.size, dtype=np.int64)
@@ -376,7 +381,9 @@ def verify_round(model, state: Round, proposer: Proposer, rng, rule: str, cache_
                  stats: SpecStats | None = None) -> tuple:
     """One round of any loop that speculates: the proposer's tree (pruned to ``state.room``; its extra tokens
     too when ``cache_room`` positions after the root hold them), one target forward over the pending tokens
-    and the tree through a ``MaskedView``, the judgement, and the accepted path's K/V compacted into place.
+    and the tree through a ``MaskedView``, the judgement, and the accepted path's K/V compacted into place. A
+    chain with no extra tokens is causal and its accepted path is its first nodes: it runs the cache's own
+    forward, and the cache is truncated past the path (no mask, no copies).
 
     -> (emitted tokens, appended to ``state.seq`` too; the tree verified; the accepted path's node ids; the
     target's rows (m, C) at the m positions the cache gained: ``target_rows``' for ``tap_layers``, by default
@@ -394,7 +401,9 @@ def verify_round(model, state: Round, proposer: Proposer, rng, rule: str, cache_
     else:  # no room for the extra tokens: they sit this round out
         proposal = Proposal(tree)
     tokens, offsets, mask = round_inputs(pending, proposal)
-    view = MaskedView(cache, offsets, mask)
+    causal = tree.is_chain and not proposal.extra_tokens  # the mask is the causal one: the cache's own forward
+    base = cache.length
+    view = cache if causal else MaskedView(cache, offsets, mask)
     taps = getattr(proposer, "tap_layers", ()) if tap_layers is None else tap_layers
     h, rows = target_rows(model, tokens, view, taps)  # (T, C), what a draft reads
     n0 = len(pending) - 1
@@ -404,7 +413,10 @@ def verify_round(model, state: Round, proposer: Proposer, rng, rule: str, cache_
     if stats is not None:
         stats.accept_s += time.perf_counter() - t0
     kept = [*range(n0), *(n0 + i for i in path)]
-    view.keep(kept)
+    if causal:  # a chain's accepted path is its first nodes: their K/V already sit where they belong
+        cache.truncate(base + len(kept))
+    else:
+        view.keep(kept)
     extra_logits = model.logits(h[n0 + tree.size :]) if proposal.extra_tokens else None
     seq += emitted
     proposer.observe(state, emitted, extra_logits)
@@ -418,7 +430,8 @@ def tree_generate(model, prompt_ids, max_new_tokens, proposer: Proposer, tempera
     Per round: ``fit_context`` (the context policy of every loop), the proposer builds a tree
     rooted at the last token (pruned to the cache's room and the tokens still wanted), one forward
     over pending + tree through a ``MaskedView``, ``judge_tree`` picks the accepted path and the
-    next token, and ``MaskedView.keep`` compacts the path's K/V into place. At temperature 0 with
+    next token, and ``MaskedView.keep`` compacts the path's K/V into place (``verify_round``; a chain
+    needs neither the view nor the compaction). At temperature 0 with
     rule 'exact' the output is ``generate``'s greedy output token for token; at any temperature
     'exact' keeps the target's distribution. Stats: a ``SpecStats`` (k = the proposer's max_depth;
     ``verified`` counts tree tokens sent past the root).

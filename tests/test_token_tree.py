@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from stats import P_MIN, chi2_pvalue
 
-from minillm import GPT, GPTConfig, generate
+from minillm import GPT, GPTConfig, generate, token_tree
 from minillm.backend import to_numpy
 from minillm.config import LlamaConfig
 from minillm.draft_free import LayerSkip, PromptLookup, long_ngram_lookup, ngram_lookup
@@ -91,6 +91,13 @@ def test_tree_mask_is_ancestor_or_self(tree):
 @pytest.mark.exercise("9.1")
 def test_chain_tree_mask_is_causal():
     assert (TokenTree.chain(5, [1, 2, 3]).mask() == np.tri(4, dtype=bool)).all()
+
+
+def test_a_chain_is_a_tree_of_one_path():
+    assert TokenTree.chain(5, [1, 2, 3]).is_chain and TokenTree((5,), (-1,)).is_chain
+    assert TokenTree.from_paths(5, [[1, 2], [1, 2, 3]]).is_chain  # one path after merging
+    assert not TokenTree.from_paths(5, [[1, 2], [1, 3]]).is_chain
+    assert not TokenTree((5, 1, 2), (-1, 0, 0)).is_chain
 
 
 @settings(max_examples=40, deadline=None)
@@ -211,6 +218,47 @@ def test_compaction_equals_a_recompute(kind, cache_kind):
         for layer in range(model.config.n_layer):
             for mine, ref in ((cache.k[layer], reference.k[layer]), (cache.v[layer], reference.v[layer])):
                 np.testing.assert_allclose(to_numpy(mine[:, :, :n]), to_numpy(ref[:, :, :n]), rtol=1e-5, atol=1e-6)
+
+
+class TwoBranches(NoProposal):
+    """A root with two children: a tree that is not a chain."""
+
+    max_depth = 1
+
+    def propose(self, state):
+        return Proposal(TokenTree.from_paths(state.seq[-1], [[1], [2]]))
+
+
+@pytest.mark.uses_exercise("3.1", "3.2", "3.3", "5.1", "9.1", "9.2", "9.3")
+@pytest.mark.parametrize("kind", MODEL_KINDS)
+@pytest.mark.parametrize("cache_kind", CACHE_KINDS)
+def test_a_chain_is_verified_by_the_caches_own_forward(kind, cache_kind, monkeypatch):
+    """A chain (prompt lookup's rounds, a plain step) needs no ``MaskedView``: its mask is the causal one and its
+    accepted path is its first nodes, so a round runs the cache's own forward and truncates past the path. The
+    same rounds forced through a view give the same tokens and leave the same cache; a branching tree still
+    takes a view."""
+    model = model_of(kind)
+    views = []
+
+    class Counted(MaskedView):
+        def __init__(self, *args, **kwargs):
+            views.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(token_tree, "MaskedView", Counted)
+    prompt = [1, 5, 2, 8, 3, 1, 5, 2]  # lookup drafts, some rejected
+    caches = [CACHES[cache_kind](model.config) for _ in range(2)]
+    fast = tree_generate(model, prompt, 20, PromptLookup(), cache=caches[0])
+    assert not views and fast.stats.verified_per_call > 0
+    with monkeypatch.context() as m:
+        m.setattr(TokenTree, "is_chain", property(lambda self: False))
+        masked = tree_generate(model, prompt, 20, PromptLookup(), cache=caches[1])
+    assert len(views) == masked.stats.target_calls and fast.tokens == masked.tokens
+    after = [to_numpy(model.forward(np.array([[0, 7]]), cache)[0]) for cache in caches]
+    np.testing.assert_allclose(after[0], after[1], rtol=1e-4, atol=1e-5)  # the same cache, read back
+    assert caches[0].length == caches[1].length
+    tree_generate(model, prompt, 4, TwoBranches(), cache=CACHES[cache_kind](model.config))
+    assert len(views) > masked.stats.target_calls
 
 
 # ----------------------------------------------------------------------------------------------
