@@ -78,7 +78,7 @@ def chat_proposers(model, speculate: str, model_name: str, draft_path=None) -> d
         if speculate == "eagle":
             proposers["eagle"] = eagle
         else:
-            proposers["eagle-lookup"] = EagleLookup(eagle, LOOKUP_DRAFT, LOOKUP_MIN_NGRAM)
+            proposers["eagle-lookup"] = chat_eagle_lookup(eagle)
     if speculate in ("lookup", "auto"):
         proposers["lookup"] = chat_lookup()
     return proposers
@@ -88,6 +88,11 @@ def chat_lookup() -> PromptLookup:
     """Prompt lookup as a chat drafts it: chains of at most LOOKUP_DRAFT tokens after a suffix of LOOKUP_MIN_NGRAM
     tokens or more."""
     return PromptLookup(max_draft=LOOKUP_DRAFT, min_ngram=LOOKUP_MIN_NGRAM)
+
+
+def chat_eagle_lookup(eagle: EagleProposer) -> EagleLookup:
+    """EAGLE's chain with lookup's beside it, as a chat drafts them (lookup's chains as in ``chat_lookup``)."""
+    return EagleLookup(eagle, LOOKUP_DRAFT, LOOKUP_MIN_NGRAM)
 
 
 class SpeculativeChat(Chat):

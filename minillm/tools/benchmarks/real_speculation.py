@@ -7,7 +7,7 @@ Methods (all verified by the target in one forward per round, ``token_tree.tree_
     eagle-chain   the shipped EAGLE draft (``minillm.eagle``), a chain of K tokens per round
     eagle-tree    the same draft growing an EAGLE-2 tree by confidence
     eagle-lookup  the EAGLE chain, and prompt lookup's chain beside it where the text's last 2+ tokens occurred
-                  before (``eagle.EagleLookup``)
+                  before (``eagle.EagleLookup``, as ``chat --speculate eagle-lookup`` drafts)
     lookup        prompt lookup: draft tokens copied from earlier in the text (``draft_free.PromptLookup``) where
                   its last 2+ tokens occurred before, at most ``draft_free.LOOKUP_DRAFT`` of them, as ``chat
                   --speculate`` drafts (``speculative_chat.chat_lookup``)
@@ -50,14 +50,14 @@ import numpy as np
 
 from ...backend import set_fast_products, to_numpy
 from ...draft_free import LayerSkip
-from ...eagle import EagleDraft, EagleLookup, EagleProposer, shipped_draft_path
+from ...eagle import EagleDraft, EagleProposer, shipped_draft_path
 from ...generate import generate
 from ...measure import TimedProposer, step_time, time_fn, timed, verify_cost
 from ...medusa import MedusaHeads, MedusaProposer, shipped_heads_path
 from ...notebook import format_table
 from ...registry import SMOLLM2, load_model
 from ...sampling import SamplingSettings
-from ...speculative_chat import LOOKUP_DRAFT, LOOKUP_MIN_NGRAM, chat_lookup
+from ...speculative_chat import chat_eagle_lookup, chat_lookup
 from ...token_tree import tree_generate
 from ...workloads import KINDS, WORKLOADS, read_prompts
 from ..options import add_weights_option, count, float_in, int_in, list_of
@@ -72,7 +72,7 @@ def make_proposer(method: str, model, args):
         draft = EagleDraft.load(model, args.draft or shipped_draft_path(SMOLLM2))
         mode = "tree" if method == "eagle-tree" else "chain"
         eagle = EagleProposer(draft, mode, depth=args.depth, max_nodes=args.tree_nodes)
-        return EagleLookup(eagle, LOOKUP_DRAFT, LOOKUP_MIN_NGRAM) if method == "eagle-lookup" else eagle
+        return chat_eagle_lookup(eagle) if method == "eagle-lookup" else eagle
     if method == "lookup":
         return chat_lookup()  # as chat --speculate drafts: a verify the kernels take whole
     if method == "layer-skip":
