@@ -27,7 +27,7 @@ from __future__ import annotations
 import math
 
 from .attention import check_mask, naive_attention
-from .backend import xp
+from .backend import is_gpu, xp
 
 FLOAT_BYTES = 4
 NAIVE_MAX_SCORES = 1 << 24  # auto_attention: up to 16M scores (64 MiB of float32) at once run naive
@@ -162,10 +162,17 @@ def auto_attention(q, k, v, causal=True, mask=None):
     """``naive_attention`` while ``naive_fits``, else ``flash_attention`` in AUTO_BLOCK tiles: the same
     output (B, nh, Tq, hs), with memory bounded by one tile instead of growing as Tq x Tk.
 
-    Decode steps and short prompts keep the plain matrix code; a long prefill never builds its
-    (Tq, Tk) matrix. The models' default (attention="auto"); "naive" and "flash" stay what they say.
+    On a CPU, a few query rows over many keys (a decode step or a verification over a cache,
+    ``row_attention.fits``) go to ``row_attention``'s numba kernel, which reads each key and value once;
+    short prompts keep the plain matrix code; a long prefill never builds its (Tq, Tk) matrix. The models'
+    default (attention="auto"); "naive" and "flash" stay what they say.
     """
     B, nh, Tq, _ = q.shape
+    if not is_gpu():
+        from .row_attention import fits, row_attention  # numba, imported on a CPU's first call
+
+        if fits(q, k):
+            return row_attention(q, k, v, causal, mask=mask)
     if naive_fits(B, nh, Tq, k.shape[-2]):
         return naive_attention(q, k, v, causal, mask=mask)
     return flash_attention(q, k, v, causal, block_q=AUTO_BLOCK, block_k=AUTO_BLOCK, mask=mask)[0]

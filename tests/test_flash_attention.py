@@ -294,13 +294,13 @@ def test_auto_attention_is_naive_when_small_and_tiled_when_large(monkeypatch):
     limit = fa.NAIVE_MAX_SCORES
     assert fa.naive_fits(1, 4, limit // 4, 1) and not fa.naive_fits(1, 4, limit // 4, 2)
     assert fa.naive_fits(1, 9, 1024, 1024) and not fa.naive_fits(1, 9, 7000, 7000)  # the docstring's example
-    q, k, v = on_backend(*make_qkv((1, 2, 40, 100, 16, True)))
+    q, k, v = on_backend(*make_qkv((1, 2, 50, 100, 16, True)))  # more query rows than row_attention takes
     want = to_numpy(naive_attention(q, k, v, True))
     ran, flash = [], fa.flash_attention
     monkeypatch.setattr(fa, "flash_attention", lambda *a, **kw: ran.append(kw["block_q"]) or flash(*a, **kw))
     np.testing.assert_allclose(to_numpy(fa.auto_attention(q, k, v)), want, atol=ARRAY_ATOL)
-    assert ran == []  # 8,000 scores: naive
-    monkeypatch.setattr(fa, "NAIVE_MAX_SCORES", 2 * 40 * 100 - 1)
+    assert ran == []  # 10,000 scores: naive
+    monkeypatch.setattr(fa, "NAIVE_MAX_SCORES", 2 * 50 * 100 - 1)
     np.testing.assert_allclose(to_numpy(fa.auto_attention(q, k, v)), want, atol=ARRAY_ATOL)
     assert ran == [fa.AUTO_BLOCK]  # one score past the threshold: tiled
 

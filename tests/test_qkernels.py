@@ -310,7 +310,8 @@ def test_decode_benchmark_table(tmp_path, capsys):
 
 
 def test_decode_benchmark_engines_load_what_they_name(monkeypatch):
-    """"q" loads the blocks as they are; "q-int8" the same blocks with int8 activations; "fp32" the reference."""
+    """"q" loads the blocks as they are; "q-int8" the same blocks with int8 activations; "q-naive" the blocks with the
+    reference attention; "fp32" the reference weights."""
     from minillm import registry
     from minillm.tools.benchmarks import quantized
 
@@ -321,9 +322,18 @@ def test_decode_benchmark_engines_load_what_they_name(monkeypatch):
             self.activations = name
 
     loads = []
-    monkeypatch.setattr(registry, "load_model", lambda name, weights: (loads.append(weights) or Loaded(), None))
-    engines = {e: quantized.MinillmEngine(e).model.activations for e in ("q", "q-int8", "fp32")}
-    assert engines == {"q": "float32", "q-int8": "int8", "fp32": "float32"} and loads == ["q", "q", "fp32"]
+    monkeypatch.setattr(registry, "load_model",
+                        lambda name, weights, attention: (loads.append((weights, attention)) or Loaded(), None))
+    engines = {e: quantized.MinillmEngine(e).model.activations for e in ("q", "q-int8", "q-naive", "fp32")}
+    assert engines == {"q": "float32", "q-int8": "int8", "q-naive": "float32", "fp32": "float32"}
+    assert loads == [("q", "auto"), ("q", "auto"), ("q", "naive"), ("fp32", "auto")]
+
+
+def test_decode_benchmark_context_prompts_are_that_many_tokens():
+    from minillm.tools.benchmarks import quantized
+
+    prompts = quantized.context_prompt_ids(300)
+    assert [len(p) for p in prompts] == [300, 300] and prompts[0] != prompts[1]
 
 
 def test_llama_cpp_lookup_engine_drafts_with_llama_cpps_own_lookup(monkeypatch):

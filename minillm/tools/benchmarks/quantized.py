@@ -35,6 +35,11 @@ warm-up answer each, every chat prompt is answered by every engine in turn, the 
 one prompt to the next, ``--rounds`` times; the table has the medians: decode ms per new token (after
 the first), tokens/s, and prefill tokens/s (prompt tokens over the time to the first new token). The
 header names the CPU and the load average before and after.
+
+``--decode --context N``: the prompts are instead N tokens of the shipped Shakespeare text (from two places),
+so that every step attends over N cached tokens and more; the engine "q-naive" is "q" with the reference
+attention (``attention="naive"``, BLAS products and a NumPy softmax) in place of the default's numba kernel for
+a few query rows (``minillm.row_attention``).
 """
 
 from __future__ import annotations
@@ -177,7 +182,8 @@ def format_rows(fmt: str, nbytes: int, times: dict, bandwidth: float, fma_rate: 
 
 # ---- --decode: the model itself, side by side with llama.cpp ------------------------------------------
 
-ENGINES = ("fp32", "q", "q-int8", "llama.cpp")  # minillm's loads of the same file, and llama.cpp when importable
+ENGINES = ("fp32", "q", "q-int8", "q-naive", "llama.cpp")  # minillm's loads of the same file, and llama.cpp
+DEFAULT_ENGINES = ("fp32", "q", "q-int8", "llama.cpp")  # without --context (q-naive is q after short prompts)
 CHAT_PROMPTS = ("What is the capital of France?", "Give me three tips for sleeping better.",
                 "Write a haiku about the sea.", "Explain what a CPU cache is in two sentences.",
                 "How do I boil an egg?")
@@ -218,10 +224,10 @@ class MinillmEngine:
     def __init__(self, engine: str):
         from ...registry import SMOLLM2, load_model
 
-        weights, _, activations = engine.partition("-")  # "q-int8" -> the blocks, int8 activations
-        self.model, _ = load_model(SMOLLM2, weights=weights)
-        if activations:
-            self.model.set_activations(activations)
+        weights, _, option = engine.partition("-")  # "q-int8" -> the blocks, int8 activations
+        self.model, _ = load_model(SMOLLM2, weights=weights, attention="naive" if option == "naive" else "auto")
+        if option == "int8":
+            self.model.set_activations(option)
 
     def answer(self, prompt: list[int], new_tokens: int) -> tuple[list[int], float, float]:
         """-> (new tokens, seconds to the first new token (the prefill), seconds per later token)."""
@@ -260,7 +266,7 @@ class LlamaCppEngine:
     draft model matching the last 2 tokens earlier in the context) through its ``generate`` loop at
     temperature 0, which verifies the guessed tokens in one evaluation."""
 
-    def __init__(self, lookup: int | None = None):
+    def __init__(self, lookup: int | None = None, context: int = LLAMA_CPP_CONTEXT):
         import llama_cpp
         from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
@@ -269,7 +275,7 @@ class LlamaCppEngine:
         no_extra_buffers()
         draft = None if lookup is None else LlamaPromptLookupDecoding(num_pred_tokens=lookup)
         self.llm = llama_cpp.Llama(model_path=str(smollm2_path()), n_threads=1, n_threads_batch=1,
-                                   n_ctx=LLAMA_CPP_CONTEXT, verbose=False, draft_model=draft)
+                                   n_ctx=context, verbose=False, draft_model=draft)
         self.lookup = lookup
 
     def next_token(self) -> int:
@@ -299,11 +305,12 @@ class LlamaCppEngine:
         return tokens, first - start, (end - first) / max(1, new_tokens - 1)
 
 
-def engine_worker(engine: str, conn) -> None:
-    """A fresh process for one engine: load, say the memory, then answer ("answer", prompt, n) requests
-    until ("stop",); every reply is a dict (an "error" key when something failed)."""
+def engine_worker(engine: str, context: int, conn) -> None:
+    """A fresh process for one engine (llama.cpp's with room for ``context`` tokens): load, say the memory, then
+    answer ("answer", prompt, n) requests until ("stop",); every reply is a dict (an "error" key when something
+    failed)."""
     try:
-        runner = LlamaCppEngine() if engine == "llama.cpp" else MinillmEngine(engine)
+        runner = LlamaCppEngine(context=context) if engine == "llama.cpp" else MinillmEngine(engine)
         conn.send({"loaded": memory_mb()})
         while (request := conn.recv())[0] == "answer":
             tokens, prefill_s, decode_s = runner.answer(request[1], request[2])
@@ -316,10 +323,10 @@ def engine_worker(engine: str, conn) -> None:
 class Worker:
     """The parent's handle on one engine's process."""
 
-    def __init__(self, engine: str):
-        context = multiprocessing.get_context("spawn")  # a fresh interpreter: no memory of the parent's
-        self.engine, (self.conn, child) = engine, context.Pipe()
-        self.process = context.Process(target=engine_worker, args=(engine, child), daemon=True)
+    def __init__(self, engine: str, context: int = LLAMA_CPP_CONTEXT):
+        spawn = multiprocessing.get_context("spawn")  # a fresh interpreter: no memory of the parent's
+        self.engine, (self.conn, child) = engine, spawn.Pipe()
+        self.process = spawn.Process(target=engine_worker, args=(engine, context, child), daemon=True)
         self.process.start()
         self.loaded = self.reply()["loaded"]
 
@@ -353,10 +360,22 @@ def chat_prompt_ids() -> list[list[int]]:
     return [tok.encode_pieces(tok.chat_pieces([{"role": "user", "content": text}])) for text in CHAT_PROMPTS]
 
 
+def context_prompt_ids(context: int) -> list[list[int]]:
+    """Two prompts of ``context`` SmolLM2 tokens each: the shipped Shakespeare text from its start and its middle."""
+    from ...data import CORPUS_PATH
+    from ...registry import SMOLLM2, load_tokenizer
+
+    text = CORPUS_PATH.read_text()
+    tok = load_tokenizer(SMOLLM2)
+    starts = (0, len(text) // 2)
+    return [tok.encode(text[start : start + 8 * context])[:context] for start in starts]  # 8 characters a token
+
+
 def decode_runs(engines: list[str], prompts: list[list[int]], rounds: int, new_tokens: int) -> tuple[dict, dict]:
     """Answer every prompt by every engine, ``rounds`` times, the engines' order alternating prompt by
     prompt, after one warm-up answer each -> ({engine: [run dicts]}, {engine: memory})."""
-    workers = {engine: Worker(engine) for engine in engines}
+    context = max(LLAMA_CPP_CONTEXT, max(map(len, prompts)) + new_tokens)
+    workers = {engine: Worker(engine, context) for engine in engines}
     try:
         for worker in workers.values():
             worker.answer(prompts[0], new_tokens)  # warm-up: compiles or loads the kernels, touches every page
@@ -395,11 +414,12 @@ def decode_rows(runs: dict, memory: dict, prompts: list[list[int]]) -> list[dict
 
 def decode_main(args, engines: list[str]) -> int:
     load_before = os.getloadavg()[0]
-    prompts = chat_prompt_ids()
+    prompts = context_prompt_ids(args.context) if args.context else chat_prompt_ids()
     runs, memory = decode_runs(engines, prompts, args.rounds, args.new_tokens)
     rows = decode_rows(runs, memory, prompts)
     load_after = os.getloadavg()[0]
-    print(f"SmolLM2-135M greedy decode, {len(prompts)} chat prompts x {args.rounds} rounds, {args.new_tokens} new "
+    kind = f"prompts of {args.context} tokens" if args.context else "chat prompts"
+    print(f"SmolLM2-135M greedy decode, {len(prompts)} {kind} x {args.rounds} rounds, {args.new_tokens} new "
           f"tokens, one thread each; {cpu_name()}, {os.cpu_count()} cores, load average {load_before:.2f} "
           f"before, {load_after:.2f} after")
     print(format_table(rows))
@@ -417,6 +437,8 @@ def main(argv=None) -> int:
                    help=f"with --decode, comma-separated from {', '.join(ENGINES)} (default: all available)")
     p.add_argument("--rounds", type=int_in(1, 20), default=2, help="with --decode, answers per prompt and engine")
     p.add_argument("--new-tokens", type=int_in(2, 512), default=NEW_TOKENS, help="with --decode, tokens per answer")
+    p.add_argument("--context", type=int_in(16, 7680), default=None,
+                   help="with --decode, prompts of this many tokens of Shakespeare instead of the chat prompts")
     p.add_argument("--formats", type=list_of(str), default=list(FORMATS),
                    help=f"comma-separated, from {', '.join(FORMATS)}")
     p.add_argument("--rows", type=list_of(int_in(1, 16)), default=list(ROWS), help="token rows n per pass (1..16)")
@@ -430,7 +452,8 @@ def main(argv=None) -> int:
         from ...qkernels import int8_isa
 
         available = {"llama.cpp": llama_cpp_available(), "q-int8": int8_isa() is not None}
-        engines = args.engines or [e for e in ENGINES if available.get(e, True)]
+        defaults = ENGINES if args.context else DEFAULT_ENGINES
+        engines = args.engines or [e for e in defaults if available.get(e, True)]
         unknown = sorted(set(engines) - set(ENGINES))
         if unknown:
             p.error(f"unknown engine(s) {', '.join(unknown)}: choose from {', '.join(ENGINES)}")
