@@ -12,20 +12,23 @@ multiply-adds and its general path packs k into its own layout first. The decode
 
 The kernel reads each key and each value once and keeps everything else in registers or the L1 cache:
 
-    for each key t:                        s[r, t] = (q[r] * scale) . k[t]   for the R rows   (scores)
-    for each row r:                        m = max_t s[r, t];  p[r, t] = exp(s[r, t] - m);  l = sum_t p
-    for each key t:                        acc[r] += p[r, t] v[t]             for the R rows   (acc in registers)
+    for each key t:   s[r, t] = (q[r] * scale) . k[t];  m[r] = max(m[r], s[r, t])   for the R rows   (scores)
+    for each row r:   p[r, t] = exp(s[r, t] - m[r]);  l[r] = sum_t p[r, t]                          (softmax)
+    for each key t:   acc[r] += p[r, t] v[t]                                        for the R rows   (values)
     out[r] = acc[r] / l[r]
 
-The scaled query rows and the R x hs accumulators are a register tile (``qkernels.stack_tile``, R at
-most ROW_GROUP; more rows run in groups); a masked key (an explicit (Tq, Tk) mask, or the causal rule)
-gets weight exactly 0, and a row with every key masked gives zeros, as ``attention.softmax`` does.
+The scaled query rows and the R x hs accumulators are register tiles (``qkernels.stack_tile``, R at most
+ROW_GROUP; more rows run in groups); the scores of one group, R x Tk floats, stay in the L1 or L2 cache. A
+masked key (an explicit (Tq, Tk) mask, or the causal rule) gets weight exactly 0, and a row with every key
+masked gives zeros, as ``attention.softmax`` does. Each step asks the CPU for the key or value 16 rows ahead
+(``qkernels.prefetch``). One call covers every head of a layer, and a KV cache's buffers are read in place
+(``cache_buffer``): the keys a cache hands attention are the first Tk rows of each head of its
+(B, nh, max_len, hs) array.
 
 The exponential is computed here, not by a library call, so that LLVM can vectorize its loop (numba
 has no vector ``exp`` without Intel's SVML): e^x = 2^n e^r with n = round(x / ln 2) and |r| <= ln2 / 2,
-e^r a degree-7 polynomial (the Cephes coefficients, as llama.cpp's ``ggml_v_expf`` does it in
-intrinsics), and 2^n built from its exponent bits. Relative error below 3e-7 over [-87.3, 0]; any x below
--87.3 (e^x under float32's smallest normal) gives 0.
+e^r a degree-7 polynomial (Cephes' ``expf`` coefficients), and 2^n built from its exponent bits. Relative
+error below 3e-7 over [-87.3, 0]; any x below -87.3 (e^x under float32's smallest normal) gives 0.
 
 Compiled by numba per (R, hs) with ``fastmath`` flags that allow reordering sums (``reassoc``: a dot
 product over hs becomes 16-lane partial sums) but not ``nnan``/``ninf``: the masked scores are -inf and
@@ -74,21 +77,17 @@ def exp_nonpositive(x):
     return p * scale if x >= EXP_MIN else f32(0.0)
 
 
-@numba.njit(cache=True, fastmath=FASTMATH, nogil=True, boundscheck=False)
-def head_kernel(q, k, v, mask, scale, out, s, rows, dim):
-    """out = softmax(q k^T * scale, masked) v for one head.  q (n, hs) with n <= R, k and v (Tk, hs), mask (n, Tk)
-    bool or (0, 0) for none, s (R, Tk) scratch, out (n, hs); R = rows and hs = dim are compile-time constants."""
-    numba.literally(rows)
-    numba.literally(dim)
-    n, Tk = q.shape[0], k.shape[0]
-    qs = stack_tile(1, rows, dim)  # the scaled query rows (rows past n repeat the last: computed, never written)
-    for r in range(rows):
+@inline
+def attend_group(q, r0, n, k, v, mask, out, s, qs, top, total, acc):
+    """out[r0 .. r0 + n - 1] for n <= R query rows of one head over its first Tk keys and values (rows of k and v).
+    q (Tq, hs), already scaled; mask (Tq, Tk) bool or (0, 0); s (R, Tk) scratch; the tiles qs (1, R, hs), top and
+    total (1, 1, R), acc (1, R, hs) live in registers."""
+    rows, dim, Tk = qs.shape[1], qs.shape[2], s.shape[1]
+    for r in range(rows):  # rows past n repeat the last one: computed, never written
         for d in range(dim):
-            qs[0, r, d] = q[min(r, n - 1), d] * scale
-    masked = mask.shape[0] > 0
-    top = stack_tile(1, 1, rows)  # each row's largest score so far
-    for r in range(rows):
+            qs[0, r, d] = q[r0 + min(r, n - 1), d]
         top[0, 0, r] = -np.inf
+    masked = mask.shape[0] > 0
     for t in range(Tk):  # scores: each key read once, dotted with every row
         for line in range(0, dim * 4, 64):
             prefetch(k, (t * dim + AHEAD) * 4 + line)
@@ -96,21 +95,17 @@ def head_kernel(q, k, v, mask, scale, out, s, rows, dim):
             dot = f32(0.0)
             for d in range(dim):
                 dot += qs[0, r, d] * k[t, d]
-            if masked and not mask[min(r, n - 1), t]:
+            if masked and not mask[r0 + min(r, n - 1), t]:
                 dot = -np.inf
             s[r, t] = dot
             top[0, 0, r] = max(top[0, 0, r], dot)
-    total = stack_tile(1, 1, rows)  # l[r], the softmax's denominators
     for r in range(rows):
-        m = top[0, 0, r]
-        l = f32(0.0)
+        m, l = top[0, 0, r], f32(0.0)
         for t in range(Tk):
             e = exp_nonpositive(s[r, t] - m)  # 0 for a masked key; 0 everywhere when the row is all -inf
             s[r, t] = e
             l += e
         total[0, 0, r] = l
-    acc = stack_tile(1, rows, dim)
-    for r in range(rows):
         for d in range(dim):
             acc[0, r, d] = 0.0
     for t in range(Tk):  # values: each read once, added into every row
@@ -124,40 +119,68 @@ def head_kernel(q, k, v, mask, scale, out, s, rows, dim):
         l = total[0, 0, r]
         inv = f32(1.0) / l if l > 0 else f32(0.0)  # a row with every key masked: zeros
         for d in range(dim):
-            out[r, d] = acc[0, r, d] * inv
+            out[r0 + r, d] = acc[0, r, d] * inv
+
+
+@numba.njit(cache=True, fastmath=FASTMATH, nogil=True, boundscheck=False)
+def rows_kernel(q, k, v, mask, out, s, rows, dim):
+    """out[g] = softmax(q[g] k[b, h, :Tk]^T, masked) v[b, h, :Tk] for every head g = b nh + h, R query rows at a time.
+    q (B nh, Tq, hs) scaled by 1/sqrt(hs); k and v (B, nh, max_len, hs) with max_len >= Tk (a KV cache's buffers);
+    mask (Tq, Tk) bool or (0, 0) for none; out (B nh, Tq, hs); s (R, Tk) scratch. R = rows and hs = dim are
+    compile-time constants."""
+    numba.literally(rows)
+    numba.literally(dim)
+    qs, acc = stack_tile(1, rows, dim), stack_tile(1, rows, dim)
+    top, total = stack_tile(1, 1, rows), stack_tile(1, 1, rows)  # each row's largest score, its softmax's sum
+    Tq, nh = q.shape[1], k.shape[1]
+    for b in range(k.shape[0]):
+        for h in range(nh):
+            for r0 in range(0, Tq, rows):
+                g = b * nh + h
+                attend_group(q[g], r0, min(rows, Tq - r0), k[b, h], v[b, h], mask, out[g], s, qs, top, total, acc)
 
 
 _COMPILED = {}  # (R, hs) -> the compiled entry point
 
 
 def compiled(rows: int, dim: int):
-    """``head_kernel`` for R = rows and hs = dim, compiled (or loaded from numba's cache) on first use; calls go to
+    """``rows_kernel`` for R = rows and hs = dim, compiled (or loaded from numba's cache) on first use; calls go to
     the entry point (the dispatcher would resolve the literal arguments again on every call)."""
     kernel = _COMPILED.get((rows, dim))
     if kernel is None:
-        kernel = head_kernel.compile(signature(rows, dim))
+        kernel = rows_kernel.compile(signature(rows, dim))
         _COMPILED[rows, dim] = kernel
     return kernel
 
 
 def signature(rows: int, dim: int) -> tuple:
-    """``head_kernel``'s argument types for R = rows and hs = dim: the arrays, the scale, then the two literals."""
-    matrix = types.float32[:, ::1]
-    return (matrix, matrix, matrix, types.bool_[:, ::1], types.float32, matrix, matrix, types.literal(rows),
-            types.literal(dim))
+    """``rows_kernel``'s argument types for R = rows and hs = dim: the arrays, then the two literals."""
+    matrix, heads, cache = types.float32[:, ::1], types.float32[:, :, ::1], types.float32[:, :, :, ::1]
+    return (heads, cache, cache, types.bool_[:, ::1], heads, matrix, types.literal(rows), types.literal(dim))
+
+
+def cache_buffer(a):
+    """The C-contiguous (B, nh, max_len, hs) array whose first Tk rows per head are a (B, nh, Tk, hs): a itself, or
+    the KV cache buffer a is a prefix view of, read in place; None for any other layout."""
+    if a.flags.c_contiguous:
+        return a
+    base = a.base
+    if (isinstance(base, np.ndarray) and base.flags.c_contiguous and base.strides == a.strides
+            and base.__array_interface__["data"][0] == a.__array_interface__["data"][0]):
+        return base
+    return None
 
 
 def fits(q, k) -> bool:
-    """Whether ``auto_attention`` runs ``row_attention`` on this NumPy call: float32, at most MAX_ROWS query rows,
-    at least MIN_KEYS keys, and each head's keys and values whole rows apart (a KV cache's prefix is)."""
-    Tq, Tk = q.shape[-2], k.shape[-2]
-    return (q.dtype == k.dtype == np.float32 and Tq <= MAX_ROWS and Tk >= MIN_KEYS
-            and k.strides[-2:] == (4 * k.shape[-1], 4))
+    """Whether ``auto_attention`` runs ``row_attention`` on this NumPy call: float32, at most MAX_ROWS query rows
+    and at least MIN_KEYS keys."""
+    return q.dtype == k.dtype == np.float32 and q.shape[-2] <= MAX_ROWS and k.shape[-2] >= MIN_KEYS
 
 
 def row_attention(q, k, v, causal=True, mask=None):
-    """``naive_attention``'s output through ``head_kernel``: (B, nh, Tq, hs), (B, nh, Tk, hs) x 2 -> (B, nh, Tq, hs),
-    NumPy float32. ``mask`` (Tq, Tk) bool replaces the causal rule, as in ``naive_attention``."""
+    """``naive_attention``'s output through ``rows_kernel``, one call for every head: (B, nh, Tq, hs),
+    (B, nh, Tk, hs) x 2 -> (B, nh, Tq, hs), NumPy float32. ``mask`` (Tq, Tk) bool replaces the causal rule, as in
+    ``naive_attention``."""
     from .attention import causal_mask, check_mask
 
     B, nh, Tq, hs = q.shape
@@ -169,17 +192,12 @@ def row_attention(q, k, v, causal=True, mask=None):
     elif causal and Tq > 1:
         mask = causal_mask(Tq, Tk)
     none = np.zeros((0, 0), dtype=bool)
-    q = np.ascontiguousarray(q)
-    out = np.empty(q.shape, dtype=np.float32)
+    qs = (np.ascontiguousarray(q, dtype=np.float32) * np.float32(1.0 / math.sqrt(hs))).reshape(B * nh, Tq, hs)
+    k_all, v_all = cache_buffer(k), cache_buffer(v)
+    if k_all is None or v_all is None or k_all.shape != v_all.shape:  # another layout: contiguous copies
+        k_all, v_all = (np.ascontiguousarray(a, dtype=np.float32) for a in (k, v))
+    out = np.empty((B * nh, Tq, hs), dtype=np.float32)
     rows = min(Tq, ROW_GROUP)
-    scores = np.empty((rows, Tk), dtype=np.float32)
-    scale = np.float32(1.0 / math.sqrt(hs))
-    kernel = compiled(rows, hs)
-    for b in range(B):
-        for h in range(nh):
-            kh, vh = np.ascontiguousarray(k[b, h]), np.ascontiguousarray(v[b, h])  # views of a cache: no copy
-            for r0 in range(0, Tq, rows):
-                r1 = min(Tq, r0 + rows)
-                kernel(q[b, h, r0:r1], kh, vh, none if mask is None else mask[r0:r1], scale, out[b, h, r0:r1],
-                       scores, rows, hs)
-    return out
+    compiled(rows, hs)(qs, k_all, v_all, none if mask is None else mask, out, np.empty((rows, Tk), dtype=np.float32),
+                       rows, hs)
+    return out.reshape(B, nh, Tq, hs)

@@ -29,9 +29,11 @@ TOL = 1e-4  # float32 rounding of scores in the hundreds moves a weight by about
 
 def cases(Tq: int, Tk: int = 96, seed: int = 0):
     """(q, k, v, causal, mask) triples that each catch a different mistake: the causal rule, a random mask with one
-    row fully masked, and scores of a few hundred (a softmax without its max overflows)."""
+    row fully masked, and scores of a few hundred (a softmax without its max overflows); q is a transposed view, as
+    a model's heads are."""
     rng = np.random.default_rng(seed)
-    q, k, v = (rng.standard_normal((2, 3, T, 64), dtype=np.float32) for T in (Tq, Tk, Tk))
+    q = rng.standard_normal((1, Tq, 3, 64), dtype=np.float32).transpose(0, 2, 1, 3)  # as split_heads makes it
+    k, v = (rng.standard_normal((1, 3, Tk, 64), dtype=np.float32) for _ in range(2))
     mask = rng.random((Tq, Tk)) < 0.6
     mask[-1] = False  # every key masked for the last row: zeros, as softmax gives
     yield q, k, v, True, None
@@ -56,14 +58,14 @@ def test_views_of_a_kv_cache_are_read_in_place():
     """The keys a cache hands attention are a prefix of its buffer: ``fits`` takes them, and the kernel reads them
     without a copy (its output matches naive's on the same views)."""
     config = LlamaConfig(vocab_size=16, block_size=256, n_layer=1, n_head=4, n_kv_head=2, n_embd=64)
-    cache = KVCache(config, max_len=200)
+    cache = KVCache(config, batch_size=2, max_len=200)
     rng = np.random.default_rng(1)
     shape = cache.k[0].shape
     cache.k[0][:] = rng.standard_normal(shape, dtype=np.float32)
     cache.v[0][:] = rng.standard_normal(shape, dtype=np.float32)
     k, v = cache.k[0][:, :, :150], cache.v[0][:, :, :150]
     q = rng.standard_normal((shape[0], shape[1], 2, shape[3]), dtype=np.float32)
-    assert not k.flags.c_contiguous and ra.fits(q, k)
+    assert not k.flags.c_contiguous and ra.fits(q, k) and ra.cache_buffer(k) is cache.k[0]
     np.testing.assert_allclose(ra.row_attention(q, k, v), naive_attention(q, k, v), rtol=TOL, atol=TOL)
 
 
@@ -75,7 +77,7 @@ def test_auto_attention_takes_the_kernel_for_few_rows_over_many_keys(monkeypatch
         q, k = rng.standard_normal((1, 2, Tq, 16), dtype=np.float32), rng.standard_normal((1, 2, Tk, 16), np.float32)
         auto_attention(q, k, k)
     assert [shape[2] for shape in calls] == [1, ra.MAX_ROWS]
-    assert not ra.fits(q.astype(np.float64), k.astype(np.float64))
+    assert not ra.fits(q.astype(np.float64), k) and not ra.fits(q, k.astype(np.float64))
 
 
 def test_the_exponential_is_accurate_and_zero_past_float32s_range():
@@ -88,7 +90,7 @@ def test_the_exponential_is_accurate_and_zero_past_float32s_range():
 def test_the_kernel_compiles_to_vector_fmas():
     """numba's default settings would leave the dot products scalar; the kernel's fastmath flags let LLVM split each
     sum into vector lanes. Read the machine code: FMAs on full-width registers, few scalar ones."""
-    kernel = numba.njit(fastmath=ra.FASTMATH, nogil=True, boundscheck=False)(ra.head_kernel.py_func)
+    kernel = numba.njit(fastmath=ra.FASTMATH, nogil=True, boundscheck=False)(ra.rows_kernel.py_func)
     kernel.compile(ra.signature(3, 64))
     counts = vector_fma_count(kernel.inspect_asm(kernel.signatures[0]))
     wide = "zmm" if host_vector()[0] == 16 else "ymm"
