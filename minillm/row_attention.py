@@ -160,12 +160,16 @@ def signature(rows: int, dim: int) -> tuple:
 
 
 def cache_buffer(a):
-    """The C-contiguous (B, nh, max_len, hs) array whose first Tk rows per head are a (B, nh, Tk, hs): a itself, or
-    the KV cache buffer a is a prefix view of, read in place; None for any other layout."""
+    """The C-contiguous float32 (B, nh, max_len, hs) array whose first Tk rows per head are a (B, nh, Tk, hs): a
+    itself, or the KV cache buffer a is a prefix view of, read in place; None for any other array (another dtype,
+    a view of some of a buffer's heads or batch rows, or any other layout)."""
+    if a.dtype != np.float32:
+        return None
     if a.flags.c_contiguous:
         return a
     base = a.base
-    if (isinstance(base, np.ndarray) and base.flags.c_contiguous and base.strides == a.strides
+    if (isinstance(base, np.ndarray) and base.flags.c_contiguous and base.dtype == a.dtype
+            and base.shape[:2] == a.shape[:2] and base.shape[3] == a.shape[3] and base.strides == a.strides
             and base.__array_interface__["data"][0] == a.__array_interface__["data"][0]):
         return base
     return None

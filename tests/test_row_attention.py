@@ -67,6 +67,10 @@ def test_views_of_a_kv_cache_are_read_in_place():
     q = rng.standard_normal((shape[0], shape[1], 2, shape[3]), dtype=np.float32)
     assert not k.flags.c_contiguous and ra.fits(q, k) and ra.cache_buffer(k) is cache.k[0]
     np.testing.assert_allclose(ra.row_attention(q, k, v), naive_attention(q, k, v), rtol=TOL, atol=TOL)
+    # a prefix of some of the buffer's batch rows or heads, or another dtype, is copied, never read past its end
+    for kk, vv, qq in ((k[:1], v[:1], q[:1]), (k[:, :1], v[:, :1], q[:, :1]), (k, v.astype(np.float64), q)):
+        assert ra.cache_buffer(kk) is None or ra.cache_buffer(vv) is None
+        np.testing.assert_allclose(ra.row_attention(qq, kk, vv), naive_attention(qq, kk, vv), rtol=TOL, atol=TOL)
 
 
 def test_auto_attention_takes_the_kernel_for_few_rows_over_many_keys(monkeypatch):
