@@ -368,7 +368,7 @@ def context_prompt_ids(context: int) -> list[list[int]]:
     text = CORPUS_PATH.read_text()
     tok = load_tokenizer(SMOLLM2)
     starts = (0, len(text) // 2)
-    return [tok.encode(text[start : start + 8 * context])[:context] for start in starts]  # 8 characters a token
+    return [tok.encode(text[start : start + 8 * context])[:context] for start in starts]  # ~4 characters a token
 
 
 def decode_runs(engines: list[str], prompts: list[list[int]], rounds: int, new_tokens: int) -> tuple[dict, dict]:
