@@ -48,6 +48,7 @@ import numpy as np
 from numba import types
 
 from . import cpu_target
+from .attention import causal_mask, check_mask
 from .qkernels import bits_to_f32, prefetch, stack_tile
 
 ROW_GROUP = 6  # query rows per kernel call: 6 x hs / 16 zmm accumulators (24 at hs = 64) plus a key's 4
@@ -57,6 +58,7 @@ AHEAD = 1024  # floats ahead of the loads the kernel asks the CPU for (4 KB: 16 
 FASTMATH = {"contract", "reassoc", "nsz", "arcp", "afn"}  # reordered sums, no "nnan"/"ninf": -inf is a mask
 LOG2E, LN2_HI, LN2_LO = np.float32(1.4426950408889634), np.float32(0.693359375), np.float32(-2.12194440e-4)
 EXP_MIN = np.float32(-87.3)  # e^x below float32's smallest normal number: 0
+NO_MASK = np.zeros((0, 0), dtype=bool)  # the kernel's mask argument when every key is visible
 EXP_POLY = (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3, 4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1)
 
 cpu_target.full_width()  # 512-bit vectors on AVX-512, before the first numba function of the process
@@ -185,8 +187,6 @@ def row_attention(q, k, v, causal=True, mask=None):
     """``naive_attention``'s output through ``rows_kernel``, one call for every head: (B, nh, Tq, hs),
     (B, nh, Tk, hs) x 2 -> (B, nh, Tq, hs), NumPy float32. ``mask`` (Tq, Tk) bool replaces the causal rule, as in
     ``naive_attention``."""
-    from .attention import causal_mask, check_mask
-
     B, nh, Tq, hs = q.shape
     Tk = k.shape[2]
     if Tq > Tk:
@@ -195,13 +195,12 @@ def row_attention(q, k, v, causal=True, mask=None):
         mask = np.ascontiguousarray(check_mask(mask, Tq, Tk))
     elif causal and Tq > 1:
         mask = causal_mask(Tq, Tk)
-    none = np.zeros((0, 0), dtype=bool)
-    qs = (np.ascontiguousarray(q, dtype=np.float32) * np.float32(1.0 / math.sqrt(hs))).reshape(B * nh, Tq, hs)
+    qs = np.multiply(q, np.float32(1.0 / math.sqrt(hs)), dtype=np.float32, order="C").reshape(B * nh, Tq, hs)
     k_all, v_all = cache_buffer(k), cache_buffer(v)
     if k_all is None or v_all is None or k_all.shape != v_all.shape:  # another layout: contiguous copies
         k_all, v_all = (np.ascontiguousarray(a, dtype=np.float32) for a in (k, v))
     out = np.empty((B * nh, Tq, hs), dtype=np.float32)
     rows = min(Tq, ROW_GROUP)
-    compiled(rows, hs)(qs, k_all, v_all, none if mask is None else mask, out, np.empty((rows, Tk), dtype=np.float32),
+    compiled(rows, hs)(qs, k_all, v_all, NO_MASK if mask is None else mask, out, np.empty((rows, Tk), dtype=np.float32),
                        rows, hs)
     return out.reshape(B, nh, Tq, hs)
