@@ -41,6 +41,7 @@ attention="naive" is the reference one option away.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numba
@@ -142,17 +143,11 @@ def rows_kernel(q, k, v, mask, out, s, rows, dim):
                 attend_group(q[g], r0, min(rows, Tq - r0), k[b, h], v[b, h], mask, out[g], s, qs, top, total, acc)
 
 
-_COMPILED = {}  # (R, hs) -> the compiled entry point
-
-
+@functools.cache
 def compiled(rows: int, dim: int):
     """``rows_kernel`` for R = rows and hs = dim, compiled (or loaded from numba's cache) on first use; calls go to
     the entry point (the dispatcher would resolve the literal arguments again on every call)."""
-    kernel = _COMPILED.get((rows, dim))
-    if kernel is None:
-        kernel = rows_kernel.compile(signature(rows, dim))
-        _COMPILED[rows, dim] = kernel
-    return kernel
+    return rows_kernel.compile(signature(rows, dim))
 
 
 def signature(rows: int, dim: int) -> tuple:
