@@ -8,21 +8,24 @@ chat's token for token, at any other its tokens are distributed as plain chat's.
 
 Speculation pays only when enough drafts are accepted to cover what drafting and the wider
 verification cost, and that depends on the conversation (a question about a pasted text suits prompt
-lookup, free chat suits neither on some CPUs). So ``speculate="auto"`` measures instead of guessing:
+lookup, free chat suits neither on some CPUs). So ``speculate="auto"`` measures instead of guessing, reply by reply:
 the candidates -- plain decoding and each proposer (``chat_proposers``: the EAGLE draft's chain with prompt
-lookup's beside it, and lookup alone) -- take turns round by round, the one with the fewest timed tokens next,
-until each has emitted ``trial_tokens`` timed tokens (ms per emitted token, over whole rounds); the fastest
-decodes from then on. Taking turns pairs the candidates on the same stretch of the reply and the same load
-on the machine. What would bias the comparison stays out of it: the kernels of every row count a candidate
-verifies are loaded before the trial (``warm_up``), and each candidate's first round, where a draft catches
-up on the whole prompt, is not timed. ``choice_note`` says which won and by what numbers (``python -m
-minillm chat`` prints it). A named proposer ("eagle", "lookup", "eagle-lookup") decodes every reply; its
-ms/token is in ``measured``.
+lookup's beside it, and lookup alone) -- take turns round by round at the start of every reply, the one with the
+fewest tokens timed in this reply next, until each has timed ``trial_tokens`` tokens in all and half that many in
+this reply; the fastest decodes the rest of the reply, if it beat plain decoding by ``SPECULATION_MARGIN``. Every
+reply's timings are kept, and a new reply halves what came before it (``MEMORY``): a conversation that turns
+from free chat to questions about a pasted text tries lookup again on its first tokens of that turn, and the
+first reply's choice is not kept for good. Taking turns pairs the candidates on the same stretch of the reply
+and the same load on the machine. What would bias the comparison stays out of it: the kernels of every row count
+a candidate verifies are loaded before the trial (``warm_up``), and each candidate's first round of a reply,
+where a draft catches up on the new message, is not timed. ``choice_note`` says which won and by what numbers
+(``python -m minillm chat`` prints it when the choice changes). A named proposer ("eagle", "lookup",
+"eagle-lookup") decodes every reply; its ms/token is in ``measured``.
 
 An EAGLE draft reads the target's hidden state at every cached position. This chat keeps the rows the
 draft has not read yet (``unsynced``: the prefill's, and every round's while another candidate
-decodes) and hands them to the draft's next round, so the draft's own cache stays aligned with the
-target's across turns and candidates.
+decodes, plain decoding included) and hands them to the draft's next round, so the draft's own cache stays
+aligned with the target's across turns and candidates.
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ from .token_tree import NoProposal, Round, target_rows, verify_round
 
 PLAIN = "plain"
 DRAFTS = (EagleProposer, EagleLookup)  # the proposers whose draft reads the target's hidden states
-TRIAL_TOKENS = 32  # reply tokens each candidate decodes before "auto" compares them
+TRIAL_TOKENS = 32  # timed tokens each candidate needs before "auto" compares them (half of them in the reply)
+MEMORY = 0.5  # what "auto" keeps of its timings at a new reply: each reply weighs as much as all before it
 SPECULATION_MARGIN = 0.9  # "auto" speculates only where a proposer's trial took at most 0.9 of plain's ms/token:
 # 32 tokens per candidate are noisy on a busy machine (lookup 23.6 against plain 24.3 chose lookup, which then
 # decoded 1.2 times slower than plain; docs/eagle.md)
@@ -108,9 +112,11 @@ class SpeculativeChat(Chat):
             speculate: proposers[speculate]}
         self.chosen = None if speculate == "auto" else speculate
         self.trial_tokens = trial_tokens
-        self.measured = {name: [0.0, 0] for name in self.proposers}  # seconds, tokens emitted (timed rounds)
-        self.rounds = dict.fromkeys(self.proposers, 0)  # rounds decoded by each, the first one untimed
+        self.measured = {name: [0.0, 0.0] for name in self.proposers}  # seconds, tokens emitted (timed rounds)
+        self.in_reply = dict.fromkeys(self.proposers, 0)  # tokens timed in this reply
+        self.rounds = dict.fromkeys(self.proposers, 0)  # rounds decoded by each in this reply, the first untimed
         self.choice_note = None
+        self.auto = speculate == "auto"
         if speculate == "auto":
             warm_up(model, proposers)
         super().__init__(model, tokenizer, system=system, max_len=max_len, seed=seed)
@@ -120,25 +126,30 @@ class SpeculativeChat(Chat):
     def reset(self) -> None:
         super().reset()
         self.seq = []  # the token ids the cache holds, in order (a proposer reads them)
-        self.unsynced = None  # (m, C): the target's rows (``target_rows``) at the last m cached positions
+        self.unread = []  # pieces (m_i, C) of the target's rows (``target_rows``) the draft has not read, in order
+
+    @property
+    def unsynced(self):
+        """(m, C): the target's rows at the last m cached positions, which the draft has not read (None: none)."""
+        if len(self.unread) > 1:
+            self.unread = [xp.concatenate(self.unread)]  # once, when read: a plain stretch adds a row a token
+        return self.unread[0] if self.unread else None
 
     def reads_features(self) -> bool:
-        return any(isinstance(self.proposers[name], DRAFTS) for name in self.candidates())
+        return any(isinstance(p, DRAFTS) for p in self.proposers.values())
 
     def tap_layers(self) -> tuple:
         """The blocks whose inputs an EAGLE-3 candidate reads beside the top state (none for the others)."""
-        return next((p.tap_layers for name, p in self.proposers.items() if isinstance(p, DRAFTS)
-                     and name in self.candidates()), ())
+        return next((p.tap_layers for p in self.proposers.values() if isinstance(p, DRAFTS)), ())
 
     def keep_rows(self, h, read: bool) -> None:
         """The hidden states h (m, C) of the m positions the cache just gained; ``read``: the draft read
         those before them this round (its round ran), so they replace the unread rows."""
         if not self.reads_features():
-            self.unsynced = None
-        elif read or self.unsynced is None:
-            self.unsynced = h
-        else:
-            self.unsynced = xp.concatenate([self.unsynced, h])
+            return
+        if read:
+            self.unread = []
+        self.unread.append(h)
 
     def feed(self, ids: list):
         """The turn's new tokens into the cache in pieces, their hidden states kept -> the last one's logits (V,)."""
@@ -153,27 +164,38 @@ class SpeculativeChat(Chat):
         try:
             return super().turn(message, *args, **kwargs)
         except KeyboardInterrupt:  # the base class truncated the cache back; the draft starts over (lossless)
-            self.seq, self.unsynced = seq, None
+            self.seq, self.unread = seq, []
             raise
 
     # ---- the choice ------------------------------------------------------------------------------------
-
-    def candidates(self) -> list:
-        return list(self.proposers) if self.chosen is None else [self.chosen]
 
     def ms_per_token(self, name: str) -> float:
         seconds, tokens = self.measured[name]
         return 1e3 * seconds / max(tokens, 1)
 
+    def new_reply(self) -> None:
+        """A reply starts: "auto" halves its timings (``MEMORY``) and chooses again; every candidate's first round
+        of the reply goes untimed."""
+        self.rounds = dict.fromkeys(self.proposers, 0)
+        self.in_reply = dict.fromkeys(self.proposers, 0)
+        if self.auto:
+            self.chosen, self.choice_note = None, None
+            for timing in self.measured.values():
+                timing[0] *= MEMORY
+                timing[1] *= MEMORY
+
+    def on_trial(self, name: str) -> bool:
+        """Whether ``name`` still needs timed tokens: ``trial_tokens`` in all, and half that many in this reply."""
+        return self.measured[name][1] < self.trial_tokens or 2 * self.in_reply[name] < self.trial_tokens
+
     def current(self) -> str:
-        """The proposer of the next round: the chosen one, else the candidate still on trial with the fewest timed
-        tokens (the first of them in order on a tie); once every candidate has decoded ``trial_tokens`` timed
-        tokens, the fastest is chosen if it beat plain decoding by the margin (else plain), and ``choice_note``
-        says so."""
+        """The proposer of the next round: the chosen one, else the candidate still on trial with the fewest tokens
+        timed in this reply (the first of them in order on a tie); once no candidate is on trial, the fastest is
+        chosen if it beat plain decoding by the margin (else plain), and ``choice_note`` says so."""
         if self.chosen is None:
-            on_trial = [name for name in self.proposers if self.measured[name][1] < self.trial_tokens]
+            on_trial = [name for name in self.proposers if self.on_trial(name)]
             if on_trial:
-                return min(on_trial, key=lambda name: self.measured[name][1])
+                return min(on_trial, key=lambda name: self.in_reply[name])
             fastest = min(self.proposers, key=self.ms_per_token)
             plain = self.ms_per_token(PLAIN)
             self.chosen = fastest if self.ms_per_token(fastest) <= SPECULATION_MARGIN * plain else PLAIN
@@ -183,16 +205,10 @@ class SpeculativeChat(Chat):
 
     # ---- the reply ---------------------------------------------------------------------------------------
 
-    def plain_decode(self, logits, max_new_tokens: int, settings, emit, t0: float) -> tuple:
-        """Plain chat's loop (``Chat.decode``), ``seq`` brought up to what it fed the cache."""
-        tokens, times, finish = super().decode(logits, max_new_tokens, settings, emit, t0)
-        self.seq += tokens if finish == "end of turn" else tokens[:-1]  # a reply cut short leaves its last pending
-        return tokens, times, finish
-
     def decode(self, logits, max_new_tokens: int, settings, emit, t0: float) -> tuple:
-        """``Chat.decode``'s contract, in rounds of the current proposer (plain chat's loop once plain is chosen)."""
-        if self.chosen == PLAIN:
-            return self.plain_decode(logits, max_new_tokens, settings, emit, t0)
+        """``Chat.decode``'s contract, in rounds of the current proposer; a plain round keeps its hidden state for
+        the draft, which a later reply may ask to draft."""
+        self.new_reply()
         tokens, times = [], []
         token = settings.next_token(logits, self.rng)
         times.append(time.perf_counter() - t0)
@@ -209,12 +225,8 @@ class SpeculativeChat(Chat):
                 self.pending = [token]  # sampled, not fed: the next turn feeds it first
                 return tokens, times, "context full" if cache_room < 0 else "max_new_tokens"
             name = self.current()
-            if name == PLAIN and self.chosen == PLAIN:  # chosen just now: plain chat's loop from the root on
-                logits = self.model.forward(xp.asarray([[token]]), self.cache)[0, -1]
-                rest, rest_times, finish = self.plain_decode(logits, max_new_tokens - len(tokens), settings, emit, t0)
-                return tokens + rest, times + rest_times, finish
             start, cached = time.perf_counter(), self.cache.length
-            if name == PLAIN:  # on trial: plain chat's step, its hidden state kept for the draft
+            if name == PLAIN:  # plain chat's step, its hidden state kept for the draft
                 h, kept = target_rows(self.model, [token], self.cache, self.tap_layers())  # (1, C), its rows
                 emitted = [settings.next_token(self.model.logits(h)[-1], self.rng)]
                 self.seq += emitted
@@ -226,17 +238,18 @@ class SpeculativeChat(Chat):
                                                    self.tap_layers())  # the rows the draft reads, whoever drafts
             now = time.perf_counter()
             self.keep_rows(kept, read=getattr(self.proposers[name], "synced", None) == cached)  # the draft read them
-            if self.chosen is None and self.rounds[name] > 0:  # a candidate's first round is its warm-up
+            if self.rounds[name] > 0:  # a candidate's first round of a reply is its warm-up
                 self.measured[name][0] += now - start
                 self.measured[name][1] += len(emitted)
+                self.in_reply[name] += len(emitted)
             self.rounds[name] += 1
             times += [now - t0] * len(emitted)
             if self.tokenizer.eos_token_id in emitted[:-1]:  # the turn ended inside the path: drop what follows
                 end = emitted.index(self.tokenizer.eos_token_id)
                 drop = len(emitted) - 1 - end  # cached entries from the eos on
                 self.cache.truncate(self.cache.length - drop)
-                if self.unsynced is not None:
-                    self.unsynced = self.unsynced[: len(self.unsynced) - drop]
+                if self.unread:
+                    self.unread = [self.unsynced[: len(self.unsynced) - drop]]
                 del self.seq[len(self.seq) - (len(emitted) - end):]
                 for t in emitted[:end]:
                     tokens.append(t)

@@ -92,15 +92,18 @@ def test_auto_measures_each_candidate_then_says_what_it_chose(model, tok):
 
 
 @HOST
-@pytest.mark.parametrize("taps, name", [((), "eagle"), ((1,), "eagle"), ((), "eagle-lookup")],
-                         ids=["eagle", "eagle3", "eagle-lookup"])
-def test_the_draft_reads_every_cached_position_once(model, tok, taps, name):
+@pytest.mark.parametrize("taps, name", [((), "eagle"), ((1,), "eagle"), ((), "eagle-lookup"), ((), "auto")],
+                         ids=["eagle", "eagle3", "eagle-lookup", "auto-plain"])
+def test_the_draft_reads_every_cached_position_once(model, tok, taps, name, monkeypatch):
     """The rows handed to the EAGLE draft cover the cache: after each turn the draft's synced positions plus
-    the rows it has not read equal the target's cache length; an EAGLE-3 draft's rows hold its taps too."""
-    chat = SpeculativeChat(model, tok, proposers(model, taps, name), name, max_len=512)
+    the rows it has not read equal the target's cache length; an EAGLE-3 draft's rows hold its taps too. So too
+    under "auto" when plain decoding wins every reply: a later reply may choose the draft again."""
+    if name == "auto":
+        monkeypatch.setattr(SpeculativeChat, "ms_per_token", lambda self, candidate: float(candidate != "plain"))
+    chat = SpeculativeChat(model, tok, proposers(model, taps, name), name, max_len=512, trial_tokens=4)
     for message in MESSAGES:
         chat.turn(message, max_new_tokens=40, temperature=0.0)
-        proposer = chat.proposers[name]
+        proposer = chat.proposers["eagle" if name == "auto" else name]
         assert proposer.synced + len(chat.unsynced) == chat.cache.length
         assert chat.unsynced.shape[-1] == (len(taps) + 1) * model.config.n_embd
 
@@ -236,6 +239,45 @@ def test_auto_takes_turns_and_leaves_each_candidates_first_round_untimed(model, 
         timed = after[name][1] - before[name][1]
         assert (timed > 0) == (name in seen)  # the first round untimed, every later one timed
         seen.add(name)
+
+
+@HOST
+def test_auto_chooses_again_at_every_reply_on_half_of_what_it_measured_before(model, tok, plain, monkeypatch):
+    """Each reply halves the timings kept so far (MEMORY) and starts a trial in which every candidate times at least
+    half of ``trial_tokens`` again; the choice follows the reply, and the replies stay plain chat's."""
+    from minillm.speculative_chat import MEMORY
+
+    winners = ["lookup", "plain", "eagle", "lookup"]
+    replies, choices, new_reply = [], [], SpeculativeChat.new_reply
+
+    def recorded_new_reply(self):
+        before = {name: list(m) for name, m in self.measured.items()}
+        new_reply(self)
+        replies.append((before, {name: list(m) for name, m in self.measured.items()}))
+
+    def choose(self):
+        deciding = self.chosen is None and not any(self.on_trial(name) for name in self.proposers)
+        name = current(self)
+        if deciding:
+            choices.append((len(replies) - 1, self.chosen, dict(self.in_reply)))
+        return name
+
+    current = SpeculativeChat.current
+    monkeypatch.setattr(SpeculativeChat, "new_reply", recorded_new_reply)
+    monkeypatch.setattr(SpeculativeChat, "current", choose)
+    monkeypatch.setattr(SpeculativeChat, "ms_per_token",
+                        lambda self, name: 0.0 if name == winners[len(replies) - 1] else 1.0)
+    want, _ = plain
+    got, chat = conversation(SpeculativeChat(model, tok, proposers(model), "auto", max_len=512, trial_tokens=8))
+    assert got == want and len(replies) == len(MESSAGES)
+    for before, after in replies:
+        assert after == {name: [MEMORY * s, MEMORY * n] for name, (s, n) in before.items()}
+    chosen_in = [reply for reply, _, _ in choices]
+    assert len(set(chosen_in)) == len(chosen_in) >= 3  # one choice a reply, in most replies
+    assert all(chosen == winners[reply] for reply, chosen, _ in choices)
+    assert all(n >= 4 for _, _, in_reply in choices for n in in_reply.values())
+    assert {chosen for _, chosen, _ in choices} >= {"plain", "eagle"}
+    assert chat.chosen in (None, winners[-1])
 
 
 @HOST

@@ -85,7 +85,7 @@ def run(args, loader=load_model, read=input) -> int:
     model, tokenizer = loader(args.model, weights=args.weights)
     set_activations(model, args.activations)
     chat = new_chat(args, model, tokenizer)
-    told = [False]
+    told = [None]  # the choice last said
 
     def say(message: str) -> int:
         """Stream the reply to stdout, its summary to stderr -> 0; a bad message: one line on stderr -> 1."""
@@ -101,9 +101,9 @@ def run(args, loader=load_model, read=input) -> int:
         print()
         print(turn_summary(reply), file=sys.stderr)
         note = getattr(chat, "choice_note", None)
-        if note and not told[0]:  # once, when --speculate auto has measured its candidates
+        if note and told[0] != chat.chosen:  # --speculate auto chooses each reply: said when the choice changes
             print(f"[{note}]", file=sys.stderr)
-            told[0] = True
+            told[0] = chat.chosen
         return 0
 
     if args.prompt is not None:

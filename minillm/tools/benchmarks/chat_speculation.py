@@ -11,7 +11,8 @@ prompt by prompt:
     eagle       ``speculative_chat.SpeculativeChat`` with the shipped EAGLE draft (kept in the target's blocks)
     lookup      the same with prompt lookup
     eagle-lookup   the same with the EAGLE draft's guess and prompt lookup's chain beside it (``eagle.EagleLookup``)
-    auto        the same, timing plain, eagle-lookup and lookup on its first replies and keeping the fastest
+    auto        the same, timing plain, eagle-lookup and lookup at the start of every reply and keeping the fastest
+                for the rest of it (the table counts what it chose in the timed replies of each kind)
     llama.cpp   the same GGUF through llama-cpp-python (when installed), plain decoding, as many tokens as
                 minillm's plain reply
     llama.cpp-lookup   the same with llama-cpp-python's own prompt lookup (``LlamaPromptLookupDecoding``,
@@ -35,6 +36,7 @@ import argparse
 import os
 import statistics
 import time
+from collections import Counter
 
 from ...chat import Chat
 from ...kv_cache import common_prefix_length
@@ -119,6 +121,8 @@ def main(argv=None) -> int:
             for engine in order:
                 run = (llama_cpp_reply(cpp[engine], tok, q["prompt"], len(reference["tokens"])) if engine in cpp
                        else reply(chats[engine], q["prompt"], args.max_new_tokens))
+                if engine == "auto":
+                    run["chose"] = chats["auto"].chosen or "none (the reply ended on trial)"
                 runs[engine].append({"kind": q["kind"], "prompt": i, **run})
                 if engine in cpp:
                     cpp_replies.setdefault((engine, i), run["tokens"])
@@ -135,7 +139,8 @@ def main(argv=None) -> int:
             ms = statistics.median(r["ms_per_token"] for r in runs[engine] if r["kind"] == kind)
             row = {"engine": engine, "kind": kind, "ms/token": ms, "x llama.cpp": ms / base[kind] if base else None}
             if engine == "auto":
-                row["chose"] = chats["auto"].chosen
+                chose = Counter(r["chose"] for r in runs[engine] if r["kind"] == kind)
+                row["chose"] = ", ".join(f"{name} {n}" for name, n in chose.most_common())
             if not exact:
                 shared = f"{same[engine, kind]} of {same['plain', kind]}" if engine in chats else ""
                 row["same tokens as plain"] = shared
@@ -149,8 +154,6 @@ def main(argv=None) -> int:
     print("every speculative reply equal to plain chat's, token for token" if exact else
           "int8 activations: replies need not equal plain chat's (the last column counts what they share)")
     print(format_table(rows, list(dict.fromkeys(k for row in rows for k in row))))
-    if "auto" in chats and chats["auto"].choice_note:
-        print(chats["auto"].choice_note)
     if args.json:
         write_json(args.json, {"cpu": cpu_name(), "activations": args.activations, "load_before": load_before,
                                "load_after": load_after,
