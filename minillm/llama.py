@@ -189,6 +189,11 @@ class LlamaOps:
         cos, sin = rope_cos_sin(pos, cfg.head_size, cfg.rope_theta)
         return cos, sin
 
+    def rotate(self, q, k, rope) -> tuple:
+        """RoPE on q and k, (B, heads, T, hs) each, with the tables ``rope`` -> (q, k) turned."""
+        cos, sin = rope
+        return apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+
     def attend(self, layer: int, qkv, cache, rope):
         """Causal grouped-query self-attention with RoPE on q and k.  (B, T, q_dim + 2 kv_dim) -> (B, T, C)"""
         cfg = self.config
@@ -196,8 +201,7 @@ class LlamaOps:
         q = split_heads(qkv[..., :q_dim], cfg.n_head)  # (B, nh, T, hs)
         k = split_heads(qkv[..., q_dim : q_dim + kv_dim], cfg.n_kv_head)  # (B, n_kv_head, T, hs)
         v = split_heads(qkv[..., q_dim + kv_dim :], cfg.n_kv_head)  # (B, n_kv_head, T, hs)
-        cos, sin = rope
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = self.rotate(q, k, rope)
         if cache is None:
             y = self.attention(q, k, v, causal=True)  # (B, nh, T, hs)
         else:
@@ -215,10 +219,61 @@ def stacked_weights(params: dict, n_layer: int, stack) -> dict:
     return out
 
 
+class LlamaCpuOps(LlamaOps):
+    """``LlamaOps`` with a block's row-wise work as numba kernels on a CPU (``minillm.block_kernels``): the residual
+    add with its RMSNorm, RoPE on q and k, SiLU(gate) * up, one call each where the array code makes 4 to 8. The
+    products, the attention and the weights are the model's own (read through it, so its switches reach here).
+    ``Llama``'s default on NumPy; ``Llama.set_block_ops("array")`` runs the model's own table, the reference."""
+
+    def __init__(self, model):
+        self.model = model
+
+    @property
+    def config(self):
+        return self.model.config
+
+    @property
+    def params(self):
+        return self.model.params
+
+    @property
+    def stacked(self):
+        return self.model.stacked
+
+    @property
+    def attention(self):
+        return self.model.attention
+
+    def product(self, x, name: str):
+        return self.model.product(x, name)  # the model's (a measurement may swap it on the instance)
+
+    def add_norm(self, x, h, name: str):
+        from .block_kernels import add_rms_norm
+
+        return add_rms_norm(x, h, *self.norm_weights(name), self.config.norm_eps)
+
+    def act(self, gate_up):
+        from .block_kernels import silu_mul
+
+        return silu_mul(gate_up)
+
+    def rotate(self, q, k, rope) -> tuple:
+        cos, sin = rope
+        if cos.ndim != 2:  # a ragged batch's tables, one per row: the array code
+            return super().rotate(q, k, rope)
+        from .block_kernels import rope as turn
+
+        return turn(q, cos, sin), turn(k, cos, sin)
+
+
+BLOCK_OPS = ("numba", "array")  # what a Llama's blocks run on besides products and attention (``set_block_ops``)
+
+
 class Llama(LlamaOps):
     """Llama with grouped-query attention and a selectable attention implementation (``model.ATTENTION``).
 
-    The model is its own table of array-code ops (``LlamaOps``): ``forward`` runs ``llama_blocks(self, ...)``.
+    The model is its own table of array-code ops (``LlamaOps``); ``forward`` runs ``llama_blocks(self.ops, ...)``, on
+    a CPU the table whose norms, RoPE and SiLU are numba kernels (``LlamaCpuOps``, ``set_block_ops``).
     """
 
     def __init__(self, config: LlamaConfig, params: dict, attention: str = DEFAULT_ATTENTION):
@@ -229,6 +284,7 @@ class Llama(LlamaOps):
         self.lm_head = self.params["embed_tokens.weight" if config.tie_embeddings else "lm_head.weight"]  # (V, C)
         self.set_attention(attention)
         self.activations = "float32"
+        self.set_block_ops("array" if is_gpu() else "numba")
 
     @classmethod
     def init(cls, config: LlamaConfig, seed: int = 0, attention: str = DEFAULT_ATTENTION) -> Llama:
@@ -243,6 +299,17 @@ class Llama(LlamaOps):
         self.attention_name = name
         self.attention = grouped_attention(get_attention(name), self.config.n_head // self.config.n_kv_head,
                                            masks=name not in CAUSAL_ONLY)
+
+    def set_block_ops(self, name: str) -> None:
+        """What the blocks run their norms, RoPE and SiLU on: "numba" (``LlamaCpuOps``, a CPU's default) or "array"
+        (this model's own table, ``LlamaOps``: the reference, and what a GPU runs). Both give the same logits within
+        float32 rounding."""
+        if name not in BLOCK_OPS:
+            raise ValueError(f"block_ops={name!r}: choose from {', '.join(BLOCK_OPS)}")
+        if name == "numba" and is_gpu():
+            raise ValueError("block_ops='numba' runs numba kernels on NumPy arrays: on a GPU the blocks run 'array'")
+        self.block_ops = name
+        self.ops = LlamaCpuOps(self) if name == "numba" else self
 
     def set_activations(self, name: str) -> None:
         """What a product by a Q8_0 / Q4_1 weight multiplies: "float32" (exact, the default) or "int8", its input
@@ -291,7 +358,7 @@ class Llama(LlamaOps):
         ``hidden`` starts x from the token embeddings; an EAGLE draft (``minillm.eagle``) starts it
         from its own input projection and runs a one-block Llama through here.
         """
-        out = llama_blocks(self if ops is None else ops, x, pos, cache, check_layers(self.config, layers), taps)
+        out = llama_blocks(self.ops if ops is None else ops, x, pos, cache, check_layers(self.config, layers), taps)
         if cache is not None:
             cache.advance(x.shape[1])
         return out

@@ -13,7 +13,7 @@ LAYERS = [  # lowest first; a module may import from its own layer and the ones 
     {"backend", "cpu_target", "streaming", "strict", "cache_contract", "config", "tokenizer", "bpe", "notebook",
      "kernels", "kernels.build"},
     {"quantize", "qkernels"},  # the weight formats, then their packed CPU kernels
-    {"attention", "nn", "flash_attention", "row_attention", "kernels.launch", "data", "sampling",
+    {"attention", "nn", "flash_attention", "row_attention", "block_kernels", "kernels.launch", "data", "sampling",
      "workloads"},  # nn: layer functions
     {"model", "kv_cache", "kv_quant", "paged_kv", "prefix_blocks"},
     {"llama", "checkpoint", "gguf", "registry", "drafts", "fused", "qcuda"},  # fused, qcuda: kernels, references
