@@ -34,7 +34,8 @@ from .row_attention import FASTMATH, exp_nonpositive
 
 cpu_target.full_width()  # 512-bit vectors on AVX-512, before the first numba function of the process
 f32 = numba.float32
-JIT = {"cache": True, "fastmath": FASTMATH, "nogil": True, "boundscheck": False}
+# "numpy" errors: a float divided by 0 gives inf instead of raising, so the division's loop has no exit and vectorizes
+JIT = {"cache": True, "fastmath": FASTMATH, "nogil": True, "boundscheck": False, "error_model": "numpy"}
 ROWS = types.float32[:, ::1]  # (rows, width), C-contiguous
 
 

@@ -7,6 +7,7 @@ overflows, and where the reference gives inf or NaN. ``Llama`` runs them by defa
 fast table is checked to be the one that runs.
 """
 
+import numba
 import numpy as np
 import pytest
 
@@ -16,6 +17,7 @@ from minillm.config import LlamaConfig
 from minillm.kv_cache import KVCache
 from minillm.llama import Llama, LlamaCpuOps
 from minillm.nn import apply_rope, rms_norm, rope_cos_sin, silu
+from minillm.qkernels import host_vector, vector_fma_count
 
 pytestmark = pytest.mark.host_only  # numba on the host CPU only
 
@@ -73,6 +75,15 @@ def test_silu_mul_at_the_edges_of_the_exponential():
     got = bk.silu_mul(gate_up)[0]
     np.testing.assert_allclose(got, truth, rtol=2e-6, atol=1e-30, equal_nan=True)
     np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-5, equal_nan=True)
+
+
+def test_silu_mul_compiles_to_vector_fmas():
+    """Its exponential's polynomial and the sigmoid's division run in vector lanes: numba's default error model
+    (a ZeroDivisionError check on every float division) would leave the loop scalar."""
+    kernel = numba.njit(**{k: v for k, v in bk.JIT.items() if k != "cache"})(bk.silu_mul_kernel.py_func)
+    kernel.compile((bk.ROWS, bk.ROWS))
+    counts = vector_fma_count(kernel.inspect_asm(kernel.signatures[0]))
+    assert counts["zmm" if host_vector()[0] == 16 else "ymm"] >= 6, counts  # the polynomial's FMAs
 
 
 @pytest.mark.parametrize("T, start", [(1, 0), (1, 8000), (7, 100)])
