@@ -24,6 +24,8 @@ query head to its key/value head before calling the selected implementation (a n
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 
 from .attention import causal_mask
@@ -269,6 +271,29 @@ class LlamaCpuOps(LlamaOps):
 BLOCK_OPS = ("numba", "array")  # what a Llama's blocks run on besides products and attention (``set_block_ops``)
 
 
+@functools.cache
+def kernels_match_reference() -> bool:
+    """Whether ``block_kernels`` compute what this library's array code computes, on a small probe (once a process):
+    the residual add and RMSNorm, RoPE, SiLU(gate) * up. False where the array code raises (an exercise of chapter 8
+    left to do) or gives something else (done another way): a Llama then runs the array code, so that what a
+    student writes in ``minillm.nn`` is what the model runs, and its errors show."""
+    from . import block_kernels as bk
+
+    rng = np.random.default_rng(0)
+    x, h, w = (rng.standard_normal(shape, dtype=np.float32) for shape in ((1, 2, 16), (1, 2, 16), (16,)))
+    small = np.float32(3e-3) * x  # a mean square near eps: where eps sits matters
+    q = rng.standard_normal((1, 2, 3, 8), dtype=np.float32)
+    cos, sin = rope_cos_sin(np.arange(5, 8), 8, 10000.0)
+    try:
+        pairs = [(bk.add_rms_norm(x, h, w, 1e-5)[1], rms_norm(x + h, w, 1e-5)),
+                 (bk.add_rms_norm(small, None, w, 1e-5)[1], rms_norm(small, w, 1e-5)),
+                 (bk.rope(q, cos, sin), apply_rope(q, cos, sin)),
+                 (bk.silu_mul(np.concatenate([x, h], -1)), silu(x) * h)]
+    except Exception:  # any failure of the reference: run it, where it fails in plain sight
+        return False
+    return all(np.allclose(a, b, rtol=1e-4, atol=1e-5) for a, b in pairs)
+
+
 class Llama(LlamaOps):
     """Llama with grouped-query attention and a selectable attention implementation (``model.ATTENTION``).
 
@@ -284,7 +309,7 @@ class Llama(LlamaOps):
         self.lm_head = self.params["embed_tokens.weight" if config.tie_embeddings else "lm_head.weight"]  # (V, C)
         self.set_attention(attention)
         self.activations = "float32"
-        self.set_block_ops("array" if is_gpu() else "numba")
+        self.set_block_ops("numba" if not is_gpu() and kernels_match_reference() else "array")
 
     @classmethod
     def init(cls, config: LlamaConfig, seed: int = 0, attention: str = DEFAULT_ATTENTION) -> Llama:
@@ -301,9 +326,9 @@ class Llama(LlamaOps):
                                            masks=name not in CAUSAL_ONLY)
 
     def set_block_ops(self, name: str) -> None:
-        """What the blocks run their norms, RoPE and SiLU on: "numba" (``LlamaCpuOps``, a CPU's default) or "array"
-        (this model's own table, ``LlamaOps``: the reference, and what a GPU runs). Both give the same logits within
-        float32 rounding."""
+        """What the blocks run their norms, RoPE and SiLU on: "numba" (``LlamaCpuOps``, a CPU's default where the
+        kernels match the array code, ``kernels_match_reference``) or "array" (this model's own table, ``LlamaOps``:
+        the reference, and what a GPU runs). Both give the same logits within float32 rounding."""
         if name not in BLOCK_OPS:
             raise ValueError(f"block_ops={name!r}: choose from {', '.join(BLOCK_OPS)}")
         if name == "numba" and is_gpu():

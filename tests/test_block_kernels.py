@@ -30,6 +30,7 @@ def transposed(rng, shape):
     return rng.standard_normal(shape[::-1], dtype=np.float32).T
 
 
+@pytest.mark.uses_exercise("8.2")
 @pytest.mark.parametrize("shape", SHAPES)
 @pytest.mark.parametrize("add", [True, False], ids=["x+h", "x"])
 def test_add_rms_norm_equals_the_residual_add_and_rms_norm(shape, add):
@@ -86,6 +87,7 @@ def test_silu_mul_compiles_to_vector_fmas():
     assert counts["zmm" if host_vector()[0] == 16 else "ymm"] >= 6, counts  # the polynomial's FMAs
 
 
+@pytest.mark.uses_exercise("8.1")
 @pytest.mark.parametrize("T, start", [(1, 0), (1, 8000), (7, 100)])
 def test_rope_equals_apply_rope(T, start):
     rng = np.random.default_rng(2)
@@ -106,6 +108,7 @@ def test_the_kernels_refuse_shapes_they_would_misread():
         bk.rope(np.zeros((1, 1, 2, 8), dtype=np.float32), *rope_cos_sin(np.arange(3), 8, 10000.0))
 
 
+@pytest.mark.uses_exercise("3.1", "8.1", "8.2", "8.3")
 @pytest.mark.parametrize("B, T", [(1, 1), (1, 6), (2, 3)])
 def test_a_llama_gives_the_array_codes_logits_on_the_kernels(B, T):
     """Prefill, then a decode step or a verify of T tokens through the cache: the same logits either way."""
@@ -121,6 +124,7 @@ def test_a_llama_gives_the_array_codes_logits_on_the_kernels(B, T):
     np.testing.assert_allclose(out["numba"], out["array"], rtol=1e-4, atol=1e-5)
 
 
+@pytest.mark.uses_exercise("8.1", "8.2", "8.3")
 def test_the_kernels_are_what_runs_and_the_array_code_stays_one_call_away(monkeypatch):
     """On "numba" the array code's norm, RoPE and SiLU are never called; on "array" they are."""
     calls = []
@@ -143,6 +147,7 @@ def test_the_kernels_are_what_runs_and_the_array_code_stays_one_call_away(monkey
         model.set_block_ops("fast")
 
 
+@pytest.mark.uses_exercise("8.1")
 def test_ragged_positions_turn_by_the_array_code():
     """A ragged batch's RoPE tables are one per row, (B, 1, T, hs): the kernel takes (T, hs), so the array code turns
     them, with the same result as the reference table."""
@@ -153,3 +158,30 @@ def test_ragged_positions_turn_by_the_array_code():
     assert tables[0].ndim == 4
     for a, b in zip(model.ops.rotate(q, k, tables), llama.LlamaOps.rotate(model, q, k, tables)):
         np.testing.assert_array_equal(a, b)
+
+
+@pytest.fixture
+def fresh_probe():
+    """``kernels_match_reference`` asked again, before and after the test (it answers once a process)."""
+    llama.kernels_match_reference.cache_clear()
+    yield
+    llama.kernels_match_reference.cache_clear()
+
+
+def test_an_exercise_left_to_do_runs_and_raises_in_the_model(monkeypatch, fresh_probe):
+    """With the reference RMSNorm still a stub, the kernels do not stand in for it: the model runs the array code,
+    so the stub's NotImplementedError is what the model raises."""
+    def stub(x, w, eps):
+        raise NotImplementedError("exercise 8.2")
+
+    monkeypatch.setattr(llama, "rms_norm", stub)
+    model = Llama.init(CFG, seed=8)
+    assert model.block_ops == "array" and model.ops is model
+    with pytest.raises(NotImplementedError, match="exercise 8.2"):
+        model.forward(np.array([[1, 2, 3]]))
+
+
+def test_an_exercise_done_another_way_is_what_the_model_runs(monkeypatch, fresh_probe):
+    """A reference that computes something else (eps outside the root) is not replaced by the kernels either."""
+    monkeypatch.setattr(llama, "rms_norm", lambda x, w, eps: x / (np.sqrt((x * x).mean(-1, keepdims=True)) + eps) * w)
+    assert Llama.init(CFG, seed=9).block_ops == "array"
