@@ -101,6 +101,7 @@ def test_each_stand_in_really_replaces_its_part(tiny_model):
             assert not np.array_equal(to_numpy(tiny_model.forward(idx)), before), name
 
 
+@pytest.mark.uses_exercise("3.1", "8.1", "8.2", "8.3")
 def test_llama_stand_ins_replace_every_product_and_leave_the_rest():
     """With the products and the LM head swapped out a Llama's step returns zeros of the right shape and still
     writes its cache (the rest of the step runs); afterwards the model is as before."""

@@ -202,6 +202,7 @@ def test_fused_draft_backward_matches_finite_differences(target, rng):
     assert np.abs(two["fc.weight"] - grads["fc.weight"]).max() > 1e-3
 
 
+@USES
 def test_a_fused_draft_reads_its_taps_through_the_fuse(target, rng):
     """Fresh, the fuse passes the top feature on: the taps change nothing until training moves them; after,
     step reads [taps; f] @ fuse^T in place of f, and its own f^ as it is."""
@@ -733,6 +734,7 @@ def test_a_draft_in_blocks_is_lossless_greedy(block_pair, mode):
     assert out.tokens == generate(target, PROMPT, 24, temperature=0.0).tokens
 
 
+@pytest.mark.uses_exercise("13.1")  # the block pair quantizes
 def test_a_draft_in_blocks_is_not_saved(block_pair, tmp_path):
     with pytest.raises(ValueError, match="keeps its weights in blocks"):
         block_pair[1].save(tmp_path / "d.npz")

@@ -224,6 +224,7 @@ def test_several_query_rows_attend_each_group_without_copies(name, Tq, Tk, expli
     np.testing.assert_allclose(to_numpy(out), to_numpy(ref), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.uses_exercise("8.3")
 def test_an_attention_that_takes_no_mask_gets_copies_for_several_rows(rng):
     """The CUDA kernels know the causal rule only (``model.CAUSAL_ONLY``): a verify's rows reach them with k and v
     copied and no mask, as a stand-in that refuses masks shows."""

@@ -329,6 +329,7 @@ def test_decode_benchmark_engines_load_what_they_name(monkeypatch):
     assert loads == [("q", "auto"), ("q", "auto"), ("q", "naive"), ("fp32", "auto")]
 
 
+@pytest.mark.uses_exercise("8.4")  # the BPE tokenizer
 def test_decode_benchmark_context_prompts_are_that_many_tokens():
     from minillm.tools.benchmarks import quantized
 

@@ -210,6 +210,7 @@ def test_smollm2_fp32_load_holds_float32_arrays(smollm2_pair):
     assert not any(kept_in_blocks(w) for w in ref.params.values())
 
 
+@pytest.mark.uses_exercise("13.1")  # Q4_1.quantize
 def test_smollm2_add_ons_are_trained_for_both_loads(smollm2_pair):
     """A trained add-on names its model by the LM head's float32 values, not by how they are stored: the "q" and
     "fp32" loads of one file have one identity, the shipped EAGLE draft and Medusa heads load onto both, and a

@@ -454,6 +454,7 @@ def test_bad_input_gets_400_with_an_error_object_and_the_server_keeps_serving(se
     serves(url)
 
 
+@pytest.mark.uses_exercise("3.3", "10.1")
 def test_errors_quote_only_the_beginning_of_what_was_sent(served):
     """A 500,000-character model name, temperature or field name, a prompt of 80 characters the model
     does not know: the error quotes the start of it."""

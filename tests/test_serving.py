@@ -753,6 +753,7 @@ def test_bench_serve_speculation_runs_a_request_alone_both_ways():
     assert not plain.running and not spec.finished
 
 
+@pytest.mark.uses_exercise("3.1", "3.3")
 def test_bench_static_baseline_waits_for_full_batches_and_the_slowest_member():
     """Static batching on a simulated clock: a batch starts when its last member has arrived, every
     member gets its tokens (those of ``generate`` alone) when the batch's slowest member is done, and

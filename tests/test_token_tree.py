@@ -543,6 +543,7 @@ def test_long_ngram_lookup_matches_only_suffixes_of_min_ngram_tokens_or_more(min
     assert hits > 40  # the texts do repeat themselves
 
 
+@pytest.mark.uses_exercise("9.3")
 def test_long_ngram_lookup_worked_example():
     assert long_ngram_lookup(list("abcaxc"), 2) == []  # only the 1-gram "c" occurred before
     assert ngram_lookup(list("abcaxc")) == list("axc")
@@ -553,6 +554,7 @@ def test_long_ngram_lookup_worked_example():
         long_ngram_lookup([1, 2], 4, max_ngram=3)
 
 
+@pytest.mark.uses_exercise("9.3")
 def test_prompt_lookup_from_min_ngram_tokens_drafts_only_after_such_a_suffix():
     """``PromptLookup(min_ngram=2)`` proposes nothing where only the last token occurred before, and lookup's chain
     where the last two did; the default (1) drafts after a lone token too."""
