@@ -228,7 +228,9 @@ class LlamaCpuOps(LlamaOps):
     ``Llama``'s default on NumPy; ``Llama.set_block_ops("array")`` runs the model's own table, the reference."""
 
     def __init__(self, model):
-        self.model = model
+        from . import block_kernels  # numba, imported once a CPU builds this table
+
+        self.model, self.kernels = model, block_kernels
 
     @property
     def config(self):
@@ -250,22 +252,16 @@ class LlamaCpuOps(LlamaOps):
         return self.model.product(x, name)  # the model's (a measurement may swap it on the instance)
 
     def add_norm(self, x, h, name: str):
-        from .block_kernels import add_rms_norm
-
-        return add_rms_norm(x, h, *self.norm_weights(name), self.config.norm_eps)
+        return self.kernels.add_rms_norm(x, h, *self.norm_weights(name), self.config.norm_eps)
 
     def act(self, gate_up):
-        from .block_kernels import silu_mul
-
-        return silu_mul(gate_up)
+        return self.kernels.silu_mul(gate_up)
 
     def rotate(self, q, k, rope) -> tuple:
         cos, sin = rope
         if cos.ndim != 2:  # a ragged batch's tables, one per row: the array code
             return super().rotate(q, k, rope)
-        from .block_kernels import rope as turn
-
-        return turn(q, cos, sin), turn(k, cos, sin)
+        return self.kernels.rope(q, cos, sin), self.kernels.rope(k, cos, sin)
 
 
 BLOCK_OPS = ("numba", "array")  # what a Llama's blocks run on besides products and attention (``set_block_ops``)
