@@ -16,7 +16,8 @@ Each kernel here does one of those in one call and one pass over its rows:
 Each returns what its reference returns, within float32 rounding (the RMSNorm's sum of squares is kept in float64;
 the sigmoid uses ``row_attention.exp_nonpositive``, the vectorizable exponential, on -|x|). The references stay
 the array code in ``minillm.nn`` and ``llama.LlamaOps``; ``llama.LlamaCpuOps`` calls these on a CPU, the models'
-default, and ``Llama.set_block_ops("array")`` goes back to the reference (``tests/test_block_kernels.py``).
+default where they match that array code (``llama.kernels_match_reference``), and ``Llama.set_block_ops("array")``
+goes back to the reference (``tests/test_block_kernels.py``).
 Compiled once per process for float32 arrays (loaded from numba's cache after the first run), called through
 their entry points as ``row_attention``'s kernel is.
 """
