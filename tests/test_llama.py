@@ -157,6 +157,9 @@ def test_rms_norm_eps_inside_the_root():
 
 # ---- 8.3 GQA --------------------------------------------------------------------------------------
 
+COPIES = pytest.mark.uses_exercise("8.3")  # a case where k and v are copied per query head (repeat_kv)
+FLASH = pytest.param("flash", marks=pytest.mark.uses_exercise("4.2"))  # flash_attention's tile update
+
 
 @pytest.mark.exercise("8.3")
 @pytest.mark.parametrize("n_kv, n_rep", [(1, 4), (3, 3), (2, 1)])
@@ -178,9 +181,8 @@ def test_repeat_kv_grouped_attention_with_one_group_each_is_multi_head(rng):
                                   to_numpy(naive_attention(q, k, v)))
 
 
-@pytest.mark.uses_exercise("8.3")  # fewer keys than a group's heads: the copies
-@pytest.mark.parametrize("name", ["naive", "flash"])
-@pytest.mark.parametrize("Tk", [1, 2, 3, 7])
+@pytest.mark.parametrize("name", ["naive", FLASH])
+@pytest.mark.parametrize("Tk", [pytest.param(1, marks=COPIES), pytest.param(2, marks=COPIES), 3, 7])
 def test_a_decode_step_attends_each_group_without_copies(name, Tk, rng, monkeypatch):
     """One query (a decode step), 6 query heads on 2 key/value heads: the same as attention over k and v
     copied per query head (np.repeat, head h reading h // 3); with at least 3 keys k and v are never
@@ -198,9 +200,8 @@ def test_a_decode_step_attends_each_group_without_copies(name, Tk, rng, monkeypa
     np.testing.assert_allclose(to_numpy(out), to_numpy(ref), rtol=1e-5, atol=1e-6)
 
 
-@pytest.mark.uses_exercise("8.3")  # more query rows than keys: the copies
-@pytest.mark.parametrize("name", ["naive", "flash", "auto"])
-@pytest.mark.parametrize("Tq, Tk", [(2, 9), (5, 16), (4, 8)])
+@pytest.mark.parametrize("name", ["naive", FLASH, "auto"])
+@pytest.mark.parametrize("Tq, Tk", [(2, 9), (5, 16), pytest.param(4, 8, marks=COPIES)])
 @pytest.mark.parametrize("explicit", [False, True])
 def test_several_query_rows_attend_each_group_without_copies(name, Tq, Tk, explicit, rng, monkeypatch):
     """A verify's Tq query rows on 6 query heads and 2 key/value heads, causal or through an explicit mask (a

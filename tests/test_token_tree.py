@@ -376,9 +376,8 @@ def test_deterministic_candidates_are_lossless(rng):
     assert chi2_pvalue(first, p) >= P_MIN
 
 
-@pytest.mark.uses_exercise("5.1")
 @pytest.mark.host_only
-@pytest.mark.parametrize("rule", ["exact", "typical"])
+@pytest.mark.parametrize("rule", [pytest.param("exact", marks=pytest.mark.uses_exercise("5.1")), "typical"])
 def test_judging_softmaxes_only_the_rows_its_walk_reaches(rng, rule):
     """A chain of 4 whose first token the target never writes stops at the root: one row of 5 softmaxed; a chain
     the target writes with certainty reads all 5. Either way the emitted tokens are those of the whole (n, V)
