@@ -335,6 +335,39 @@ def q4_1_kernel(x, dm, qs, y, rows, chains, lanes):
 KERNELS = {"F32": f32_kernel, "BF16": bf16_kernel, "Q8_0": q8_0_kernel, "Q4_1": q4_1_kernel}
 
 
+# ---- a table's rows (an embedding lookup): dequantized from the panels, nothing unpacked ------------------
+# Without fastmath, so d * q + m rounds twice as the array code's (``Q4_1.dequantize``) does: the same floats.
+
+
+@numba.njit(cache=True, nogil=True)
+def q8_0_rows(d, q, ids, out):
+    """out[r] = row ids[r] of W packed Q8_0 (d (m/P, k/32, P) fp16 bits, q (m/P, k/32, 32, P) int8): d * q."""
+    for r in range(ids.shape[0]):
+        panel, lane = ids[r] // P, ids[r] % P
+        for b in range(q.shape[1]):
+            scale = half_to_f32(d[panel, b, lane])
+            for j in range(QK):
+                out[r, b * QK + j] = scale * np.float32(q[panel, b, j, lane])
+
+
+@numba.njit(cache=True, nogil=True)
+def q4_1_rows(dm, qs, ids, out):
+    """out[r] = row ids[r] of W packed Q4_1 (dm (m/P, k/32, 2, P) fp16 bits, qs (m/P, k/32, 16, P) uint8, low
+    nibble position j, high j + 16): d * q + m."""
+    half = QK // 2
+    for r in range(ids.shape[0]):
+        panel, lane = ids[r] // P, ids[r] % P
+        for b in range(qs.shape[1]):
+            scale, low = half_to_f32(dm[panel, b, 0, lane]), half_to_f32(dm[panel, b, 1, lane])
+            for j in range(half):
+                byte = qs[panel, b, j, lane]
+                out[r, b * QK + j] = scale * np.float32(byte & np.uint8(0x0F)) + low
+                out[r, b * QK + j + half] = scale * np.float32(byte >> np.uint8(4)) + low
+
+
+ROW_KERNELS = {"Q8_0": q8_0_rows, "Q4_1": q4_1_rows}
+
+
 # ---- an option, not exact: x quantized to int8 per block of 32 and integer products (llama.cpp's route) --
 #
 #     y[i, j] ~ sum_b  d_w[j, b] dx[i, b] sum_t q_w[j, t] q_x[i, t]  (+ m_w[j, b] dx[i, b] sum_t q_x[i, t] for Q4_1)
@@ -637,8 +670,17 @@ class Packed:
         raise QuantError(f"unpack: {self.format} keeps no blocks (Q8_0 and Q4_1 do)")
 
     def rows(self, ids):
-        """Dequantize only the rows ``ids``.  ids (...) ints -> (..., k) float32 (``Blocks.rows``)"""
-        return self.unpack(ids).dequantize().reshape(*np.shape(ids), self.shape[1])
+        """Dequantize only the rows ``ids``, straight from the panels (``ROW_KERNELS``; the reference is
+        ``unpack(ids).dequantize()``, ``Blocks.rows``).  ids (...) ints in 0..m-1 -> (..., k) float32"""
+        flat = np.asarray(ids, dtype=np.int64).reshape(-1)
+        m, k = self.shape
+        if flat.size and not 0 <= flat.min() <= flat.max() < m:
+            raise IndexError(f"row ids must lie in 0..{m - 1}, got {flat.min()}..{flat.max()}")
+        if self.format not in ROW_KERNELS:
+            raise QuantError(f"rows: {self.format} keeps no blocks (Q8_0 and Q4_1 do)")
+        out = np.empty((flat.size, k), dtype=np.float32)
+        ROW_KERNELS[self.format](*self.arrays, flat, out)
+        return out.reshape(*np.shape(ids), k)
 
     def __getitem__(self, ids):
         """``table[ids]`` as for a float32 table: ``rows(ids)``."""

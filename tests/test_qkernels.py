@@ -265,7 +265,8 @@ def test_benchmark_pass_and_table(tmp_path, capsys):
 
 @pytest.mark.parametrize("fmt", ["Q8_0", pytest.param("Q4_1", marks=pytest.mark.uses_exercise("13.1"))])
 def test_packed_weight_gives_back_its_blocks(fmt):
-    """unpack is pack's inverse (the file's bytes, row by row); rows() dequantizes only the looked-up rows;
+    """unpack is pack's inverse (the file's bytes, row by row); rows() dequantizes only the looked-up rows, as
+    the blocks' own dequantize does, and refuses ids outside the table;
     row_slice is a view of whole panels (or the rows packed anew); a prefill's product (more rows than
     a chunk of 16) runs in chunks and matches the reference."""
     rng = np.random.default_rng(4)
@@ -274,6 +275,10 @@ def test_packed_weight_gives_back_its_blocks(fmt):
     np.testing.assert_array_equal(packed.unpack(np.arange(300)).raw, weight.raw)
     ids = np.array([[299, 0, 17]])
     np.testing.assert_array_equal(packed[ids], weight.dequantize()[ids])
+    np.testing.assert_array_equal(packed.rows(np.arange(300)), weight.dequantize())  # every panel and lane, exactly
+    for outside in (-1, 300):  # -1 would read the padding of the last panel
+        with pytest.raises(IndexError, match="0..299"):
+            packed.rows([3, outside])
     view = packed.row_slice(16, 300)
     assert view.arrays[0].base is not None and view.shape == (284, 96)
     for start, stop in ((16, 300), (5, 48)):
