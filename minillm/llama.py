@@ -221,6 +221,9 @@ def stacked_weights(params: dict, n_layer: int, stack) -> dict:
     return out
 
 
+ROPE_TABLE_START = 1024  # positions in LlamaCpuOps's first RoPE table (0.5 MB at SmolLM2's head size)
+
+
 class LlamaCpuOps(LlamaOps):
     """``LlamaOps`` with a block's row-wise work as numba kernels on a CPU (``minillm.block_kernels``): the residual
     add with its RMSNorm, RoPE on q and k, SiLU(gate) * up, one call each where the array code makes 4 to 8. The
@@ -231,6 +234,7 @@ class LlamaCpuOps(LlamaOps):
         from . import block_kernels  # numba, imported once a CPU builds this table
 
         self.model, self.kernels = model, block_kernels
+        self.rope_table = None  # (cos, sin) of positions 0..n-1, grown as positions come (``rope``)
 
     @property
     def config(self):
@@ -256,6 +260,19 @@ class LlamaCpuOps(LlamaOps):
 
     def act(self, gate_up):
         return self.kernels.silu_mul(gate_up)
+
+    def rope(self, pos) -> tuple:
+        """``LlamaOps.rope``'s tables, looked up in one computed for positions 0..n-1 (n doubled when a position
+        is past it) instead of computed at every call: the same floats, position by position."""
+        pos = np.asarray(pos)
+        if pos.ndim != 1:  # a ragged batch's (B, T) positions: the array code
+            return super().rope(pos)
+        top = int(pos.max(initial=0)) + 1
+        if self.rope_table is None or len(self.rope_table[0]) < top:
+            have = 0 if self.rope_table is None else len(self.rope_table[0])
+            self.rope_table = super().rope(np.arange(max(top, 2 * have, ROPE_TABLE_START)))
+        cos, sin = self.rope_table
+        return cos[pos], sin[pos]
 
     def rotate(self, q, k, rope) -> tuple:
         cos, sin = rope
