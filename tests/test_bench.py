@@ -67,6 +67,25 @@ def test_timed_proposer_counts_only_propose():
     assert timed_proposer.propose("s") == "s" and timed_proposer.max_depth == 3
     timed_proposer.observe("s", [1], None)
     assert 0.002 <= timed_proposer.seconds < 0.01
+    assert timed_proposer.first_seconds == timed_proposer.seconds and timed_proposer.first_calls == 0
+
+
+def test_timed_proposer_keeps_the_first_round_apart():
+    """The first propose (a draft reading the whole prompt) is kept apart, with the draft forwards it made."""
+
+    class Draft:
+        max_depth, draft_calls = 1, 0
+
+        def propose(self, state):
+            self.draft_calls += 1 if state else 2
+            time.sleep(0.004 if not state else 0.0)
+            return state
+
+    timed_proposer = TimedProposer(Draft())
+    for state in (0, 1, 1):
+        timed_proposer.propose(state)
+    assert timed_proposer.first_calls == 2 and 0.004 <= timed_proposer.first_seconds <= timed_proposer.seconds
+    assert timed_proposer.seconds - timed_proposer.first_seconds < 0.004
 
 
 def test_format_table_aligns_and_rounds():

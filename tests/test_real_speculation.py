@@ -31,7 +31,8 @@ def test_interpolate_and_the_cost_model():
     assert rs.interpolate(costs, 3) == pytest.approx(1.4)
     assert rs.interpolate(costs, 9) == 1.6 and rs.interpolate(costs, 0.5) == 1.0
     cell = rs.Cell(ratios=[1.5, 1.7, 1.6], whole_ratios=[1.2, 1.3, 1.1])
-    cell.add(stats(20, 10, 30, 0.05, checked=25, new_tokens=30), draft_s=0.1, draft_calls=40)
+    cell.add(stats(20, 10, 30, 0.05, checked=25, new_tokens=30), draft_s=0.1, draft_calls=40, catch_up_s=0.022,
+             catch_up_calls=1)
     sampling = {0.0: 0.001, 1.0: 0.03}
     (row,) = rs.rows_of({("eagle-chain", "chat", 0.0): cell}, t_step=0.05, costs=costs, sampling=sampling)
     # tau = (20 + 10) / 10 = 3; n = 1 + 30 / 10 = 4 -> v 1.6; c = 0.1 / 10 / 0.05 = 0.2; a = 0.05 / 10 / 0.05 = 0.1
@@ -42,10 +43,12 @@ def test_interpolate_and_the_cost_model():
     assert row["speedup_with_prefill"] == 1.2
     assert row["alpha"] == 0.8
     assert row["c_per_forward"] == pytest.approx(0.1 / 40 / 0.05)  # a draft forward against a target step
+    assert row["c_after_prompt"] == pytest.approx(0.078 / 39 / 0.05)  # without the first forward, over the prompt
+    assert row["prompt_catch_up"] == pytest.approx(0.022 / 0.05, abs=0.01)  # that forward in steps, per prompt
     no_draft = rs.Cell(ratios=[1.0], whole_ratios=[1.0])
     no_draft.add(stats(0, 1, 0, 0.0), draft_s=0.1, draft_calls=0)
-    assert rs.rows_of({("lookup", "chat", 0.0): no_draft}, t_step=0.05, costs=costs,
-                      sampling=sampling)[0]["c_per_forward"] is None
+    (lookup,) = rs.rows_of({("lookup", "chat", 0.0): no_draft}, t_step=0.05, costs=costs, sampling=sampling)
+    assert lookup["c_per_forward"] is None and lookup["c_after_prompt"] is None and lookup["prompt_catch_up"] is None
 
 
 def test_the_prediction_is_the_median_of_each_prompts_own():

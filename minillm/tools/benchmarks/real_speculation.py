@@ -36,8 +36,10 @@ So a prompt's predicted = tau (1 + s) / (v(n) + c + a), from its own round count
 the median over its prompts, as its measured speed-up is (the terms printed beside it pool the prompts).
 ``c_per_forward`` divides the draft's seconds by its forward passes instead (a chain of K tokens: one
 forward over the positions the target kept, then K - 1 single steps): the cost of one draft token
-against one target step. ``in_vocab``: the share of the plain replies' tokens that an EAGLE draft's
-reduced vocabulary holds (a token outside it is one the draft can never guess).
+against one target step; ``c_after_prompt`` the same without each run's first round, whose first forward
+reads the whole prompt, and ``prompt_catch_up`` that round's draft time in decode steps (the mean per
+prompt). ``in_vocab``: the share of the plain replies' tokens that an EAGLE draft's reduced vocabulary
+holds (a token outside it is one the draft can never guess).
 """
 
 from __future__ import annotations
@@ -81,7 +83,7 @@ def make_proposer(method: str, model, args):
 
 
 COUNTS = ("accepted", "checked", "rounds", "new_tokens", "target_calls", "verified", "draft_s", "draft_calls",
-          "accept_s")
+          "accept_s", "catch_up_s", "catch_up_calls")
 
 
 @dataclass
@@ -98,6 +100,8 @@ class Cell:
     draft_s: float = 0.0
     draft_calls: int = 0
     accept_s: float = 0.0
+    catch_up_s: float = 0.0  # each run's first propose, where a draft reads the prompt, and its forwards
+    catch_up_calls: int = 0
     identical: bool = True
     ratios: list = field(default_factory=list)  # plain / method time per token after the first
     whole_ratios: list = field(default_factory=list)  # plain / method seconds of the whole run, prefill included
@@ -105,10 +109,11 @@ class Cell:
     reply_tokens: int = 0  # the plain replies' tokens, and those a draft's reduced vocabulary holds
     in_vocab: int = 0
 
-    def add(self, stats, draft_s: float, draft_calls: int) -> None:
+    def add(self, stats, draft_s: float, draft_calls: int, catch_up_s: float = 0.0, catch_up_calls: int = 0) -> None:
         one = Cell(accepted=stats.accepted, checked=stats.checked, rounds=stats.rounds, new_tokens=stats.new_tokens,
                    target_calls=stats.target_calls, verified=stats.verified, draft_s=draft_s,
-                   draft_calls=draft_calls, accept_s=stats.accept_s)
+                   draft_calls=draft_calls, accept_s=stats.accept_s, catch_up_s=catch_up_s,
+                   catch_up_calls=catch_up_calls)
         for name in COUNTS:
             setattr(self, name, getattr(self, name) + getattr(one, name))
         self.prompts.append(one)
@@ -184,7 +189,7 @@ def run_prompt(model, ids, args, methods, proposers, temperature, cells, kind, s
         if temperature == 0 and result.tokens != reference:
             cell.identical = False
             raise BenchmarkError(f"{method}: greedy output differs from plain decoding on a {kind} prompt")
-        cell.add(result.stats, wrapped.seconds, calls)
+        cell.add(result.stats, wrapped.seconds, calls, wrapped.first_seconds or 0.0, wrapped.first_calls)
         subset = getattr(getattr(proposers[method], "draft", None), "subset", None)  # an EAGLE draft's vocabulary
         if subset is not None:
             cell.reply_tokens += len(reference)
@@ -211,6 +216,9 @@ def rows_of(cells: dict, t_step: float, costs: dict, sampling: dict) -> list[dic
                      "tokens_per_call": round(c.new_tokens / c.target_calls, 2),
                      "verify_n": round(n, 1), "v_n": round(v, 2), "draft_c": round(draft_c, 2),
                      "c_per_forward": round(c.draft_s / c.draft_calls / t_step, 3) if c.draft_calls else None,
+                     "c_after_prompt": round((c.draft_s - c.catch_up_s) / (c.draft_calls - c.catch_up_calls) / t_step,
+                                             3) if c.draft_calls > c.catch_up_calls else None,
+                     "prompt_catch_up": round(c.catch_up_s / len(c.prompts) / t_step, 2) if c.catch_up_calls else None,
                      "accept_a": round(accept_a, 3), "sample_s": round(sample_s, 3),
                      "in_vocab": round(c.in_vocab / c.reply_tokens, 3) if c.reply_tokens else None,
                      "predicted_speedup": round(statistics.median(p.predicted(t_step, costs, sample_s)
@@ -272,8 +280,8 @@ def main(argv=None) -> int:
         print(f"  prompt {i + 1}/{len(encoded)} ({kind}) done", flush=True)
     rows = rows_of(cells, t_step, costs, sampling)
     print(format_table(rows, ["method", "kind", "temperature", "identical", "alpha", "tau", "tokens_per_call",
-                              "verify_n", "v_n", "draft_c", "c_per_forward", "accept_a", "sample_s", "in_vocab",
-                              "predicted_speedup", "speedup",
+                              "verify_n", "v_n", "draft_c", "c_per_forward", "c_after_prompt", "prompt_catch_up",
+                              "accept_a", "sample_s", "in_vocab", "predicted_speedup", "speedup",
                               "speedup_with_prefill", "prompts"]))
     if args.json:
         keys = ("method", "kind", "temperature", "identical", "alpha", "tau", "tokens_per_call", "predicted_speedup",
