@@ -118,13 +118,14 @@ def verify_cost(model, n_tokens, context=STEP_CONTEXT, repeat=30) -> float:
 
 class TimedProposer:
     """A proposer (chapter 9's ``propose`` / ``observe``) that adds up the seconds its ``propose``
-    takes: the draft's cost in a round, apart from the target's verify. The first call's seconds and draft
-    forwards are also kept apart (``first_seconds``, ``first_calls``): a draft's first round reads the prompt.
+    takes: the draft's cost in a round, apart from the target's verify. The first call that runs a draft (one
+    with ``draft_calls``) is also kept apart (``catch_up_s``, ``catch_up_calls``): that round's draft reads the
+    whole prompt (the first round verifies nothing: the target reads the prompt).
     ``TimedProposer(p).seconds / result.stats.rounds / k / t_step`` is c, a draft step in decode steps."""
 
     def __init__(self, inner):
         self.inner, self.max_depth, self.seconds = inner, inner.max_depth, 0.0
-        self.first_seconds, self.first_calls = None, 0  # the first propose and its draft forwards (``draft_calls``)
+        self.catch_up_s, self.catch_up_calls = 0.0, 0  # the first propose that ran the draft, and its forwards
 
     def propose(self, state):
         calls = getattr(self.inner, "draft_calls", 0)
@@ -132,8 +133,9 @@ class TimedProposer:
         proposal = self.inner.propose(state)
         took = time.perf_counter() - t0
         self.seconds += took
-        if self.first_seconds is None:  # a draft's first round reads the whole prompt (its catch-up)
-            self.first_seconds, self.first_calls = took, getattr(self.inner, "draft_calls", 0) - calls
+        ran = getattr(self.inner, "draft_calls", 0) - calls
+        if ran and not self.catch_up_calls:  # the draft's first forward reads the whole prompt
+            self.catch_up_s, self.catch_up_calls = took, ran
         return proposal
 
     def observe(self, state, emitted, extra_logits):

@@ -67,25 +67,26 @@ def test_timed_proposer_counts_only_propose():
     assert timed_proposer.propose("s") == "s" and timed_proposer.max_depth == 3
     timed_proposer.observe("s", [1], None)
     assert 0.002 <= timed_proposer.seconds < 0.01
-    assert timed_proposer.first_seconds == timed_proposer.seconds and timed_proposer.first_calls == 0
+    assert timed_proposer.catch_up_s == 0.0 and timed_proposer.catch_up_calls == 0  # no draft: no catch-up
 
 
-def test_timed_proposer_keeps_the_first_round_apart():
-    """The first propose (a draft reading the whole prompt) is kept apart, with the draft forwards it made."""
+def test_timed_proposer_keeps_the_drafts_catch_up_apart():
+    """The first propose that runs the draft (it reads the whole prompt) is kept apart, with its forwards; the
+    round before it, which drafts nothing (the target reads the prompt), is not it."""
 
     class Draft:
         max_depth, draft_calls = 1, 0
 
         def propose(self, state):
-            self.draft_calls += 1 if state else 2
-            time.sleep(0.004 if not state else 0.0)
+            self.draft_calls += state
+            time.sleep(0.004 if state == 2 else 0.0)
             return state
 
     timed_proposer = TimedProposer(Draft())
-    for state in (0, 1, 1):
+    for state in (0, 2, 1, 1):
         timed_proposer.propose(state)
-    assert timed_proposer.first_calls == 2 and 0.004 <= timed_proposer.first_seconds <= timed_proposer.seconds
-    assert timed_proposer.seconds - timed_proposer.first_seconds < 0.004
+    assert timed_proposer.catch_up_calls == 2 and 0.004 <= timed_proposer.catch_up_s <= timed_proposer.seconds
+    assert timed_proposer.seconds - timed_proposer.catch_up_s < 0.004
 
 
 def test_format_table_aligns_and_rounds():

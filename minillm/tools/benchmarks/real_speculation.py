@@ -36,9 +36,9 @@ So a prompt's predicted = tau (1 + s) / (v(n) + c + a), from its own round count
 the median over its prompts, as its measured speed-up is (the terms printed beside it pool the prompts).
 ``c_per_forward`` divides the draft's seconds by its forward passes instead (a chain of K tokens: one
 forward over the positions the target kept, then K - 1 single steps): the cost of one draft token
-against one target step; ``c_after_prompt`` the same without each run's first round, whose first forward
-reads the whole prompt, and ``prompt_catch_up`` that round's draft time in decode steps (the mean per
-prompt). ``in_vocab``: the share of the plain replies' tokens that an EAGLE draft's reduced vocabulary
+against one target step; ``c_after_prompt`` the same without each run's first round that drafts, whose
+first forward reads the whole prompt, and ``prompt_catch_up`` that round's draft time in decode steps (the
+mean per prompt). ``in_vocab``: the share of the plain replies' tokens that an EAGLE draft's reduced vocabulary
 holds (a token outside it is one the draft can never guess).
 """
 
@@ -100,7 +100,7 @@ class Cell:
     draft_s: float = 0.0
     draft_calls: int = 0
     accept_s: float = 0.0
-    catch_up_s: float = 0.0  # each run's first propose, where a draft reads the prompt, and its forwards
+    catch_up_s: float = 0.0  # each run's first round that drafts, where the draft reads the prompt, and its forwards
     catch_up_calls: int = 0
     identical: bool = True
     ratios: list = field(default_factory=list)  # plain / method time per token after the first
@@ -189,7 +189,7 @@ def run_prompt(model, ids, args, methods, proposers, temperature, cells, kind, s
         if temperature == 0 and result.tokens != reference:
             cell.identical = False
             raise BenchmarkError(f"{method}: greedy output differs from plain decoding on a {kind} prompt")
-        cell.add(result.stats, wrapped.seconds, calls, wrapped.first_seconds or 0.0, wrapped.first_calls)
+        cell.add(result.stats, wrapped.seconds, calls, wrapped.catch_up_s, wrapped.catch_up_calls)
         subset = getattr(getattr(proposers[method], "draft", None), "subset", None)  # an EAGLE draft's vocabulary
         if subset is not None:
             cell.reply_tokens += len(reference)
