@@ -10,7 +10,8 @@ each weight is converted and multiplied in two halves, and the 16-row kernels sp
 ``qkernels`` and ``streaming`` call it before they define theirs. docs/quantization.md ("An Intel Xeon")
 has the measurement that made it the default.
 
-Two cases keep LLVM's choice: the user's own ``NUMBA_CPU_FEATURES`` (it wins, as numba documents), and a
+Two cases keep LLVM's choice: the user's own ``NUMBA_CPU_FEATURES`` (it wins, as numba documents, and
+``host_features`` reads it: features turned off there, AVX-512's for instance, are off for the kernels too), and a
 process in which other code defined a numba function before minillm was imported (the code generator
 already exists). ``tests/test_qkernels.py`` reads the kernels' machine code for the width they got.
 """
@@ -25,10 +26,13 @@ PREFER_256 = "prefer-256-bit"  # LLVM's tuning feature: vectorize at 256 bits on
 
 @functools.cache
 def host_features() -> frozenset:
-    """The instruction-set extensions of this CPU as LLVM names them ({"avx2", "fma", "avx512f", ...})."""
+    """The instruction-set extensions numba compiles for, as LLVM names them ({"avx2", "fma", "avx512f", ...}): this
+    CPU's, or those the user's ``NUMBA_CPU_FEATURES`` turns on ("+avx2,...,-avx512f,..." compiles for AVX2 on an
+    AVX-512 CPU, and the kernels are then laid out for AVX2's 16 ymm registers)."""
     import llvmlite.binding as llvm
 
-    return frozenset(f[1:] for f in llvm.get_host_cpu_features().flatten().split(",") if f.startswith("+"))
+    features = os.environ.get("NUMBA_CPU_FEATURES") or llvm.get_host_cpu_features().flatten()
+    return frozenset(f[1:] for f in features.split(",") if f.startswith("+"))
 
 
 def host_vector() -> tuple[int, int]:

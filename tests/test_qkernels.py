@@ -10,6 +10,7 @@ per block, integer products: not exact) has its own error bound.
 """
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -191,6 +192,30 @@ def test_the_width_check_catches_256_bit_code():
     env = {**os.environ, "NUMBA_CPU_FEATURES": f"{codegen.get_host_cpu_features()},+{cpu_target.PREFER_256}"}
     out = subprocess.run([sys.executable, "-c", HALF_WIDTH], env=env, capture_output=True, text=True, check=True)
     assert int(out.stdout) == 0
+
+
+AVX2_ONLY = """import json, numpy as np, minillm.qkernels as q
+from minillm.quantize import Q4_1
+w = Q4_1.quantize(np.random.default_rng(0).standard_normal((40, 64)).astype(np.float32))
+x = np.random.default_rng(1).standard_normal((3, 64)).astype(np.float32)
+err = float(np.abs(q.product(x, q.pack(w)) - x @ w.dequantize().T).max())
+print(json.dumps([q.host_vector(), q.row_tiles(), q.int8_isa(), q.vector_fma_count(q.machine_code("Q4_1", 1)), err]))"""
+
+
+@needs_avx512
+def test_numba_cpu_features_without_avx512_lay_the_kernels_out_for_avx2():
+    """The user's NUMBA_CPU_FEATURES with AVX-512 turned off: numba compiles for AVX2, and the kernels are laid out for
+    it (8 lanes, 16 registers, tiles up to 8 rows, the AVX2 int8 route), with ymm FMAs only and the reference's
+    result: AVX2 measured on an AVX-512 CPU."""
+    from numba.core import codegen
+
+    features = ",".join(f"-{f[1:]}" if f.startswith("+avx512") else f
+                        for f in codegen.get_host_cpu_features().split(","))
+    env = {**os.environ, "NUMBA_CPU_FEATURES": features}
+    out = subprocess.run([sys.executable, "-c", AVX2_ONLY], env=env, capture_output=True, text=True, check=True)
+    vector, tiles, isa, counts, err = json.loads(out.stdout)
+    assert vector == [8, 16] and tiles[-1] == 8 and isa == "avx2", out.stdout
+    assert counts["zmm"] == 0 and counts["ymm"] > 0 and err < 1e-4, out.stdout
 
 
 def test_row_tiles():
