@@ -203,6 +203,7 @@ print(json.dumps([q.host_vector(), q.row_tiles(), q.int8_isa(), q.vector_fma_cou
 
 
 @needs_avx512
+@pytest.mark.uses_exercise("13.1")  # Q4_1.quantize
 def test_numba_cpu_features_without_avx512_lay_the_kernels_out_for_avx2():
     """The user's NUMBA_CPU_FEATURES with AVX-512 turned off: numba compiles for AVX2, and the kernels are laid out for
     it (8 lanes, 16 registers, tiles up to 8 rows, the AVX2 int8 route), with ymm FMAs only and the reference's
