@@ -43,11 +43,13 @@ from .token_tree import NoProposal, Round, target_rows, verify_round
 
 PLAIN = "plain"
 DRAFTS = (EagleProposer, EagleLookup)  # the proposers whose draft reads the target's hidden states
-TRIAL_TOKENS = 32  # timed tokens each candidate needs before "auto" compares them (half of them in the reply)
+TRIAL_TOKENS = 16  # timed tokens each candidate needs before "auto" compares them (half of them in the reply): 32
+# spent half of a 96-token reply on the trial, and auto at 16 was 0.86-0.91x plain on chat and code against 0.97x
+# at 32 (docs/eagle.md, "A shorter trial")
 MEMORY = 0.5  # what "auto" keeps of its timings at a new reply: each reply weighs as much as all before it
 SPECULATION_MARGIN = 0.9  # "auto" speculates only where a proposer's trial took at most 0.9 of plain's ms/token:
-# 32 tokens per candidate are noisy on a busy machine (lookup 23.6 against plain 24.3 chose lookup, which then
-# decoded 1.2 times slower than plain; docs/eagle.md)
+# a trial of 32 tokens per candidate is noisy on a busy machine (lookup 23.6 against plain 24.3 chose lookup, which
+# then decoded 1.2 times slower than plain; docs/eagle.md)
 EAGLE_DEPTH = 1  # EAGLE's chain in a chat: one draft token per round. At the shipped draft's acceptance (0.3-0.4 on
 # chat, 0.5-0.6 on code) a longer chain's verify costs more than its extra tokens bring: on unseen prompts a chain of
 # 1 decoded at 1.09x / 1.25x plain (chat / code), of 2 at 0.97x / 1.15x (docs/eagle.md, "A verify's grouped-query
