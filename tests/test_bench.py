@@ -2,6 +2,7 @@
 
 import argparse
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -70,23 +71,29 @@ def test_timed_proposer_counts_only_propose():
     assert timed_proposer.catch_up_s == 0.0 and timed_proposer.catch_up_calls == 0  # no draft: no catch-up
 
 
-def test_timed_proposer_keeps_the_drafts_catch_up_apart():
+def test_timed_proposer_keeps_the_drafts_catch_up_apart(monkeypatch):
     """The first propose that runs the draft (it reads the whole prompt) is kept apart, with its forwards; the
-    round before it, which drafts nothing (the target reads the prompt), is not it."""
+    round before it, which drafts nothing (the target reads the prompt), is not it. A clock the draft advances:
+    round r with f forwards takes 10 f + r seconds."""
+    from minillm import measure
+
+    clock = [0.0]
+    monkeypatch.setattr(measure, "time", SimpleNamespace(perf_counter=lambda: clock[0]))
 
     class Draft:
         max_depth, draft_calls = 1, 0
 
         def propose(self, state):
-            self.draft_calls += state
-            time.sleep(0.004 if state == 2 else 0.0)
+            rounds, forwards = state
+            self.draft_calls += forwards
+            clock[0] += 10 * forwards + rounds
             return state
 
     timed_proposer = TimedProposer(Draft())
-    for state in (0, 2, 1, 1):
+    for state in ((1, 0), (2, 2), (3, 1), (4, 1)):
         timed_proposer.propose(state)
-    assert timed_proposer.catch_up_calls == 2 and 0.004 <= timed_proposer.catch_up_s <= timed_proposer.seconds
-    assert timed_proposer.seconds - timed_proposer.catch_up_s < 0.004
+    assert timed_proposer.seconds == 1 + 22 + 13 + 14
+    assert timed_proposer.catch_up_s == 22 and timed_proposer.catch_up_calls == 2
 
 
 def test_format_table_aligns_and_rounds():
