@@ -21,6 +21,14 @@ the caches never import each other: they meet only through these three protocols
     query heads to KV heads is the model's attention callable's job, and the cache uses the
     callable it is given (any of ``minillm.model.ATTENTION``), never one of its own choosing.
 
+A cache may also lend its buffers, so that a model writes the new keys and values and attends in one kernel:
+
+    in_place(layer)                  -> (K, V) (B, n_kv_head, max_len, hs), or None: the model then writes the T
+                                        new k, v at positions length..length+T-1 and attends over
+                                        0..length+T-1 itself, exactly as ``attend`` would have (``KVCache``;
+                                        ``llama.LlamaCpuOps.attend``); a cache without it, or answering None,
+                                        is reached through ``attend``
+
 ``DecodeCache``: a ForwardCache that one decoding loop owns for one sequence (batch row):
 
     length, max_len                  tokens cached now; the most it can hold

@@ -20,7 +20,9 @@ states them: that module is the one place that says what a cache must do.
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import numpy as np
@@ -83,6 +85,16 @@ class KVCache:
         return attention(q, self.k[layer][:, :, :end], self.v[layer][:, :, :end], causal=True)
         # EXERCISE 3.1 END
 
+    def in_place(self, layer: int):
+        """``layer``'s (K, V) buffers, (B, n_kv_head, max_len, hs) float32, lent to a caller that writes the new
+        tokens' k and v at positions length.. itself and attends over positions 0.. in the same kernel
+        (``block_kernels.attend``), as ``attend`` would have; None on a GPU, for a subclass with its own ``attend``,
+        and where this class's ``attend`` does not do exactly that (``attends_in_place``: an exercise left to do)."""
+        k, v = self.k[layer], self.v[layer]
+        if type(self).attend is not KVCache.attend or not isinstance(k, np.ndarray) or k.dtype != np.float32:
+            return None
+        return (k, v) if attends_in_place() else None
+
     def advance(self, T: int) -> None:
         """Called by forward after the last layer: the T new positions are now cached."""
         self.length += T
@@ -108,6 +120,37 @@ class KVCache:
     def bytes_used(self) -> int:
         """Bytes that hold valid tokens."""
         return self.nbytes * self.length // self.max_len
+
+
+@functools.cache
+def attends_in_place() -> bool:
+    """Whether ``KVCache.attend`` writes k and v at positions length.. of its buffers and hands ``attention`` the first
+    length + T rows of exactly those buffers, causal, returning what it returns (checked once a process on a small
+    probe): what a caller of ``KVCache.in_place`` does in one kernel. False where it raises (an exercise left to do)
+    or does something else, so that a model goes through the ``attend`` that is written and its errors show."""
+    rng = np.random.default_rng(0)
+    cache = KVCache(SimpleNamespace(n_layer=1, n_kv_head=2, head_size=4, block_size=8))
+    new = [rng.standard_normal((3, 1, 2, T, 4), dtype=np.float32) for T in (3, 2)]  # (q, k, v) of 3, then 2 tokens
+    seen = []
+
+    def attention(q, k, v, causal=False, mask=None):
+        seen.append((k, v, causal, mask))
+        return q + 1
+
+    try:
+        outs = []
+        for q, k, v in new:
+            outs.append(cache.attend(0, q, k, v, attention))
+            cache.advance(k.shape[2])
+    except Exception:  # any failure of the reference: run it, where it fails in plain sight
+        return False
+    stored = [np.concatenate([n[j] for n in new[:i]], axis=2) for i in (1, 2) for j in (1, 2)]  # K, V after each
+    return len(seen) == 2 and all(
+        np.array_equal(out, q + 1) and causal and mask is None
+        and np.shares_memory(k, cache.k[0]) and np.shares_memory(v, cache.v[0])
+        and np.array_equal(k, stored[2 * i]) and np.array_equal(v, stored[2 * i + 1])
+        for i, ((k, v, causal, mask), out, (q, _, _)) in enumerate(zip(seen, outs, new))) and all(
+        np.array_equal(buffer[0][:, :, :5], want) for buffer, want in ((cache.k, stored[2]), (cache.v, stored[3])))
 
 
 class GrowingKVCache:

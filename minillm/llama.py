@@ -232,8 +232,9 @@ class LlamaCpuOps(LlamaOps):
 
     def __init__(self, model):
         from . import block_kernels  # numba, imported once a CPU builds this table
+        from .row_attention import fits_shape
 
-        self.model, self.kernels = model, block_kernels
+        self.model, self.kernels, self.fits = model, block_kernels, fits_shape
         self.rope_table = None  # (cos, sin) of positions 0..n-1, grown as positions come (``rope``)
 
     @property
@@ -260,6 +261,19 @@ class LlamaCpuOps(LlamaOps):
 
     def act(self, gate_up):
         return self.kernels.silu_mul(gate_up)
+
+    def attend(self, layer: int, qkv, cache, rope):
+        """``LlamaOps.attend`` in one kernel (``block_kernels.attend``) where the cache lends its buffers
+        (``in_place``), the model's attention is "auto" and ``row_attention`` takes the shape (``fits_shape``): RoPE,
+        the cache's write and the attention of every head. Anywhere else, ``LlamaOps.attend``."""
+        cfg, cos = self.config, rope[0]
+        lend = getattr(cache, "in_place", None)
+        if (lend is not None and self.model.attention_name == "auto" and cos.ndim == 2
+                and self.fits(cfg.n_head // cfg.n_kv_head * qkv.shape[1], cache.length + qkv.shape[1])):
+            buffers = lend(layer)
+            if buffers is not None:
+                return self.kernels.attend(qkv, *rope, *buffers, cache.length, cfg.n_head)
+        return super().attend(layer, qkv, cache, rope)
 
     def rope(self, pos) -> tuple:
         """``LlamaOps.rope``'s tables, looked up in one computed for positions 0..n-1 (n doubled when a position

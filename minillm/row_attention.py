@@ -175,7 +175,13 @@ def cache_buffer(a):
 def fits(q, k) -> bool:
     """Whether ``auto_attention`` runs ``row_attention`` on this NumPy call: float32, at most MAX_ROWS query rows
     and at least MIN_KEYS keys."""
-    return q.dtype == k.dtype == np.float32 and q.shape[-2] <= MAX_ROWS and k.shape[-2] >= MIN_KEYS
+    return q.dtype == k.dtype == np.float32 and fits_shape(q.shape[-2], k.shape[-2])
+
+
+def fits_shape(rows: int, keys: int) -> bool:
+    """``fits``'s rule on the shape alone: at most MAX_ROWS query rows (a grouped head's rows) over at least MIN_KEYS
+    keys."""
+    return rows <= MAX_ROWS and keys >= MIN_KEYS
 
 
 def row_attention(q, k, v, causal=True, mask=None):

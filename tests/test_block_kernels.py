@@ -4,7 +4,9 @@ Each kernel equals its reference in ``minillm.nn`` within float32 rounding on th
 decode row, a verify's few rows, a batch; inputs as transposed views), on values where a careless sigmoid
 overflows, and where the reference gives inf or NaN. ``Llama`` runs them by default on NumPy
 (``LlamaCpuOps``) and gives the array code's logits; ``set_block_ops("array")`` is the reference, and the
-fast table is checked to be the one that runs.
+fast table is checked to be the one that runs. A block's attention in one kernel (``block_kernels.attend``: RoPE, the
+cache's write, every head's attention) gives the array code's path through a ``KVCache`` and its buffers, and runs
+only where the cache lends them and the model's attention is the default.
 """
 
 import numba
@@ -12,17 +14,19 @@ import numpy as np
 import pytest
 
 from minillm import block_kernels as bk
-from minillm import llama
+from minillm import kv_cache, llama
 from minillm.config import LlamaConfig
-from minillm.kv_cache import KVCache
+from minillm.kv_cache import KVCache, KVRecorder
 from minillm.llama import Llama, LlamaCpuOps
 from minillm.nn import apply_rope, rms_norm, rope_cos_sin, silu
 from minillm.qkernels import host_vector, vector_fma_count
+from minillm.row_attention import MIN_KEYS
 
 pytestmark = pytest.mark.host_only  # numba on the host CPU only
 
 SHAPES = [(1, 1, 576), (1, 5, 64), (2, 3, 96)]  # a decode row, a verify's rows, a batch
-CFG = LlamaConfig(vocab_size=64, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, n_hidden=48)
+CFG = LlamaConfig(vocab_size=64, block_size=96, n_layer=2, n_head=4, n_kv_head=2, n_embd=32, n_hidden=48)
+GQA = LlamaConfig(vocab_size=64, block_size=96, n_layer=2, n_head=6, n_kv_head=2, n_embd=48, n_hidden=48)  # SmolLM2's 3
 
 
 def transposed(rng, shape):
@@ -109,19 +113,131 @@ def test_the_kernels_refuse_shapes_they_would_misread():
 
 
 @pytest.mark.uses_exercise("3.1", "8.1", "8.2", "8.3")
-@pytest.mark.parametrize("B, T", [(1, 1), (1, 6), (2, 3)])
-def test_a_llama_gives_the_array_codes_logits_on_the_kernels(B, T):
-    """Prefill, then a decode step or a verify of T tokens through the cache: the same logits either way."""
-    model = Llama.init(CFG, seed=3)
+@pytest.mark.parametrize("config", [CFG, GQA], ids=["2 heads a group", "3 heads a group"])
+@pytest.mark.parametrize("B, T, prompt", [(1, 1, 9), (1, 6, 9), (2, 3, 9), (1, 1, 70), (1, 6, 70), (2, 3, 70)])
+def test_a_llama_gives_the_array_codes_logits_on_the_kernels(config, B, T, prompt):
+    """Prefill, then a decode step or a verify of T tokens through the cache: the same logits either way (past
+    MIN_KEYS cached tokens the block's attention is one kernel), and the same keys and values cached."""
+    model = Llama.init(config, seed=3)
     assert model.block_ops == "numba" and isinstance(model.ops, LlamaCpuOps)
-    ids = np.random.default_rng(4).integers(0, CFG.vocab_size, (B, 9 + T))
-    out = {}
+    ids = np.random.default_rng(4).integers(0, config.vocab_size, (B, prompt + T))
+    out, cached = {}, {}
     for name in ("array", "numba"):
         model.set_block_ops(name)
-        cache = KVCache(CFG, batch_size=B, max_len=32)
-        model.forward(ids[:, :9], cache)
-        out[name] = model.forward(ids[:, 9:], cache)
+        cache = KVCache(config, batch_size=B, max_len=80)
+        model.forward(ids[:, :prompt], cache)
+        out[name] = model.forward(ids[:, prompt:], cache)
+        cached[name] = np.stack(cache.k + cache.v)
     np.testing.assert_allclose(out["numba"], out["array"], rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(cached["numba"], cached["array"], rtol=1e-5, atol=1e-6)
+
+
+def filled_cache(config, B, start, rng):
+    """A KVCache of ``config`` holding ``start`` random keys and values (zeros past them)."""
+    cache = KVCache(config, batch_size=B, max_len=config.block_size)
+    for buffers in (cache.k, cache.v):
+        for a in buffers:
+            a[:, :, :start] = rng.standard_normal((B, config.n_kv_head, start, config.head_size), dtype=np.float32)
+    cache.length = start
+    return cache
+
+
+@pytest.mark.uses_exercise("3.1", "8.1")
+@pytest.mark.parametrize("B, T, start", [(1, 1, 70), (1, 2, 64), (1, 5, 80), (2, 3, 70), (1, 16, 70), (1, 8, 0)])
+def test_attend_writes_the_cache_and_attends_as_the_array_code_does(B, T, start):
+    """``block_kernels.attend`` on a cache's buffers against ``LlamaOps.attend`` through a copy of the cache:
+    the same output (B, T, n_head hs), the new keys turned by RoPE and the values at positions start.., nothing
+    past them touched; 16 new tokens are 48 rows of a group, a prefill of 8 into an empty cache has more rows
+    than keys."""
+    rng = np.random.default_rng(T + start)
+    model = Llama.init(GQA, seed=1)
+    model.set_block_ops("array")
+    reference, lent = filled_cache(GQA, B, start, rng), filled_cache(GQA, B, start, np.random.default_rng(T + start))
+    qkv = rng.standard_normal((B, T, (GQA.n_head + 2 * GQA.n_kv_head) * GQA.head_size), dtype=np.float32)
+    rope = model.rope(np.arange(start, start + T))
+    want = llama.LlamaOps.attend(model, 1, qkv, reference, rope)
+    got = bk.attend(qkv, *rope, lent.k[1], lent.v[1], start, GQA.n_head)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+    for mine, theirs in ((lent.k[1], reference.k[1]), (lent.v[1], reference.v[1])):
+        np.testing.assert_allclose(mine, theirs, rtol=1e-6, atol=1e-6)
+        assert not mine[:, :, start + T :].any()
+
+
+def test_attend_refuses_what_it_would_misread():
+    """Buffers too short for the new tokens, tables of another length, a q|k|v of another width, a copy of the
+    buffers instead of them: each a ValueError, before anything is written."""
+    rng = np.random.default_rng(0)
+    cache = filled_cache(GQA, 1, 90, rng)
+    qkv = rng.standard_normal((1, 2, 10 * GQA.head_size), dtype=np.float32)
+    rope = rope_cos_sin(np.arange(90, 92), GQA.head_size, GQA.rope_theta)
+    k, v = cache.k[0], cache.v[0]
+    with pytest.raises(ValueError, match="KV buffers"):
+        bk.attend(qkv, *rope, k, v, 95, GQA.n_head)
+    with pytest.raises(ValueError, match="tables"):
+        bk.attend(qkv, rope[0][:1], rope[1][:1], k, v, 90, GQA.n_head)
+    with pytest.raises(ValueError, match="q|k|v"):
+        bk.attend(qkv[..., :-2], *rope, k, v, 90, GQA.n_head)
+    with pytest.raises(ValueError, match="in place"):
+        bk.attend(qkv, *rope, k.transpose(0, 1, 3, 2).copy().transpose(0, 1, 3, 2), v, 90, GQA.n_head)
+    assert not k[:, :, 90:].any() and not v[:, :, 90:].any()
+
+
+ATTEND = bk.attend  # the kernel itself, for a test that counts its calls
+
+
+class OwnAttend(KVCache):
+    """A cache with an attend of its own (a student's, say): what it does is what must run."""
+
+    def attend(self, layer, q, k, v, attention):
+        return super().attend(layer, q, k, v, attention)
+
+
+@pytest.mark.uses_exercise("3.1", "8.1", "8.2", "8.3")
+def test_the_one_kernel_attention_runs_only_where_the_cache_lends_its_buffers(monkeypatch):
+    """One ``block_kernels.attend`` per block for a decode step past MIN_KEYS cached tokens on a KVCache with the
+    default attention; none below MIN_KEYS, with attention="naive" (the reference), through a cache that passes
+    calls on (``KVRecorder``), or on a KVCache subclass with its own attend."""
+    calls = []
+    monkeypatch.setattr(bk, "attend", lambda *args: calls.append(1) or ATTEND(*args))
+    model = Llama.init(GQA, seed=2)
+    ids = np.random.default_rng(3).integers(0, GQA.vocab_size, (1, MIN_KEYS + 1))
+
+    def decode_calls(prompt, make=KVCache, attention="auto"):
+        model.set_attention(attention)
+        cache = make(GQA, max_len=80)
+        model.forward(ids[:, :prompt], cache)
+        calls.clear()
+        model.forward(ids[:, prompt : prompt + 1], cache)
+        return len(calls)
+
+    assert decode_calls(MIN_KEYS) == GQA.n_layer
+    assert decode_calls(MIN_KEYS - 2) == 0
+    assert decode_calls(MIN_KEYS, attention="naive") == 0
+    assert decode_calls(MIN_KEYS, make=OwnAttend) == 0
+    assert decode_calls(MIN_KEYS, make=lambda config, max_len: KVRecorder(KVCache(config, max_len=max_len))) == 0
+
+
+def test_a_cache_exercise_left_to_do_runs_and_raises_in_the_model(monkeypatch, fresh_probe):
+    """With KVCache.attend still a stub, or writing where the kernel would not, the cache lends nothing: the model
+    goes through the attend that is written, and a stub's NotImplementedError is what it raises."""
+    def stub(self, layer, q, k, v, attention):
+        raise NotImplementedError("exercise 3.1")
+
+    def at_zero(self, layer, q, k, v, attention):  # every write at position 0
+        T = k.shape[2]
+        self.k[layer][:, :, :T], self.v[layer][:, :, :T] = k, v
+        return attention(q, self.k[layer][:, :, : self.length + T], self.v[layer][:, :, : self.length + T])
+
+    model = Llama.init(GQA, seed=4)
+    monkeypatch.setattr(KVCache, "attend", at_zero)
+    assert KVCache(GQA).in_place(0) is None
+    kv_cache.attends_in_place.cache_clear()
+    monkeypatch.setattr(KVCache, "attend", stub)
+    cache = KVCache(GQA, max_len=80)
+    assert cache.in_place(0) is None
+    cache.length = MIN_KEYS
+    with pytest.raises(NotImplementedError, match="exercise 3.1"):
+        model.forward(np.array([[1]]), cache)
 
 
 @pytest.mark.uses_exercise("8.1", "8.2", "8.3")
@@ -138,6 +254,7 @@ def test_the_kernels_are_what_runs_and_the_array_code_stays_one_call_away(monkey
     for name in ("rms_norm", "apply_rope", "silu"):
         monkeypatch.setattr(llama, name, counted(getattr(llama, name)))
     model = Llama.init(CFG, seed=5)
+    calls.clear()  # the probe of kernels_match_reference, where a test before this one asked for it again
     model.forward(np.array([[1, 2, 3]]))
     assert calls == []
     model.set_block_ops("array")
@@ -179,10 +296,14 @@ def test_rope_tables_are_looked_up_in_one_table_grown_by_doubling(monkeypatch):
 
 @pytest.fixture
 def fresh_probe():
-    """``kernels_match_reference`` asked again, before and after the test (it answers once a process)."""
-    llama.kernels_match_reference.cache_clear()
+    """``kernels_match_reference`` and ``kv_cache.attends_in_place`` asked again, before and after the test (each
+    answers once a process)."""
+    probes = (llama.kernels_match_reference, kv_cache.attends_in_place)
+    for probe in probes:
+        probe.cache_clear()
     yield
-    llama.kernels_match_reference.cache_clear()
+    for probe in probes:
+        probe.cache_clear()
 
 
 def test_an_exercise_left_to_do_runs_and_raises_in_the_model(monkeypatch, fresh_probe):
