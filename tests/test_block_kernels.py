@@ -217,6 +217,7 @@ def test_the_one_kernel_attention_runs_only_where_the_cache_lends_its_buffers(mo
     assert decode_calls(MIN_KEYS, make=lambda config, max_len: KVRecorder(KVCache(config, max_len=max_len))) == 0
 
 
+@pytest.mark.uses_exercise("8.1", "8.2", "8.3")
 def test_a_cache_exercise_left_to_do_runs_and_raises_in_the_model(monkeypatch, fresh_probe):
     """With KVCache.attend still a stub, or writing where the kernel would not, the cache lends nothing: the model
     goes through the attend that is written, and a stub's NotImplementedError is what it raises."""
