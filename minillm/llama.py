@@ -282,8 +282,8 @@ class LlamaCpuOps(LlamaOps):
         if pos.ndim != 1:  # a ragged batch's (B, T) positions: the array code
             return super().rope(pos)
         top = int(pos.max(initial=0)) + 1
-        if self.rope_table is None or len(self.rope_table[0]) < top:
-            have = 0 if self.rope_table is None else len(self.rope_table[0])
+        have = 0 if self.rope_table is None else len(self.rope_table[0])
+        if have < top:
             self.rope_table = super().rope(np.arange(max(top, 2 * have, ROPE_TABLE_START)))
         cos, sin = self.rope_table
         return cos[pos], sin[pos]
