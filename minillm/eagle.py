@@ -57,7 +57,7 @@ from .kv_cache import KVCache, MaskedView
 from .llama import Llama, model_weight
 from .model import new_positions
 from .quantize import block_format, kept_in_blocks
-from .sampling import sample
+from .sampling import finite_real, sample
 from .token_tree import Proposal, Round, TokenTree
 
 EAGLE_FORMAT = "minillm-eagle-1"
@@ -290,18 +290,25 @@ def load_draft(target, model_name: str, path=None) -> EagleDraft:
 class EagleProposer:
     """Each round: bring the draft's cache up to the target's, then draft a chain or a tree.
 
-    mode "chain": ``depth`` draft steps; at temperature 0 each takes the draft's argmax, else a
+    mode "chain": up to ``depth`` draft steps; at temperature 0 each takes the draft's argmax, else a
     sample from q (the target's sampling settings on the draft's logits), and the round hands q to
-    the verifier. mode "tree": ``depth`` levels; each expands the ``width`` open nodes of highest
-    path probability by their ``top_k`` likeliest tokens (deterministic candidates, q one-hot), and
+    the verifier. The chain goes past a token only where the draft gave it probability ``confidence`` or
+    more (q at the token drawn; at temperature 0 the softmax of the draft's logits at its argmax): EAGLE-2's
+    observation that a draft's confidence tracks how often its guess is accepted, used to size a chain round
+    by round (0, the default: always ``depth`` tokens). mode "tree": ``depth`` levels; each expands the
+    ``width`` open nodes of highest path probability by their ``top_k`` likeliest tokens (deterministic
+    candidates, q one-hot), and
     the ``max_nodes`` - 1 best nodes of all drafted form the tree (scores only fall along a path, so
     they are prefix-closed).
     """
 
     def __init__(self, draft: EagleDraft, mode: str = "chain", depth: int = 5, top_k: int = 4, width: int = 4,
-                 max_nodes: int = 16, seed: int = 0):
+                 max_nodes: int = 16, seed: int = 0, confidence: float = 0.0):
         if mode not in ("chain", "tree"):
             raise ValueError(f"EAGLE drafting mode must be 'chain' or 'tree', got {mode!r}")
+        if not finite_real(confidence) or not 0 <= confidence <= 1:
+            raise ValueError(f"the EAGLE chain's confidence is a probability in [0, 1], got {confidence!r}")
+        self.confidence = float(confidence)
         self.draft, self.mode = draft, mode
         self.max_depth = check_int("the EAGLE draft depth K", depth, 1, MAX_DEPTH)
         self.top_k = check_int("the EAGLE tree's top_k", top_k, 1, 16)
@@ -346,16 +353,20 @@ class EagleProposer:
         tokens, q_rows = [], {}
         for i in range(depth):
             if settings.greedy:
-                x = int(self.draft.subset[int(np.argmax(logits))])
+                j = int(np.argmax(logits))
+                sure = 1.0 / np.exp(np.float64(logits) - logits[j]).sum() if self.confidence else 1.0  # softmax at j
             else:  # draw in the subset, map the id; the verifier reads q over the whole vocabulary
                 q_subset = settings.probs(logits)  # (V',)
-                x = int(self.draft.subset[sample(q_subset, self.rng)])
+                j = sample(q_subset, self.rng)
+                sure = q_subset[j]
                 q_rows[i + 1] = self.draft.full_probs(q_subset)
+            x = int(self.draft.subset[j])
             tokens.append(x)
-            if i + 1 < depth:
-                f_hat, row = self.draft.step(f[None], [x], self.cache)
-                f, logits = f_hat[0], to_numpy(row[0])
-                self.draft_calls += 1
+            if i + 1 == depth or sure < self.confidence:
+                break
+            f_hat, row = self.draft.step(f[None], [x], self.cache)
+            f, logits = f_hat[0], to_numpy(row[0])
+            self.draft_calls += 1
         return Proposal(TokenTree.chain(root, tokens), draft_probs=q_rows)
 
     def tree(self, root, f, logits, depth) -> Proposal:

@@ -10,9 +10,9 @@ from minillm.speculative import SpecStats
 from minillm.tools import demo
 
 
-def stats_of(k: int, rounds: int, new_tokens: int, accepted: int, rejected: int) -> SpecStats:
+def stats_of(k: int, rounds: int, new_tokens: int, accepted: int, rejected: int, verified=None) -> SpecStats:
     return SpecStats(k=k, rounds=rounds, target_calls=rounds, new_tokens=new_tokens, accepted=accepted,
-                     rejected=rejected)
+                     rejected=rejected, verified=k * rounds if verified is None else verified)
 
 
 @pytest.mark.host_only
@@ -20,10 +20,12 @@ def test_verdict_of_a_run_that_does_not_pay_gives_its_cost_and_yield():
     """0.65x with 1.3 tokens per round: the round cost 1.3 / 0.65 = 2 decode steps; the draft's share of
     the time splits it (0.25 of 2 drafting, the rest verifying); alpha = accepted / checked = 3 / 10."""
     line = demo.speculation_verdict("EAGLE chain K=4", 0.65, stats_of(4, 10, 13, 3, 7), 11, draft_share=0.25)
-    assert line == ("EAGLE chain K=4 does not pay here (0.65x): a round costs 2.00 decode steps (drafting 4 tokens "
-                    "0.50, verifying 5 and the rest 1.50) and yields 1.30 tokens, the target keeping 30% of the "
+    assert line == ("EAGLE chain K=4 does not pay here (0.65x): a round costs 2.00 decode steps (drafting 4.0 tokens "
+                    "0.50, verifying 5.0 and the rest 1.50) and yields 1.30 tokens, the target keeping 30% of the "
                     "draft's guesses; see chapter 11")
     assert "\n" not in line
+    sized = stats_of(3, 10, 13, 3, 7, verified=15)  # a chain of at most 3 that drafted 1.5 tokens a round
+    assert "(drafting 1.5 tokens 0.50, verifying 2.5 and" in demo.speculation_verdict("K<=3", 0.65, sized, 11, 0.25)
 
 
 @pytest.mark.host_only

@@ -364,15 +364,21 @@ def joint(table, V):
     return np.concatenate([table[()][a] * table[(a,)] for a in range(V)])
 
 
+CONFIDENT = 0.5  # a chain that goes past a token only where the draft gave it half of its mass or more
+MODES = {"chain": ("chain", 0.0), "tree": ("tree", 0.0), "sized chain": ("chain", CONFIDENT)}
+
+
 @USES
-@pytest.mark.parametrize("mode", [pytest.param("chain", marks=pytest.mark.uses_exercise("11.3")), "tree"])
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=pytest.mark.uses_exercise("11.3")) if "chain" in m else m
+                                  for m in MODES])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("kind", ["draft", "fused"])
 def test_a_round_is_lossless(target, request, kind, mode, temperature):
     draft = request.getfixturevalue(kind)
     settings = SamplingSettings(temperature)
     table = target_table(target, PROMPT, settings)
-    proposer = EagleProposer(draft, mode, depth=2, top_k=2, width=2, max_nodes=6, seed=3)
+    mode, confidence = MODES[mode]
+    proposer = EagleProposer(draft, mode, depth=2, top_k=2, width=2, max_nodes=6, seed=3, confidence=confidence)
     cells = first_two_tokens(target, proposer, PROMPT, settings, table, 3000, seed=4)
     assert chi2_pvalue(cells, joint(table, CFG.vocab_size)) >= P_MIN
 
@@ -403,6 +409,63 @@ def test_the_harness_rejects_a_wrong_draft_distribution(target, draft, bug):
     cells = first_two_tokens(target, EagleProposer(broken, "chain", depth=2, seed=3), PROMPT, settings, table,
                              3000, seed=4)
     assert chi2_pvalue(cells, joint(table, CFG.vocab_size)) < P_MIN
+
+
+def peaked(top: float, at: int, size: int) -> np.ndarray:
+    """Logits over ``size`` tokens whose softmax gives token ``at`` probability ``top``, the rest the same share."""
+    probs = np.full(size, (1.0 - top) / (size - 1))
+    probs[at] = top
+    return np.log(probs).astype(np.float32)
+
+
+class Scripted:
+    """A stand-in draft whose forwards return the given logits rows in turn (its features are zeros)."""
+
+    def __init__(self, draft, rows):
+        self.subset, self.full_probs, self.rows, self.steps = draft.subset, draft.full_probs, list(rows), 0
+
+    def step(self, features, tokens, cache=None, last=False):
+        self.steps += 1
+        return np.zeros_like(features), self.rows.pop(0)[None]
+
+
+@pytest.mark.parametrize("confidence, length", [(0.0, 4), (0.3, 4), (0.5, 2), (0.9, 2), (0.95, 1), (1.0, 1)])
+def test_a_chain_goes_past_a_token_only_where_the_draft_is_that_sure_of_it(draft, confidence, length):
+    """Greedy, draft probabilities 0.9, 0.4, 0.95, 0.6 for the chain's four argmax tokens: the chain stops after the
+    first token the draft gave less than ``confidence``, and drafts no further (one forward fewer than its tokens)."""
+    likeliest = [1, 3, 0, 2]  # the subset index the draft favours at each step
+    rows = [peaked(p, j, len(SUBSET)) for p, j in zip([0.9, 0.4, 0.95, 0.6], likeliest)]
+    proposer = EagleProposer(draft, "chain", depth=4, confidence=confidence)
+    proposer.draft = Scripted(draft, rows[1:])
+    proposal = proposer.chain(7, np.zeros(CFG.n_embd, dtype=np.float32), rows[0], 4, SamplingSettings(0.0))
+    assert list(proposal.tree.tokens) == [7, *(SUBSET[j] for j in likeliest[:length])]
+    assert proposer.draft.steps == length - 1
+
+
+@pytest.mark.uses_exercise("11.3")
+@pytest.mark.parametrize("confidence", [0.3, 0.5, 0.7])
+def test_a_sampled_chain_goes_past_a_token_only_where_q_gave_it_that_much(draft, confidence):
+    """At temperature 1 each token is drawn from q (top token 0.6, the others 0.4 / 3 each): over 200 rounds of
+    depth 4, a chain goes past each drawn token exactly where q gave it ``confidence`` or more."""
+    rng = np.random.default_rng(0)
+    proposer = EagleProposer(draft, "chain", depth=4, confidence=confidence, seed=1)
+    lengths = set()
+    for _ in range(200):
+        rows = [peaked(0.6, int(rng.integers(len(SUBSET))), len(SUBSET)) for _ in range(4)]
+        proposer.draft = Scripted(draft, rows[1:])
+        proposal = proposer.chain(7, np.zeros(CFG.n_embd, dtype=np.float32), rows[0], 4, SamplingSettings(1.0))
+        tokens, q = proposal.tree.tokens[1:], proposal.draft_probs
+        sure = [q[i + 1][token] >= confidence for i, token in enumerate(tokens)]
+        assert all(sure[:-1]) and (len(tokens) == 4 or not sure[-1]), (tokens, sure)
+        assert proposer.draft.steps == len(tokens) - 1
+        lengths.add(len(tokens))
+    assert lengths == ({1, 2, 3, 4} if confidence <= 0.6 else {1})
+
+
+@pytest.mark.parametrize("confidence", [-0.1, 1.5, float("nan"), True, "0.5"])
+def test_a_chains_confidence_is_a_probability(draft, confidence):
+    with pytest.raises(ValueError, match="confidence is a probability"):
+        EagleProposer(draft, "chain", confidence=confidence)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -662,12 +725,13 @@ def test_a_tree_fed_level_by_level_equals_one_forward_over_every_node(target, dr
 
 
 @USES
-@pytest.mark.parametrize("mode", ["chain", "tree"])
+@pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("n_new", [10, 60])  # 60 runs past block_size = 40: the window slides
 @pytest.mark.parametrize("kind", ["draft", "fused"])
 def test_greedy_output_is_plain_decoding(target, request, kind, mode, n_new):
     draft = request.getfixturevalue(kind)
-    proposer = EagleProposer(draft, mode, depth=4, top_k=2, width=2, max_nodes=8)
+    mode, confidence = MODES[mode]
+    proposer = EagleProposer(draft, mode, depth=4, top_k=2, width=2, max_nodes=8, confidence=confidence)
     out = tree_generate(target, PROMPT, n_new, proposer, temperature=0.0)
     assert out.tokens == generate(target, PROMPT, n_new, temperature=0.0).tokens
 

@@ -121,3 +121,15 @@ def test_every_run_stops_at_the_replys_end_of_turn():
     cells = {("lookup", "chat", 0.0): rs.Cell()}
     rs.run_prompt(model, ids, ARGS, ["lookup"], proposers, 0.0, cells, "chat", seed=0, eos=eos)
     assert cells[("lookup", "chat", 0.0)].new_tokens == want
+
+
+@USES
+def test_the_chains_depth_and_confidence_reach_the_proposer(monkeypatch):
+    """--depth and --confidence size EAGLE's chain, alone and with lookup's beside it."""
+    model = Llama.init(CFG, seed=1)
+    monkeypatch.setattr(EagleDraft, "load", classmethod(lambda cls, target, path: EagleDraft.init(target, [0, 3, 5])))
+    args = argparse.Namespace(draft="draft.npz", depth=3, tree_nodes=12, confidence=0.85)
+    chain = rs.make_proposer("eagle-chain", model, args)
+    assert (chain.mode, chain.max_depth, chain.confidence) == ("chain", 3, 0.85)
+    joined = rs.make_proposer("eagle-lookup", model, args).eagle
+    assert (joined.max_depth, joined.confidence) == (3, 0.85)

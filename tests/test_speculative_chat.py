@@ -205,7 +205,7 @@ def test_chat_eagle_drafts_the_measured_chain_length_and_auto_tries_it_with_look
 
     model, _ = load_model("smollm2-135m")
     eagle = chat_proposers(model, "eagle", "smollm2-135m")["eagle"]
-    assert eagle.max_depth == EAGLE_DEPTH == 1 and eagle.mode == "chain"
+    assert eagle.max_depth == EAGLE_DEPTH == 1 and eagle.mode == "chain" and eagle.confidence == 0
     auto = chat_proposers(model, "auto", "smollm2-135m")
     assert set(auto) == {"eagle-lookup", "lookup"} and isinstance(auto["lookup"], PromptLookup)
     both = auto["eagle-lookup"]

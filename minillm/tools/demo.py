@@ -28,7 +28,7 @@ import sys
 from ..backend import fast_products, set_fast_products
 from ..chat import answer, turn_summary
 from ..checkpoint import CheckpointError, load_model
-from ..eagle import EagleDraft, EagleProposer, shipped_draft_path
+from ..eagle import EagleDraft, shipped_draft_path
 from ..generate import generate
 from ..measure import TimedProposer, time_pairs
 from ..notebook import format_table
@@ -36,7 +36,7 @@ from ..registry import SMOLLM2
 from ..registry import load_model as load_any_model
 from ..sampling import SamplingSettings
 from ..speculative import speculative_generate
-from ..speculative_chat import EAGLE_DEPTH  # part 3 drafts as the chat does: the chain length measured best
+from ..speculative_chat import EAGLE_DEPTH, chat_eagle  # part 3 drafts as the chat does
 from ..token_tree import tree_generate
 from .chat_cli import check_message
 from .options import MAX_NEW_TOKENS, add_weights_option, finite_float, int_in, new_tokens, positive_int, seed_int
@@ -96,7 +96,7 @@ def real_model_speculation(model, tok, args) -> None:
         return last["plain"]
 
     def eagle():
-        last["draft"] = TimedProposer(EagleProposer(draft, "chain", depth=EAGLE_DEPTH))
+        last["draft"] = TimedProposer(chat_eagle(draft))
         return tree_generate(model, ids, n, last["draft"], temperature=0.0)
 
     before = fast_products()
@@ -130,8 +130,9 @@ def speculation_verdict(method: str, speedup: float, stats, chapter: int, draft_
     """
     tau = stats.tokens_per_call
     cost = tau / speedup
-    split = "" if draft_share is None else (f" (drafting {stats.k} tokens {draft_share * cost:.2f}, verifying "
-                                            f"{stats.k + 1} and the rest {(1 - draft_share) * cost:.2f})")
+    drafted = stats.verified / max(stats.rounds, 1)  # a round's draft tokens, on average (a chain may stop early)
+    split = "" if draft_share is None else (f" (drafting {drafted:.1f} tokens {draft_share * cost:.2f}, verifying "
+                                            f"{drafted + 1:.1f} and the rest {(1 - draft_share) * cost:.2f})")
     verdict = "pays" if speedup >= 1 else "does not pay"
     return (f"{method} {verdict} here ({speedup:.2f}x): a round costs {cost:.2f} decode steps{split} and yields "
             f"{tau:.2f} tokens, the target keeping {stats.alpha:.0%} of the draft's guesses; see chapter {chapter}")

@@ -73,7 +73,7 @@ def make_proposer(method: str, model, args):
     if method.startswith("eagle-"):
         draft = EagleDraft.load(model, args.draft or shipped_draft_path(SMOLLM2))
         mode = "tree" if method == "eagle-tree" else "chain"
-        eagle = EagleProposer(draft, mode, depth=args.depth, max_nodes=args.tree_nodes)
+        eagle = EagleProposer(draft, mode, depth=args.depth, max_nodes=args.tree_nodes, confidence=args.confidence)
         return chat_eagle_lookup(eagle) if method == "eagle-lookup" else eagle
     if method == "lookup":
         return chat_lookup()  # as chat --speculate drafts: a verify the kernels take whole
@@ -243,6 +243,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-new-tokens", type=count, default=48, help="tokens per answer (default 48)")
     parser.add_argument("--repeat", type=count, default=1, help="timed pairs per prompt after the warm-up (default 1)")
     parser.add_argument("--depth", type=int_in(1, 12), default=4, help="EAGLE: draft tokens per round (default 4)")
+    parser.add_argument("--confidence", type=float_in(0.0, 1.0), default=0.0,
+                        help="EAGLE chain: go past a token only where the draft gave it this probability or more "
+                        "(default 0: always --depth tokens)")
     parser.add_argument("--tree-nodes", type=int_in(2, 64), default=12, help="EAGLE tree: nodes verified (default 12)")
     parser.add_argument("--draft", default=None, help="an EAGLE draft file (default: the one shipped for SmolLM2)")
     add_weights_option(parser)
