@@ -297,9 +297,8 @@ class EagleProposer:
     observation that a draft's confidence tracks how often its guess is accepted, used to size a chain round
     by round (0, the default: always ``depth`` tokens). mode "tree": ``depth`` levels; each expands the
     ``width`` open nodes of highest path probability by their ``top_k`` likeliest tokens (deterministic
-    candidates, q one-hot), and
-    the ``max_nodes`` - 1 best nodes of all drafted form the tree (scores only fall along a path, so
-    they are prefix-closed).
+    candidates, q one-hot), and the ``max_nodes`` - 1 best nodes of all drafted form the tree (scores only
+    fall along a path, so they are prefix-closed).
     """
 
     def __init__(self, draft: EagleDraft, mode: str = "chain", depth: int = 5, top_k: int = 4, width: int = 4,
