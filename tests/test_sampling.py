@@ -65,6 +65,21 @@ def test_temperature_scales_logits():
     sharp = logits_to_probs(logits, temperature=0.5)  # p^2 renormalized
     np.testing.assert_allclose(sharp, np.array([0.25, 0.0625, 0.0625]) / 0.375)
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_probs_are_the_softmax_and_leave_the_logits_as_they_were(dtype, temperature):
+    """``probs`` works in place on its own float64 copy: equal bit for bit to the softmax written with
+    temporaries, and the caller's logits (a batch of rows, float32 or already float64) unchanged. Fails for a
+    copy skipped on float64 input, or the temperature or the row maximum applied to the wrong rows."""
+    logits = (np.random.default_rng(3).normal(size=(2, 3, 50)) * 4.0).astype(dtype)
+    before = logits.copy()
+    scaled = logits.astype(np.float64) / temperature
+    expected = np.exp(scaled - scaled.max(axis=-1, keepdims=True))
+    expected /= expected.sum(axis=-1, keepdims=True)
+    np.testing.assert_array_equal(logits_to_probs(logits, temperature=temperature), expected)
+    np.testing.assert_array_equal(logits, before)
+
+
 
 @pytest.mark.exercise("1.1")
 def test_top_k_keeps_exactly_the_k_largest():

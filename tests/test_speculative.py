@@ -289,6 +289,9 @@ def test_residual_worked_example():
     """p = [.5, .5, 0, 0], q uniform -> [.5, .5, 0, 0]; and a case where only part is left."""
     np.testing.assert_allclose(residual_distribution([0.5, 0.5, 0, 0], [0.25] * 4), [0.5, 0.5, 0, 0])
     np.testing.assert_allclose(residual_distribution([0.6, 0.4], [0.2, 0.8]), [1.0, 0.0])
+    p, q = np.array([0.6, 0.4]), np.array([0.2, 0.8])
+    residual_distribution(p, q)
+    assert p.tolist() == [0.6, 0.4] and q.tolist() == [0.2, 0.8], "p and q are the caller's: left as they were"
 
 
 @pytest.mark.exercise("5.1")
