@@ -56,7 +56,7 @@ from .draft_free import MAX_NGRAM, long_ngram_lookup
 from .kv_cache import KVCache, MaskedView
 from .llama import Llama, model_weight
 from .model import new_positions
-from .quantize import block_format, kept_in_blocks
+from .quantize import FORMATS, block_format, kept_in_blocks
 from .sampling import finite_real, sample
 from .token_tree import Proposal, Round, TokenTree
 
@@ -64,6 +64,7 @@ EAGLE_FORMAT = "minillm-eagle-1"
 MIN_SUBSET, DEFAULT_SUBSET = 16, 8192
 MAX_DEPTH = 12  # draft tokens per round (chain length or tree depth)
 MAX_TREE_NODES = 64
+HEAD_FORMATS = ("Q8_0", "Q4_1")  # a draft's head requantized (``head_in``): SmolLM2 keeps its own in Q8_0
 DRAFT_KIND = "EAGLE draft"
 DRAFT_RETRAIN = "python -m minillm eagle-data --out DIR, then eagle-train --data DIR --out DRAFT.npz"
 DRAFT_OPTION = "--eagle-draft DRAFT.npz"
@@ -141,13 +142,24 @@ def in_target_format(target, params: dict) -> dict:
             if name in like and np.ndim(w) == 2 and kept_in_blocks(like[name]) else w for name, w in params.items()}
 
 
+def head_in(name: str, rows):
+    """The head's rows E_S requantized to the blocks of ``name`` (one of ``HEAD_FORMATS``): SmolLM2's head is
+    Q8_0, 8.5 bits a weight, half a draft step's bytes; in Q4_1 it is 5 bits a weight, and the draft's guesses
+    move with it."""
+    if name not in HEAD_FORMATS:
+        raise ValueError(f"a draft's head format must be one of {', '.join(HEAD_FORMATS)}, got {name!r}")
+    return FORMATS[name].quantize(host_float32(rows))
+
+
 class EagleDraft:
     """EAGLE's draft on a frozen ``target`` (a ``Llama``): ``params`` (``draft_param_shapes``) and ``subset`` ids.
 
     ``keep_blocks``: keep the matrices in the target's blocks (``in_target_format``) and the head as the target's
-    own blocks of the rows S, for drafting; the default keeps float32 arrays, which training updates."""
+    own blocks of the rows S, for drafting; the default keeps float32 arrays, which training updates. With
+    ``head_format`` (drafting only) the head's rows are requantized to that format's blocks (``head_in``)."""
 
-    def __init__(self, target, params: dict, subset, keep_blocks: bool = False, tap_layers=()):
+    def __init__(self, target, params: dict, subset, keep_blocks: bool = False, tap_layers=(),
+                 head_format: str | None = None):
         if not isinstance(target, Llama):
             raise ValueError(f"an EAGLE draft reads a Llama's features (smollm2-135m), not a {type(target).__name__}'s")
         self.target = target
@@ -167,11 +179,13 @@ class EagleDraft:
                 raise ValueError(f"EAGLE draft parameter {name}: expected shape {shape}, got {got}")
         self.config = replace(cfg, n_layer=1, vocab_size=len(subset), tie_embeddings=True)  # the head E_S
         head = target.lm_head
+        if head_format is not None and not keep_blocks:
+            raise ValueError("a draft's head_format is for drafting (keep_blocks=True): training updates float32")
         if keep_blocks:
             params = in_target_format(target, params)
         layer_params = {k: v for k, v in params.items() if k not in ("fc.weight", "fuse.weight")}
-        layer_params["embed_tokens.weight"] = (head.unpack(subset) if keep_blocks and kept_in_blocks(head)
-                                               else head[xp.asarray(subset)])  # (V', C): E_S, frozen
+        rows = head.unpack(subset) if keep_blocks and kept_in_blocks(head) else head[xp.asarray(subset)]  # E_S, frozen
+        layer_params["embed_tokens.weight"] = rows if head_format is None else head_in(head_format, rows)  # (V', C)
         self.layer = Llama(self.config, layer_params, attention=target.attention_name)  # one block, its own stacks
         own = ("fc.weight", "fuse.weight")  # the input projections: not the layer's
         self.params = {name: model_weight(params[name]) if kept_in_blocks(params[name])
@@ -244,13 +258,13 @@ class EagleDraft:
         atomic_save_npz(path, arrays | {"subset": self.subset.astype(np.int32), HEADER_KEY: encode_header(header)})
 
     @classmethod
-    def load(cls, target, path, keep_blocks: bool = True) -> EagleDraft:
-        """A draft saved by ``save``, its matrices in the target's blocks unless ``keep_blocks`` is False;
-        CheckpointError (one line) for another format, a draft trained for another target, or an array of
-        another name, shape or dtype (all before any array is read), or not finite."""
+    def load(cls, target, path, keep_blocks: bool = True, head_format: str | None = None) -> EagleDraft:
+        """A draft saved by ``save``, its matrices in the target's blocks unless ``keep_blocks`` is False (its head
+        in ``head_format``'s, when given); CheckpointError (one line) for another format, a draft trained for
+        another target, or an array of another name, shape or dtype (all before any array is read), or not finite."""
         header, arrays = read_npz(path, lambda header: draft_layout(header, target, path), DRAFT_KIND)
         subset = arrays.pop("subset")
-        return cls(target, arrays, subset, keep_blocks, header.get("tap_layers", []))
+        return cls(target, arrays, subset, keep_blocks, header.get("tap_layers", []), head_format)
 
 
 def draft_layout(header: dict, target, path) -> dict:

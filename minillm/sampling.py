@@ -34,6 +34,9 @@ from .backend import to_numpy
 # gap of 1e-3 is already a factor e^-1000 = 0 in float64), and dividing by a subnormal such as
 # 1e-320 turns logits into inf and the probabilities into NaN. Use 0 for greedy decoding.
 MIN_TEMPERATURE = 1e-6
+# ``nucleus``: how the candidates' cut falls, and how far past p their mass must be (top-p's "mass before" of
+# the next token is that mass plus and minus the token's own probability, rounded: an ulp or two below it at worst)
+NUCLEUS_STEP, NUCLEUS_MARGIN = 1 / 16, 1e-12
 
 
 def finite_real(x) -> bool:
@@ -98,7 +101,7 @@ class SamplingSettings:
         probs = np.exp(logits, out=logits)
         probs /= probs.sum(axis=-1, keepdims=True)
         if self.top_p is not None and self.top_p < 1:
-            probs = top_p_filter(probs, self.top_p)
+            probs = nucleus(probs, self.top_p)
         return probs
 
     def next_token(self, logits, rng: np.random.Generator) -> int:
@@ -106,7 +109,7 @@ class SamplingSettings:
         greedy decoding takes the argmax directly; it needs no probability vector."""
         if self.greedy:
             return int(check_finite_rows(to_numpy(checked_argmax(logits))))
-        return sample(self.probs(logits), rng)
+        return sample(self.probs(logits), rng, overwrite=True)  # its own probabilities: the CDF goes in them
 
 
 def next_tokens(logits, settings, rngs) -> list[int]:
@@ -147,7 +150,7 @@ def logits_to_probs(logits, temperature=1.0, top_k=None, top_p=None):
 def top_k_filter(logits, k):
     """Set every logit below the k-th largest of its row to -inf.  [2, 1, 0], k=2 -> [2, 1, -inf]"""
     # EXERCISE 1.1 BEGIN: keep the k largest logits of each row (ties with the k-th kept), -inf elsewhere
-    kth = np.sort(logits, axis=-1)[..., -k, None]  # the k-th largest logit of each row
+    kth = np.partition(logits, -k, axis=-1)[..., -k, None]  # the k-th largest logit of each row (no full sort)
     return np.where(logits >= kth, logits, -np.inf)
     # EXERCISE 1.1 END
 
@@ -168,17 +171,46 @@ def top_p_filter(probs, p):
     # EXERCISE 1.2 END
 
 
-def sample(probs, rng: np.random.Generator):
+def nucleus(probs, p):
+    """``top_p_filter`` run on each row's few tokens that can be kept, in place (``probs`` is the caller's own
+    array, ``SamplingSettings.probs``'): the same tokens kept, their probabilities within rounding (the
+    renormalizing sum runs over fewer zeros).  (..., V) -> (..., V), ``probs`` itself where it is contiguous
+
+    Sorting a row of SmolLM2's 49,152 probabilities took 4.4 ms, 40 % of a decode step, where the nucleus of
+    p = 0.9 at a chat's temperature holds a few tokens. The candidates are the tokens at least 1/16 as likely as
+    the most likely one, then 1/256, ... (ties all in: the first tokens of the sorted row) until their mass
+    passes p, each a single comparison over the row; every token after them has that mass before it, so top-p
+    drops it either way. Past a quarter of the row the whole row is taken."""
+    size = probs.shape[-1]
+    rows = np.ascontiguousarray(probs).reshape(-1, size)  # probs itself, unless it was not laid out in rows
+    for row in rows:
+        cut, candidates = row.max(), None
+        while candidates is None:
+            cut *= NUCLEUS_STEP
+            these = np.flatnonzero(row >= cut)
+            if len(these) > size // 4:
+                candidates = np.arange(size)
+            elif np.cumsum(np.sort(row[these])[::-1])[-1] >= p + NUCLEUS_MARGIN:  # their mass, summed as top-p
+                candidates = these
+        kept = top_p_filter(row[candidates], p)
+        row[:] = 0.0
+        row[candidates] = kept
+    return rows.reshape(probs.shape)
+
+
+def sample(probs, rng: np.random.Generator, overwrite: bool = False):
     """Draw one token per row by inverting the CDF with one uniform number per row.
 
     (V,) -> int, or (..., V) -> (...) int array. Never returns a zero-probability token.
+    ``overwrite``: ``probs`` is the caller's scratch (float64), and the CDF is built in it rather than in a new
+    array: on SmolLM2's 49,152 tokens a draw took 0.26 ms so against 0.42 (``next_token``'s own probabilities).
     """
     if not isinstance(rng, np.random.Generator):
         raise TypeError("sample needs an explicit numpy.random.Generator")
     probs = np.asarray(probs, dtype=np.float64)
-    cdf = np.cumsum(probs, axis=-1)
+    last_nonzero = probs.shape[-1] - 1 - np.argmax(probs[..., ::-1] > 0, axis=-1)
+    cdf = np.cumsum(probs, axis=-1, out=probs if overwrite else None)
     u = rng.random(probs.shape[:-1] + (1,)) * cdf[..., -1:]  # uniform in [0, total mass)
     idx = (cdf <= u).sum(axis=-1)  # the first index whose CDF exceeds u
-    last_nonzero = probs.shape[-1] - 1 - np.argmax(probs[..., ::-1] > 0, axis=-1)
     idx = np.minimum(idx, last_nonzero)  # guard against u landing on a rounding sliver
     return int(idx) if idx.ndim == 0 else idx

@@ -29,7 +29,7 @@ from minillm.eagle_train import AheadContext, draft_forward_backward, draft_step
 from minillm.generate import generate
 from minillm.kv_cache import KVCache, MaskedView
 from minillm.llama import Llama, apply_rope, rms_norm, rope_cos_sin
-from minillm.quantize import as_blocks, block_format, kept_in_blocks
+from minillm.quantize import Q4_1, as_blocks, block_format, kept_in_blocks
 from minillm.sampling import SamplingSettings
 from minillm.token_tree import Round, TokenTree, tree_generate, verify_tree
 
@@ -771,6 +771,30 @@ def test_a_draft_in_blocks_keeps_the_targets_formats_and_head_bytes(block_pair):
     head = draft.layer.lm_head
     assert kept_in_blocks(head)
     np.testing.assert_array_equal(as_blocks(head).raw, as_blocks(target.lm_head).unpack(draft.subset).raw)
+
+
+@USES
+@pytest.mark.uses_exercise("13.1")
+def test_a_draft_head_requantized_to_q4_1_is_its_logits_and_stays_lossless(block_pair):
+    """head_format="Q4_1": the head is Q4_1's quantizer applied to the target's rows S (the reference dequantizer's
+    floats), the subset logits of a step are f^ times that head, and greedy speculation still writes the target's
+    tokens. Refused: a format outside HEAD_FORMATS, and a head_format on a float32 draft (for training)."""
+    target, _, dense = block_pair
+    params = {k: to_numpy(v) for k, v in dense.params.items()}
+    draft = EagleDraft(target, params, dense.subset, keep_blocks=True, head_format="Q4_1")
+    want = Q4_1.quantize(as_blocks(target.lm_head).unpack(dense.subset).dequantize())
+    assert block_format(draft.layer.lm_head) is Q4_1
+    np.testing.assert_array_equal(as_blocks(draft.layer.lm_head).raw, want.raw)
+    feats = np.random.default_rng(2).normal(0.0, 1.0, (3, target.config.n_embd)).astype(np.float32)
+    f_hat, logits = draft.step(feats, [1, 4, 2], draft.new_cache(8))
+    ref = to_numpy(f_hat) @ want.dequantize().T
+    assert np.abs(to_numpy(logits) - ref).max() <= 2e-4 * np.abs(ref).max()
+    out = tree_generate(target, PROMPT, 16, EagleProposer(draft, "chain", depth=3), temperature=0.0)
+    assert out.tokens == generate(target, PROMPT, 16, temperature=0.0).tokens
+    with pytest.raises(ValueError, match="head format must be one of"):
+        EagleDraft(target, params, dense.subset, keep_blocks=True, head_format="Q2_K")
+    with pytest.raises(ValueError, match="for drafting"):
+        EagleDraft(target, params, dense.subset, head_format="Q4_1")
 
 
 @pytest.mark.uses_exercise("13.1", "8.1", "8.2", "8.3", "3.1", "3.3")

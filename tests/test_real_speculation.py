@@ -125,11 +125,19 @@ def test_every_run_stops_at_the_replys_end_of_turn():
 
 @USES
 def test_the_chains_depth_and_confidence_reach_the_proposer(monkeypatch):
-    """--depth and --confidence size EAGLE's chain, alone and with lookup's beside it."""
+    """--depth and --confidence size EAGLE's chain, alone and with lookup's beside it; --draft-head reaches the
+    draft's load."""
     model = Llama.init(CFG, seed=1)
-    monkeypatch.setattr(EagleDraft, "load", classmethod(lambda cls, target, path: EagleDraft.init(target, [0, 3, 5])))
-    args = argparse.Namespace(draft="draft.npz", depth=3, tree_nodes=12, confidence=0.85)
+    heads = []
+
+    def load(cls, target, path, head_format):
+        heads.append(head_format)
+        return EagleDraft.init(target, [0, 3, 5])
+
+    monkeypatch.setattr(EagleDraft, "load", classmethod(load))
+    args = argparse.Namespace(draft="draft.npz", depth=3, tree_nodes=12, confidence=0.85, draft_head="Q4_1")
     chain = rs.make_proposer("eagle-chain", model, args)
     assert (chain.mode, chain.max_depth, chain.confidence) == ("chain", 3, 0.85)
+    assert heads == ["Q4_1"]
     joined = rs.make_proposer("eagle-lookup", model, args).eagle
     assert (joined.max_depth, joined.confidence) == (3, 0.85)

@@ -104,6 +104,15 @@ def test_top_k_and_top_p_filter_each_row_of_a_batch_alone(setting):
 
 
 @pytest.mark.exercise("1.2")
+def test_top_p_filter_itself_takes_each_row_of_a_batch_alone():
+    """top_p_filter on (B, T, V) probabilities directly (``nucleus`` hands it one row at a time; other callers
+    may not): every row as it is alone. Fails for a row's running mass taken over the whole batch."""
+    probs = SamplingSettings(1.0).probs(np.random.default_rng(5).normal(size=(2, 3, 7)) * 2.0)
+    alone = [[sampling.top_p_filter(row, 0.6) for row in rows] for rows in probs]
+    np.testing.assert_allclose(sampling.top_p_filter(probs, 0.6), alone, atol=1e-12)
+
+
+@pytest.mark.exercise("1.2")
 def test_top_p_keeps_smallest_set_reaching_p():
     base = np.array([0.5, 0.3, 0.15, 0.05])
     logits = np.log(base)
@@ -111,6 +120,37 @@ def test_top_p_keeps_smallest_set_reaching_p():
     np.testing.assert_allclose(logits_to_probs(logits, top_p=0.6), [0.625, 0.375, 0, 0])
     np.testing.assert_allclose(logits_to_probs(logits, top_p=0.9), np.r_[base[:3], 0] / 0.95)
     np.testing.assert_allclose(logits_to_probs(logits, top_p=0.01), [1, 0, 0, 0])  # top token always kept
+
+
+def nucleus_rows(size=3000):
+    """Rows of ``size`` probabilities whose nucleus lies at each stage of ``sampling.nucleus``'s search: a few
+    tokens, hundreds, nearly all (flat), and 400 tokens of one probability straddling where p is reached."""
+    rng = np.random.default_rng(8)
+    rows = [np.exp(rng.normal(size=size) * scale) for scale in (6.0, 2.0, 0.1)]
+    tied = np.full(size, 1e-9)
+    tied[rng.choice(size, 400, replace=False)] = 1.0  # 400 equal tokens, scattered: which come first decides
+    rows.append(tied)
+    return [row / row.sum() for row in rows]
+
+
+@pytest.mark.exercise("1.2")
+@pytest.mark.parametrize("p", [0.3, 0.9, 0.999])
+def test_nucleus_keeps_what_top_p_keeps_on_a_large_vocabulary(p):
+    """``nucleus`` (top-p on the few tokens it can keep) against top-p over the whole row: the same tokens kept
+    and the same probabilities within rounding, for nuclei of a few tokens, hundreds and nearly all, and for
+    ties straddling the cut, where sorting keeps the lower ids first; a batch and a row that is not contiguous.
+    Fails for candidates whose ties come higher ids first, for a search that stops before their mass reaches p,
+    and for candidates put back at the wrong ids."""
+    for row in nucleus_rows():
+        want = sampling.top_p_filter(row, p)
+        got = sampling.nucleus(row.copy(), p)
+        np.testing.assert_array_equal(got > 0, want > 0)
+        np.testing.assert_allclose(got, want, rtol=1e-12, atol=0)
+    batch = np.stack(nucleus_rows()).reshape(2, 2, -1)
+    want = [[sampling.top_p_filter(r, p) for r in rows] for rows in batch]
+    np.testing.assert_allclose(sampling.nucleus(batch.copy(), p), want, rtol=1e-12, atol=0)
+    strided = np.stack([batch[0, 0], batch[0, 0]], axis=1)[:, 0]  # a view every other float
+    np.testing.assert_allclose(sampling.nucleus(strided, p), want[0][0], rtol=1e-12, atol=0)
 
 
 BAD_SETTINGS = {  # test id -> (arguments, the setting the error names); ids avoid the 1.1/1.2 keywords
@@ -173,6 +213,20 @@ def test_sample_frequencies_and_never_zero_probability():
     freq = np.bincount(draws, minlength=4) / len(draws)
     assert freq[1] == 0
     np.testing.assert_allclose(freq, p, atol=0.01)
+
+
+def test_sample_overwriting_its_probabilities_draws_the_same_tokens():
+    """``overwrite=True`` builds the CDF in the caller's array: the same draws as a fresh CDF, for one row and a batch,
+    with zero-probability tokens inside and at the end, and the array is then the CDF. Fails for a CDF written
+    somewhere else than asked."""
+    rows = np.random.default_rng(4).dirichlet(np.full(9, 0.5), size=(3, 50))
+    rows[..., [2, 7, 8]] = 0.0
+    want = sample(rows, np.random.default_rng(2))
+    scratch = rows.copy()
+    np.testing.assert_array_equal(sample(scratch, np.random.default_rng(2), overwrite=True), want)
+    np.testing.assert_array_equal(scratch, np.cumsum(rows, axis=-1))
+    assert sample(rows[0, 0].copy(), np.random.default_rng(3), overwrite=True) == sample(rows[0, 0],
+                                                                                          np.random.default_rng(3))
 
 
 def test_seeded_sampling_is_reproducible_and_seed_dependent():

@@ -52,7 +52,7 @@ import numpy as np
 
 from ...backend import set_fast_products, to_numpy
 from ...draft_free import LayerSkip
-from ...eagle import EagleDraft, EagleProposer, shipped_draft_path
+from ...eagle import HEAD_FORMATS, EagleDraft, EagleProposer, shipped_draft_path
 from ...generate import generate
 from ...measure import TimedProposer, step_time, time_fn, timed, verify_cost
 from ...medusa import MedusaHeads, MedusaProposer, shipped_heads_path
@@ -71,7 +71,7 @@ TEMPERATURES = (0.0, 0.7, 1.0)
 
 def make_proposer(method: str, model, args):
     if method.startswith("eagle-"):
-        draft = EagleDraft.load(model, args.draft or shipped_draft_path(SMOLLM2))
+        draft = EagleDraft.load(model, args.draft or shipped_draft_path(SMOLLM2), head_format=args.draft_head)
         mode = "tree" if method == "eagle-tree" else "chain"
         eagle = EagleProposer(draft, mode, depth=args.depth, max_nodes=args.tree_nodes, confidence=args.confidence)
         return chat_eagle_lookup(eagle) if method == "eagle-lookup" else eagle
@@ -248,6 +248,8 @@ def main(argv=None) -> int:
                         "(default 0: always --depth tokens)")
     parser.add_argument("--tree-nodes", type=int_in(2, 64), default=12, help="EAGLE tree: nodes verified (default 12)")
     parser.add_argument("--draft", default=None, help="an EAGLE draft file (default: the one shipped for SmolLM2)")
+    parser.add_argument("--draft-head", choices=HEAD_FORMATS, default=None,
+                        help="EAGLE: the draft's head requantized to these blocks (default: the target's own rows)")
     add_weights_option(parser)
     parser.add_argument("--products", choices=["fast", "blas"], default="fast",
                         help="weight products of plain and speculative decoding alike: fast (streaming where "
