@@ -109,7 +109,7 @@ class SamplingSettings:
         greedy decoding takes the argmax directly; it needs no probability vector."""
         if self.greedy:
             return int(check_finite_rows(to_numpy(checked_argmax(logits))))
-        return sample(self.probs(logits), rng, overwrite=True)  # its own probabilities: the CDF goes in them
+        return sample(self.probs(logits), rng)
 
 
 def next_tokens(logits, settings, rngs) -> list[int]:
@@ -198,19 +198,17 @@ def nucleus(probs, p):
     return rows.reshape(probs.shape)
 
 
-def sample(probs, rng: np.random.Generator, overwrite: bool = False):
+def sample(probs, rng: np.random.Generator):
     """Draw one token per row by inverting the CDF with one uniform number per row.
 
     (V,) -> int, or (..., V) -> (...) int array. Never returns a zero-probability token.
-    ``overwrite``: ``probs`` is the caller's scratch (float64), and the CDF is built in it rather than in a new
-    array: on SmolLM2's 49,152 tokens a draw took 0.26 ms so against 0.42 (``next_token``'s own probabilities).
     """
     if not isinstance(rng, np.random.Generator):
         raise TypeError("sample needs an explicit numpy.random.Generator")
     probs = np.asarray(probs, dtype=np.float64)
-    last_nonzero = probs.shape[-1] - 1 - np.argmax(probs[..., ::-1] > 0, axis=-1)
-    cdf = np.cumsum(probs, axis=-1, out=probs if overwrite else None)
+    cdf = np.cumsum(probs, axis=-1)
     u = rng.random(probs.shape[:-1] + (1,)) * cdf[..., -1:]  # uniform in [0, total mass)
     idx = (cdf <= u).sum(axis=-1)  # the first index whose CDF exceeds u
+    last_nonzero = probs.shape[-1] - 1 - np.argmax(probs[..., ::-1] > 0, axis=-1)
     idx = np.minimum(idx, last_nonzero)  # guard against u landing on a rounding sliver
     return int(idx) if idx.ndim == 0 else idx

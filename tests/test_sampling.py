@@ -215,20 +215,6 @@ def test_sample_frequencies_and_never_zero_probability():
     np.testing.assert_allclose(freq, p, atol=0.01)
 
 
-def test_sample_overwriting_its_probabilities_draws_the_same_tokens():
-    """``overwrite=True`` builds the CDF in the caller's array: the same draws as a fresh CDF, for one row and a batch,
-    with zero-probability tokens inside and at the end, and the array is then the CDF. Fails for a CDF written
-    somewhere else than asked."""
-    rows = np.random.default_rng(4).dirichlet(np.full(9, 0.5), size=(3, 50))
-    rows[..., [2, 7, 8]] = 0.0
-    want = sample(rows, np.random.default_rng(2))
-    scratch = rows.copy()
-    np.testing.assert_array_equal(sample(scratch, np.random.default_rng(2), overwrite=True), want)
-    np.testing.assert_array_equal(scratch, np.cumsum(rows, axis=-1))
-    assert sample(rows[0, 0].copy(), np.random.default_rng(3), overwrite=True) == sample(rows[0, 0],
-                                                                                          np.random.default_rng(3))
-
-
 def test_seeded_sampling_is_reproducible_and_seed_dependent():
     p = np.full(10, 0.1)
     a = [sample(p, np.random.default_rng(7)) for _ in range(3)]
