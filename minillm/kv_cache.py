@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .backend import xp
+from .backend import cache_zeros, xp
 from .cache_contract import CacheFullError, DecodeCache, ForwardCache
 from .config import check_count
 
@@ -62,8 +62,8 @@ class KVCache:
         self.config, self.batch_size, self.max_len = config, batch_size, max_len
         shape = (batch_size, config.n_kv_head, max_len, config.head_size)  # (B, n_kv_head, max_len, hs)
         dtype = xp.float32 if dtype is None else dtype
-        self.k = [xp.zeros(shape, dtype=dtype) for _ in range(config.n_layer)]
-        self.v = [xp.zeros(shape, dtype=dtype) for _ in range(config.n_layer)]
+        self.k = [cache_zeros(shape, dtype=dtype) for _ in range(config.n_layer)]
+        self.v = [cache_zeros(shape, dtype=dtype) for _ in range(config.n_layer)]
         self.length = 0
 
     def positions(self, T: int):

@@ -28,7 +28,7 @@ the cache saves memory, not arithmetic.
 
 from __future__ import annotations
 
-from .backend import xp
+from .backend import cache_zeros, xp
 from .kv_cache import KVCache, cache_capacity
 from .quantize import INT8_MAX
 
@@ -69,10 +69,10 @@ class Int8KVCache:
         self.config, self.batch_size, self.max_len = config, batch_size, max_len
         shape = (batch_size, config.n_kv_head, max_len, config.head_size)  # (B, n_kv_head, max_len, hs)
         scale_shape = shape[:3] + (1,)  # (B, n_kv_head, max_len, 1): one scale per head and position
-        self.k = [xp.zeros(shape, dtype=xp.int8) for _ in range(config.n_layer)]
-        self.v = [xp.zeros(shape, dtype=xp.int8) for _ in range(config.n_layer)]
-        self.k_scale = [xp.zeros(scale_shape, dtype=xp.float32) for _ in range(config.n_layer)]
-        self.v_scale = [xp.zeros(scale_shape, dtype=xp.float32) for _ in range(config.n_layer)]
+        self.k = [cache_zeros(shape, dtype=xp.int8) for _ in range(config.n_layer)]
+        self.v = [cache_zeros(shape, dtype=xp.int8) for _ in range(config.n_layer)]
+        self.k_scale = [cache_zeros(scale_shape, dtype=xp.float32) for _ in range(config.n_layer)]
+        self.v_scale = [cache_zeros(scale_shape, dtype=xp.float32) for _ in range(config.n_layer)]
         self.length = 0
 
     positions = KVCache.positions

@@ -42,7 +42,7 @@ from collections import deque
 import numpy as np
 
 from .attention import naive_attention, softmax
-from .backend import xp
+from .backend import cache_zeros, xp
 from .cache_contract import CacheFullError
 from .config import check_count
 from .flash_attention import auto_attention, naive_fits
@@ -189,8 +189,8 @@ class PagedKVCache:
         self.allocator = BlockAllocator(num_blocks)
         shape = (num_blocks, config.n_kv_head, page_size, config.head_size)  # (num_blocks, n_kv_head, bs, hs)
         dtype = xp.float32 if dtype is None else dtype
-        self.k = [xp.zeros(shape, dtype=dtype) for _ in range(config.n_layer)]
-        self.v = [xp.zeros(shape, dtype=dtype) for _ in range(config.n_layer)]
+        self.k = [cache_zeros(shape, dtype=dtype) for _ in range(config.n_layer)]
+        self.v = [cache_zeros(shape, dtype=dtype) for _ in range(config.n_layer)]
         self.max_len = config.block_size  # tokens per sequence (the model's context)
         self.block_tables: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}

@@ -331,3 +331,56 @@ def test_prefill_in_pieces_equals_one_forward_and_feeds_at_most_chunk_tokens(tin
     cache = GrowingKVCache(tiny_model.config)
     np.testing.assert_allclose(to_numpy(prefill(tiny_model, prompt, cache, chunk=chunk)), one, atol=1e-4)
     assert sum(sizes) == len(prompt) == cache.length and max(sizes) <= chunk
+
+
+def buffer_mapping(a) -> dict:
+    """The /proc/self/smaps entry of the mapping that holds array ``a``'s first byte: {"Rss": kB, "VmFlags": [...]}."""
+    address, entry, found = a.ctypes.data, {}, False
+    with open("/proc/self/smaps") as smaps:
+        for line in smaps:
+            head = line.split()
+            if "-" in head[0] and ":" not in head[0]:  # a mapping's first line: "start-end perms ..."
+                if found:
+                    return entry
+                start, end = (int(x, 16) for x in head[0].split("-"))
+                found = start <= address < end
+            elif found and head[0] in ("Rss:", "VmFlags:"):
+                entry[head[0][:-1]] = int(head[1]) if head[0] == "Rss:" else head[1:]
+    return entry
+
+
+@pytest.mark.host_only
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/smaps"), reason="reads Linux's /proc/self/smaps")
+def test_a_long_cache_takes_its_memory_as_it_is_written():
+    """A KV cache as long as SmolLM2's context (8,192 positions, 3 heads of 64: 6.3 MB a layer's keys) holds only the
+    pages its tokens were written to: its buffers are not marked for 2 MB pages (``VmFlags`` hg, what NumPy asks of
+    every array of 4 MiB or more), and after a token in every head a layer's keys hold under 64 kB. The same for the
+    int8 cache (three sequences) and the paged pool. Fails for buffers made with ``np.zeros`` (0.5 s more before a
+    chat's first answer and 250 MB more resident, where the kernel grants 2 MB pages on request)."""
+    from minillm.config import LlamaConfig
+    from minillm.kv_quant import Int8KVCache
+    from minillm.paged_kv import PagedKVCache
+
+    cfg = LlamaConfig(vocab_size=16, block_size=8192, n_layer=1, n_head=9, n_kv_head=3, n_embd=576, n_hidden=64)
+    for buffers in (KVCache(cfg).k, Int8KVCache(cfg, batch_size=3).k, PagedKVCache(cfg, num_blocks=512).k):
+        keys = buffers[0]
+        assert keys.nbytes >= 4 << 20 and not keys.any()
+        keys[0, :, 0] = 1  # a token in every head of the first sequence (of the pool's first block)
+        mapping = buffer_mapping(keys)
+        assert "hg" not in mapping["VmFlags"] and mapping["Rss"] < 64, mapping
+
+
+@pytest.mark.host_only
+@pytest.mark.skipif(not hasattr(__import__("os"), "fork"), reason="needs os.fork")
+def test_a_cache_written_in_a_forked_child_stays_the_parents():
+    """A cache's buffers are the process's own memory: a child forked from it (a server's worker) that writes into
+    them changes its copy only. Fails for buffers mapped shared."""
+    import os
+
+    cache = KVCache(GPTConfig(vocab_size=16, block_size=8192, n_layer=1, n_head=2, n_embd=128))  # 4 MiB of keys
+    pid = os.fork()
+    if pid == 0:  # the child: write, and leave without running the parent's cleanup
+        cache.k[0][...] = 7.0
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert not cache.k[0].any()
