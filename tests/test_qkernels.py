@@ -14,6 +14,7 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -411,6 +412,65 @@ def test_llama_cpp_lookup_engine_drafts_with_llama_cpps_own_lookup(monkeypatch):
     assert tokens == [101, 102, 103, 104, 105] and first_s >= 0 and per_token_s >= 0
     assert calls == ["reset", ("generate", [1, 2, 3], 0.0, True)]
     assert quantized.LlamaCppEngine().llm is not None and made["draft_model"] is None  # plain: no draft
+
+
+def test_llama_cpp_samples_with_its_own_sampler_when_asked(monkeypatch):
+    """bench chat-speculation --temperature: llama.cpp's plain engine samples through its generate loop at that
+    temperature and top-p, with its top-k and min-p off (llama-cpp-python's defaults are 40 and 0.05), stopped after
+    the tokens wanted; greedy, it reads its logits' argmax after each eval, as before."""
+    import types as pytypes
+
+    from minillm import registry
+    from minillm.tools.benchmarks import quantized
+
+    calls = []
+
+    class Llama:
+        def __init__(self, **kwargs):
+            pass
+
+        def reset(self):
+            calls.append("reset")
+
+        def generate(self, prompt, reset, **sampler):
+            calls.append(("generate", list(prompt), reset, sampler))
+            yield from range(101, 200)
+
+    fake = pytypes.ModuleType("llama_cpp")
+    fake.Llama = Llama
+    speculative = pytypes.ModuleType("llama_cpp.llama_speculative")
+    speculative.LlamaPromptLookupDecoding = object
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative", speculative)
+    monkeypatch.setattr(quantized, "no_extra_buffers", lambda: None)
+    monkeypatch.setattr(registry, "smollm2_path", lambda: "model.gguf")
+    tokens, _, _ = quantized.LlamaCppEngine().answer([1, 2], 3, temperature=0.2, top_p=0.9)
+    assert tokens == [101, 102, 103]
+    assert calls == ["reset", ("generate", [1, 2], True, {"temp": 0.2, "top_p": 0.9, "top_k": 0, "min_p": 0.0})]
+
+
+def test_chat_benchmark_samples_as_the_chat_does(monkeypatch):
+    """bench chat-speculation --temperature / --top-p: each minillm reply is a turn at those settings; llama.cpp's
+    prompt lookup, which verifies greedily, is refused at a temperature above 0 before anything loads."""
+    from minillm.sampling import SamplingSettings
+    from minillm.tools.benchmarks import chat_speculation
+
+    turns = []
+
+    class FakeChat:
+        def reset(self):
+            turns.append("reset")
+
+        def turn(self, text, max_new_tokens, temperature, top_p):
+            turns.append((text, max_new_tokens, temperature, top_p))
+            return SimpleNamespace(tokens=[5, 6], stats=SimpleNamespace(tpot_s=0.01))
+
+    run = chat_speculation.reply(FakeChat(), "hi", 8, SamplingSettings(0.2, None, 0.9))
+    assert turns == ["reset", ("hi", 8, 0.2, 0.9)] and run == {"tokens": [5, 6], "ms_per_token": 10.0}
+    monkeypatch.setattr(chat_speculation, "llama_cpp_available", lambda: True)
+    monkeypatch.setattr(chat_speculation, "load_model", lambda name: pytest.fail("loaded before the refusal"))
+    with pytest.raises(ValueError, match="llama.cpp-lookup verifies greedily"):
+        chat_speculation.main(["--engines", "plain,llama.cpp-lookup", "--temperature", "0.2"])
 
 
 def test_decode_benchmark_says_when_an_engine_process_dies():

@@ -283,13 +283,16 @@ class LlamaCppEngine:
         logits = np.ctypeslib.as_array(self.llm._ctx.get_logits(), shape=(self.llm.n_vocab(),))
         return int(np.argmax(logits))
 
-    def answer(self, prompt: list[int], new_tokens: int) -> tuple[list[int], float, float]:
-        """-> (new_tokens tokens, seconds to the first, seconds per token after it)."""
+    def answer(self, prompt: list[int], new_tokens: int, temperature: float = 0.0,
+               top_p: float | None = None) -> tuple[list[int], float, float]:
+        """-> (new_tokens tokens, seconds to the first, seconds per token after it). At a temperature above 0 the
+        tokens are llama.cpp's own sampler's (its ``generate`` loop: temperature, top-p, no top-k and no min-p)."""
         self.llm.reset()
         start = time.perf_counter()
-        if self.lookup is not None:
+        if self.lookup is not None or temperature > 0:
             tokens, first = [], None
-            for token in self.llm.generate(prompt, temp=0.0, reset=True):
+            sampler = {"temp": temperature} | ({"top_p": top_p or 1.0, "top_k": 0, "min_p": 0.0} if temperature else {})
+            for token in self.llm.generate(prompt, reset=True, **sampler):
                 tokens.append(int(token))
                 first = first or time.perf_counter()
                 if len(tokens) == new_tokens:
