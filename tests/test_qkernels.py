@@ -369,13 +369,29 @@ def test_decode_benchmark_context_prompts_are_that_many_tokens():
     assert [len(p) for p in prompts] == [300, 300] and prompts[0] != prompts[1]
 
 
+def fake_llama_cpp(monkeypatch, llama, lookup=object) -> None:
+    """A stand-in for the optional llama-cpp-python: ``llama`` as ``llama_cpp.Llama``, ``lookup`` as its prompt
+    lookup, and the benchmark's file and buffer settings out of the way."""
+    import types as pytypes
+
+    from minillm import registry
+    from minillm.tools.benchmarks import quantized
+
+    fake = pytypes.ModuleType("llama_cpp")
+    fake.Llama = llama
+    speculative = pytypes.ModuleType("llama_cpp.llama_speculative")
+    speculative.LlamaPromptLookupDecoding = lookup
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative", speculative)
+    monkeypatch.setattr(quantized, "no_extra_buffers", lambda: None)
+    monkeypatch.setattr(registry, "smollm2_path", lambda: "model.gguf")
+
+
 def test_llama_cpp_lookup_engine_drafts_with_llama_cpps_own_lookup(monkeypatch):
     """bench chat-speculation's llama.cpp-lookup: llama-cpp-python's LlamaPromptLookupDecoding with the tokens asked
     for, its generate loop greedy (temperature 0), stopped after exactly the tokens wanted (the loop never ends by
     itself); a fake llama_cpp stands in for the optional package."""
-    import types as pytypes
 
-    from minillm import registry
     from minillm.tools.benchmarks import quantized
 
     made, calls = {}, []
@@ -398,14 +414,7 @@ def test_llama_cpp_lookup_engine_drafts_with_llama_cpps_own_lookup(monkeypatch):
                 token += 1
                 yield token
 
-    fake = pytypes.ModuleType("llama_cpp")
-    fake.Llama = Llama
-    speculative = pytypes.ModuleType("llama_cpp.llama_speculative")
-    speculative.LlamaPromptLookupDecoding = Lookup
-    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
-    monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative", speculative)
-    monkeypatch.setattr(quantized, "no_extra_buffers", lambda: None)
-    monkeypatch.setattr(registry, "smollm2_path", lambda: "model.gguf")
+    fake_llama_cpp(monkeypatch, Llama, Lookup)
     engine = quantized.LlamaCppEngine(lookup=4)
     assert made["num_pred_tokens"] == 4 and isinstance(made["draft_model"], Lookup) and made["n_threads"] == 1
     tokens, first_s, per_token_s = engine.answer([1, 2, 3], 5)
@@ -418,9 +427,7 @@ def test_llama_cpp_samples_with_its_own_sampler_when_asked(monkeypatch):
     """bench chat-speculation --temperature: llama.cpp's plain engine samples through its generate loop at that
     temperature and top-p, with its top-k and min-p off (llama-cpp-python's defaults are 40 and 0.05), stopped after
     the tokens wanted; greedy, it reads its logits' argmax after each eval, as before."""
-    import types as pytypes
 
-    from minillm import registry
     from minillm.tools.benchmarks import quantized
 
     calls = []
@@ -436,14 +443,7 @@ def test_llama_cpp_samples_with_its_own_sampler_when_asked(monkeypatch):
             calls.append(("generate", list(prompt), reset, sampler))
             yield from range(101, 200)
 
-    fake = pytypes.ModuleType("llama_cpp")
-    fake.Llama = Llama
-    speculative = pytypes.ModuleType("llama_cpp.llama_speculative")
-    speculative.LlamaPromptLookupDecoding = object
-    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
-    monkeypatch.setitem(sys.modules, "llama_cpp.llama_speculative", speculative)
-    monkeypatch.setattr(quantized, "no_extra_buffers", lambda: None)
-    monkeypatch.setattr(registry, "smollm2_path", lambda: "model.gguf")
+    fake_llama_cpp(monkeypatch, Llama)
     tokens, _, _ = quantized.LlamaCppEngine().answer([1, 2], 3, temperature=0.2, top_p=0.9)
     assert tokens == [101, 102, 103]
     assert calls == ["reset", ("generate", [1, 2], True, {"temp": 0.2, "top_p": 0.9, "top_k": 0, "min_p": 0.0})]
