@@ -177,7 +177,7 @@ def cache_zeros(shape, dtype):
     nbytes = math.prod(shape) * numpy.dtype(dtype).itemsize
     if nbytes < NUMPY_HUGE_PAGES:
         return numpy.zeros(shape, dtype=dtype)
-    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # zeros; a fork copies, not shares
+    memory = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # anonymous (no file): zeros; a fork copies, not shares
     return numpy.frombuffer(memory, dtype=dtype).reshape(shape)
 
 
