@@ -169,7 +169,7 @@ def cache_zeros(shape, dtype):
     """A cache's buffer of zeros, its memory taken as it is first written. On the host (Linux, macOS), from 4 MiB on,
     that is private anonymous memory in 4 KB pages: NumPy asks the kernel for 2 MB pages for every array of 4 MiB or
     more (``madvise``), and in a KV cache of SmolLM2's 8,192 positions, 6.3 MB of keys a layer, the first token
-    written into each head then zeroed and mapped 2 MB: a chat's first answer started 0.5 s later and held 250 MB
+    written into each head then zeroed and mapped 2 MB: a chat's first answer started up to 0.6 s later and held 256 MB
     more (docs/real_model.md). Smaller buffers are NumPy's own zeros; on a device (CuPy, the strict stand-in) and
     on Windows, ``xp.zeros``."""
     if is_gpu() or not hasattr(mmap, "MAP_PRIVATE"):

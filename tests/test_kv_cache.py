@@ -355,8 +355,8 @@ def test_a_long_cache_takes_its_memory_as_it_is_written():
     """A KV cache as long as SmolLM2's context (8,192 positions, 3 heads of 64: 6.3 MB a layer's keys) holds only the
     pages its tokens were written to: its buffers are not marked for 2 MB pages (``VmFlags`` hg, what NumPy asks of
     every array of 4 MiB or more), and after a token in every head a layer's keys hold under 64 kB. The same for the
-    int8 cache (three sequences) and the paged pool. Fails for buffers made with ``np.zeros`` (0.5 s more before a
-    chat's first answer and 250 MB more resident, where the kernel grants 2 MB pages on request)."""
+    int8 cache (three sequences) and the paged pool. Fails for buffers made with ``np.zeros`` (up to 0.6 s more before
+    a chat's first answer and 256 MB more resident, where the kernel grants 2 MB pages on request)."""
     from minillm.config import LlamaConfig
     from minillm.kv_quant import Int8KVCache
     from minillm.paged_kv import PagedKVCache
