@@ -133,7 +133,7 @@ class BPETokenizer:
             left, space, right = merge.partition(" ")
             if not space or left + right not in self.ids:
                 raise ValueError(f"merge {rank} ({merge!r}) does not make a token of the vocabulary")
-            self.ranks[(left, right)] = rank
+            self.ranks[(self.spelling(left), self.spelling(right))] = rank
         self.special = {self.tokens[i]: i for i in special}
         by_length = sorted(self.special, key=len, reverse=True)  # the longest match wins
         self.special_splitter = compile_isolating("|".join(regex.escape(s) for s in by_length)) if by_length else None
@@ -143,6 +143,12 @@ class BPETokenizer:
         self.default_system = default_system
         self.token_bytes = [self.spelled_bytes(i) for i in range(len(self.tokens))]  # id -> bytes
         self.word_cache: dict[str, list[int]] = {}
+
+    def spelling(self, symbol: str) -> str:
+        """The vocabulary's own string object for symbol (symbol itself if it is not a token): the merge table's
+        98k symbols then share the vocabulary's strings instead of holding copies, 5 MB for SmolLM2."""
+        i = self.ids.get(symbol)
+        return symbol if i is None else self.tokens[i]
 
     @property
     def vocab_size(self) -> int:

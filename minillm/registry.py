@@ -18,6 +18,7 @@ import importlib.util
 from pathlib import Path
 
 from . import checkpoint
+from .backend import trim_heap
 from .bpe import bpe_from_metadata
 from .gguf import GGUFError, open_gguf, read_llama, read_metadata
 from .llama import Llama
@@ -96,9 +97,12 @@ def load_gguf(path, attention: str = DEFAULT_ATTENTION, weights: str = DEFAULT_W
     if tokenizer.vocab_size != config.vocab_size:
         raise GGUFError(f"{path}: the tokenizer has {tokenizer.vocab_size} tokens, the model {config.vocab_size}")
     try:
-        return Llama(config, params, attention=attention), tokenizer
+        model = Llama(config, params, attention=attention)
     except QuantError as exc:  # q, k, v (or gate, up) stored in different formats cannot share one product
         raise GGUFError(f"{path}: {exc}; weights='fp32' (--weights fp32) loads every matrix as float32") from exc
+    del params, metadata  # freed before the trim: what parsing and packing left goes back to the system
+    trim_heap()  # (backend's memory policy)
+    return model, tokenizer
 
 
 def load_model(name_or_path, attention: str = DEFAULT_ATTENTION, weights: str | None = None):

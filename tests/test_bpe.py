@@ -143,6 +143,13 @@ def test_merge_toy_tokenizer_encodes_by_rank():
     assert t.decode(t.encode("low lol<|end|>")) == "low lol<|end|>"
 
 
+def test_merge_table_shares_the_vocabularys_strings(tok):
+    """Both symbols of every merge are the vocabulary's own string objects, not copies (5 MB for SmolLM2)."""
+    tokens = {id(t) for t in tok.tokens}
+    assert len(tok.ranks) == 48_900
+    assert all(id(left) in tokens and id(right) in tokens for left, right in tok.ranks)
+
+
 def test_bad_vocabularies_and_ids_are_refused():
     tokens = [BYTE_TO_UNICODE[b] for b in range(256)]
     with pytest.raises(ValueError, match="merge 0"):
