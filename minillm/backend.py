@@ -30,8 +30,8 @@ operating system when it is freed, but it raises that threshold to the largest s
 KB to a few MB are cut from the heap instead, and the pages they leave free stay with the process. So minillm
 fixes the threshold at 512 KiB (``keep_heap_small``; a decode step's logits and probabilities stay below it and
 are reused from the heap), at import, for the whole process, and a load hands the free pages it leaves back to
-the system (``trim_heap``). A chat with SmolLM2 then held 290 MB after its first answer, against 307 MB
-(docs/quantization.md, "Memory in the chat"). Elsewhere than glibc both are no-ops.
+the system (``trim_heap``). On an AMD EPYC a chat with SmolLM2 then held 285-287 MB after its first answer,
+against 303-304 MB (docs/quantization.md, "Memory in the chat"). Elsewhere than glibc both are no-ops.
 
 Weight products. Both models multiply by their weight matrices through one function,
 ``weight_product(x, w)`` = x @ w.T (w [out, in]; a GPT-2 weight stored [in, out] is passed as its
