@@ -18,7 +18,9 @@ panel is stored input position by input position, so that the P weights of one p
 The block formats keep their file's bytes per weight (the fp16 scales stay fp16). One position of a
 panel is one 16-lane vector on AVX-512 (two 8-lane ones on AVX2): load it, dequantize it (``d * q + m``
 for Q4_1: 8 instructions for the two positions a byte row holds), and add it times x[i, t] into R
-accumulators, one per token row:
+accumulators, one per token row. (Q4_1's kernel instead multiplies q itself into a block's sums and applies d
+and m once per block of 32 positions, ``q4_1_kernel`` and ``block_shape``, where those sums fit the
+registers.)
 
     for each panel (16 outputs), L of them at a time:  acc (U, R, L) lives in registers
         for t in 0..k-1:                               (U copies of the R rows, see below)
@@ -92,6 +94,7 @@ ROW_TILES = (1, 2, 3, 4, 5, 6, 8, 16)  # token rows a kernel is compiled for (n 
 # every n up to 6, since a verify of 4 or 5 drafted tokens is 5 or 6 rows (a pass 14-25 % faster than padded to 8)
 MAX_ROWS = ROW_TILES[-1]  # the most rows a kernel is compiled for; row_tiles() says which tiles fit this CPU
 FMA_CHAINS = 8  # independent sums that keep the FMA units busy (latency 4 x 2 per cycle); see kernel_shape
+BLOCK_CHAINS = 2  # independent sums of a Q4_1 block (q4_1_kernel); see block_shape
 WEIGHT_REGISTERS = {"F32": 1, "BF16": 1, "Q8_0": 2, "Q4_1": 4}  # vectors a format's dequantization holds per
 # vector of outputs: the weight (F32, BF16), d and the weight (Q8_0), d, m and the two weights of a byte (Q4_1)
 PREFETCH_BYTES = 16384  # how far ahead of the loads the kernels ask for the weight's next bytes (docs/quantization.md)
@@ -298,8 +301,62 @@ def q8_0_kernel(x, d, q, y, rows, chains, lanes):
 
 @jit
 def q4_1_kernel(x, dm, qs, y, rows, chains, lanes):
-    """y = x @ W.T for W packed Q4_1 (w = d * q + m).  x (R, k), dm (m/P, k/32, 2, P) fp16 bits,
-    qs (m/P, k/32, 16, P) uint8 (low nibble: position j, high: j + 16), y (R, m)"""
+    """y = x @ W.T for W packed Q4_1, the block's d and m applied once per block:
+    sum_t x[t] (d q[t] + m) = d * sum_t x[t] q[t] + m * sum_t x[t] over the block's 32 positions.
+    x (R, k), dm (m/P, k/32, 2, P) fp16 bits, qs (m/P, k/32, 16, P) uint8 (low nibble: position j, high: j + 16),
+    y (R, m)"""
+    numba.literally(rows)
+    numba.literally(chains)
+    numba.literally(lanes)
+    acc = stack_tile(1, rows, lanes)  # the outputs' sums
+    block = stack_tile(chains, rows, lanes)  # one block's sums of x * q
+    scale = stack_tile(2, 1, lanes)  # d, m of the block
+    w = stack_tile(2, 1, lanes)  # q at positions j and j + 16, as floats
+    half = QK // 2
+    pairs = max(1, chains // 2)
+    blocks = qs.shape[1]
+    x_sums = np.empty((rows, blocks), dtype=np.float32)  # each block's sum of x, shared by every output
+    for r in range(rows):
+        for b in range(blocks):
+            s = np.float32(0.0)
+            for t in range(QK):
+                s += x[r, b * QK + t]
+            x_sums[r, b] = s
+    for panel in range(qs.shape[0]):
+        for lane in range(0, P, lanes):
+            zero(acc)
+            for b in range(blocks):
+                if lane == 0:
+                    ahead = (panel * blocks + b) * half * P + PREFETCH_BYTES  # 16 outputs: 4 lines of qs
+                    for line in range(half * P // 64):
+                        prefetch(qs, ahead + 64 * line)
+                    prefetch(dm, ahead // 4)  # and 64 bytes of dm
+                for p in range(lanes):
+                    scale[0, 0, p] = half_to_f32(dm[panel, b, 0, lane + p])
+                    scale[1, 0, p] = half_to_f32(dm[panel, b, 1, lane + p])
+                zero(block)
+                for j0 in range(0, half, pairs):
+                    for v in range(pairs):
+                        j = j0 + v
+                        for p in range(lanes):
+                            byte = qs[panel, b, j, lane + p]
+                            w[0, 0, p] = np.float32(byte & np.uint8(0x0F))
+                            w[1, 0, p] = np.float32(byte >> np.uint8(4))
+                        add_rows(block, (2 * v) % chains, x, b * QK + j, w[0, 0])
+                        add_rows(block, (2 * v + 1) % chains, x, b * QK + j + half, w[1, 0])
+                for r in range(rows):
+                    for p in range(lanes):
+                        s = block[0, r, p]
+                        for u in range(1, chains):
+                            s += block[u, r, p]
+                        acc[0, r, p] += scale[0, 0, p] * s + scale[1, 0, p] * x_sums[r, b]
+            store(acc, y, panel * P + lane)
+
+
+@jit
+def q4_1_wide_kernel(x, dm, qs, y, rows, chains, lanes):
+    """y = x @ W.T for W packed Q4_1, each weight dequantized whole (w = d * q + m) before its products: the kernel
+    for row tiles whose block sums do not fit the registers (``block_shape``). Shapes as ``q4_1_kernel``'s."""
     numba.literally(rows)
     numba.literally(chains)
     numba.literally(lanes)
@@ -760,9 +817,43 @@ def compiled(fmt: str, rows: int, int8_x: bool = False):
     kernel = _COMPILED.get((fmt, rows, int8_x))
     if kernel is None:
         with vector_compile():
-            kernel = (INT8_KERNELS if int8_x else KERNELS)[fmt].compile(kernel_signature(fmt, rows))
+            kernel = source_kernel(fmt, rows, int8_x).compile(kernel_signature(fmt, rows))
         _COMPILED[fmt, rows, int8_x] = kernel
     return kernel
+
+
+def source_kernel(fmt: str, rows: int, int8_x: bool = False):
+    """The numba function that multiplies ``fmt`` over ``rows`` token rows: ``INT8_KERNELS[fmt]`` with int8_x, else
+    ``KERNELS[fmt]``, except Q4_1 where its block sums do not fit the registers (``block_shape``)."""
+    if int8_x:
+        return INT8_KERNELS[fmt]
+    if fmt == "Q4_1" and block_shape(rows) is None:
+        return q4_1_wide_kernel
+    return KERNELS[fmt]
+
+
+@functools.cache
+def block_shape(rows: int) -> tuple[int, int] | None:
+    """(U, L) of ``q4_1_kernel`` for ``rows`` token rows, or None where it does not fit and ``q4_1_wide_kernel``
+    runs. That kernel holds two sets of sums, a block's (U x R x V vectors) and the outputs' (R x V): the block's
+    in less than half the register file, both with the weights (``WEIGHT_REGISTERS``) in all of it. U =
+    BLOCK_CHAINS, else 1; the whole panel first, else one vector's lanes.
+
+        AVX-512 (32 zmm):  R = 1 .. 6: U = 2, L = 16;  R = 8: U = 1, L = 16;  R = 16: None
+        AVX2 (16 ymm):     R = 1: U = 2, L = 16;  R = 2: U = 1, L = 16;  R = 3: U = 2, L = 8;
+                           R = 4 .. 6: U = 1, L = 8;  R = 8: None
+
+    Two chains, not FMA_CHAINS: the conversions between the multiply-adds hide their latency, and every chain
+    costs an addition per output and block. The rule is the one that measured no slower than the wide kernel at
+    any tile on a Zen 4, with AVX-512 and with it turned off (docs/quantization.md, "The scale once per block")."""
+    lanes, registers = host_vector()
+    for width in (P, lanes):
+        vectors = width // lanes  # V
+        for u in (BLOCK_CHAINS, 1):
+            sums = u * rows * vectors
+            if 2 * sums < registers and sums + (rows + WEIGHT_REGISTERS["Q4_1"]) * vectors <= registers:
+                return u, width
+    return None
 
 
 @functools.cache
@@ -782,6 +873,8 @@ def kernel_shape(fmt: str, rows: int) -> tuple[int, int] | None:
                                      R = 5 .. 8: U = 1, L = 8;  R = 16: None
 
     docs/quantization.md ("On an AVX2 CPU") has the measurements that chose these fractions."""
+    if fmt == "Q4_1" and block_shape(rows) is not None:
+        return block_shape(rows)
     lanes, registers = host_vector()
     for width in (P, lanes):
         vectors = width // lanes  # V
@@ -818,7 +911,7 @@ def machine_code(fmt: str, rows: int, fastmath=FASTMATH, int8_x: bool = False, c
     """The assembly of ``fmt``'s kernel (the int8 one with ``int8_x``) for ``rows`` rows, freshly compiled (a
     cached kernel keeps no assembly) under ``vector_compile`` with these fastmath flags (and these chains and
     lanes, by default ``kernel_shape``'s)."""
-    source = (INT8_KERNELS if int8_x else KERNELS)[fmt].py_func
+    source = source_kernel(fmt, rows, int8_x).py_func
     kernel = numba.njit(fastmath=fastmath, nogil=True, boundscheck=False)(source)
     sig = kernel_signature(fmt, rows, chains, lanes)
     with vector_compile():

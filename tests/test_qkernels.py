@@ -256,14 +256,24 @@ def test_kernel_shape_follows_the_vector_registers(monkeypatch, host, shapes):
     file, with the weights within three quarters; on AVX2 a Q4_1 kernel for 4 rows takes sub-panels of 8 lanes
     (its whole-panel weights need 8 ymm) and 16 rows do not fit at all (the product runs in chunks of 8)."""
     monkeypatch.setattr(qkernels, "host_vector", lambda: host)
-    qkernels.kernel_shape.cache_clear()
-    qkernels.row_tiles.cache_clear()
+    caches = (qkernels.kernel_shape, qkernels.block_shape, qkernels.row_tiles)
+    for cache in caches:
+        cache.cache_clear()
     try:
         assert {r: qkernels.kernel_shape("Q8_0", r) for r in qkernels.ROW_TILES} == shapes
         assert qkernels.kernel_shape("Q4_1", 4) == ((2, 16) if host[1] == 32 else (1, 8))
         assert qkernels.row_tiles()[-1] == (16 if host[1] == 32 else 8)
+        # Q4_1's block sums where they fit (block_shape's table), the wide kernel with kernel_shape's rule elsewhere
+        blocks = ({r: (2, 16) for r in (1, 2, 3, 4, 5, 6)} | {8: (1, 16), 16: None} if host[1] == 32 else
+                  {1: (2, 16), 2: (1, 16), 3: (2, 8), 4: (1, 8), 5: (1, 8), 6: (1, 8), 8: None, 16: None})
+        assert {r: qkernels.block_shape(r) for r in qkernels.ROW_TILES} == blocks
+        per_block, wide = qkernels.q4_1_kernel, qkernels.q4_1_wide_kernel
+        assert [qkernels.source_kernel("Q4_1", r) for r in (1, 8, 16)] == (
+            [per_block, per_block, wide] if host[1] == 32 else [per_block, wide, wide])
+        assert qkernels.kernel_shape("Q4_1", 16) == ((1, 16) if host[1] == 32 else None)
     finally:
-        qkernels.kernel_shape.cache_clear()
+        for cache in caches:
+            cache.cache_clear()
         qkernels.row_tiles.cache_clear()
 
 
