@@ -299,6 +299,20 @@ def q8_0_kernel(x, d, q, y, rows, chains, lanes):
             store(acc, y, panel * P + lane)
 
 
+@inline
+def q4_1_block_start(dm, qs, scale, panel, b, lane):
+    """Block b of a Q4_1 panel: its d and m into scale (2, 1, L); on the first lanes, the panel's bytes
+    PREFETCH_BYTES ahead asked for (16 outputs: 4 lines of qs, and 64 bytes of dm)."""
+    if lane == 0:
+        ahead = (panel * qs.shape[1] + b) * (QK // 2) * P + PREFETCH_BYTES
+        for line in range(QK // 2 * P // 64):
+            prefetch(qs, ahead + 64 * line)
+        prefetch(dm, ahead // 4)
+    for p in range(scale.shape[2]):
+        scale[0, 0, p] = half_to_f32(dm[panel, b, 0, lane + p])
+        scale[1, 0, p] = half_to_f32(dm[panel, b, 1, lane + p])
+
+
 @jit
 def q4_1_kernel(x, dm, qs, y, rows, chains, lanes):
     """y = x @ W.T for W packed Q4_1, the block's d and m applied once per block:
@@ -326,14 +340,7 @@ def q4_1_kernel(x, dm, qs, y, rows, chains, lanes):
         for lane in range(0, P, lanes):
             zero(acc)
             for b in range(blocks):
-                if lane == 0:
-                    ahead = (panel * blocks + b) * half * P + PREFETCH_BYTES  # 16 outputs: 4 lines of qs
-                    for line in range(half * P // 64):
-                        prefetch(qs, ahead + 64 * line)
-                    prefetch(dm, ahead // 4)  # and 64 bytes of dm
-                for p in range(lanes):
-                    scale[0, 0, p] = half_to_f32(dm[panel, b, 0, lane + p])
-                    scale[1, 0, p] = half_to_f32(dm[panel, b, 1, lane + p])
+                q4_1_block_start(dm, qs, scale, panel, b, lane)
                 zero(block)
                 for j0 in range(0, half, pairs):
                     for v in range(pairs):
@@ -369,14 +376,7 @@ def q4_1_wide_kernel(x, dm, qs, y, rows, chains, lanes):
         for lane in range(0, P, lanes):
             zero(acc)
             for b in range(qs.shape[1]):
-                if lane == 0:
-                    ahead = (panel * qs.shape[1] + b) * half * P + PREFETCH_BYTES  # 16 outputs: 4 lines of qs
-                    for line in range(half * P // 64):
-                        prefetch(qs, ahead + 64 * line)
-                    prefetch(dm, ahead // 4)  # and 64 bytes of dm
-                for p in range(lanes):
-                    scale[0, 0, p] = half_to_f32(dm[panel, b, 0, lane + p])
-                    scale[1, 0, p] = half_to_f32(dm[panel, b, 1, lane + p])
+                q4_1_block_start(dm, qs, scale, panel, b, lane)
                 for j0 in range(0, half, pairs):
                     for v in range(pairs):
                         j = j0 + v
