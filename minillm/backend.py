@@ -26,24 +26,12 @@ the library's own default). The limit is applied once, at import, for the whole 
 
 Memory policy. glibc's malloc gives each block of 128 KiB or more a mapping of its own, returned to the
 operating system when it is freed, but it raises that threshold to the largest such block freed so far (up to
-32 MB). After a model's load has freed a few temporaries of several MB, a prefill's temporaries of a few hundred
-KB to a few MB are cut from the heap instead, and the pages they leave free stay with the process. So minillm
-fixes the threshold at 512 KiB (``keep_heap_small``; a decode step's logits and probabilities stay below it and
-are reused from the heap), at import, for the whole process, and a load hands the free pages it leaves back to
-the system (``trim_heap``). On an AMD EPYC a chat with SmolLM2 then held 285-287 MB after its first answer,
-against 303-304 MB (docs/quantization.md, "Memory in the chat"). Elsewhere than glibc both are no-ops.
-
-Weight products. Both models multiply by their weight matrices through one function,
-``weight_product(x, w)`` = x @ w.T (w [out, in]; a GPT-2 weight stored [in, out] is passed as its
-transpose, a view). On CuPy and the strict stand-in it is that ``@``. On NumPy a product over a few
-token rows (a decode step, a speculative verification) may instead run ``minillm.streaming``'s
-kernel, which reads w once where BLAS's matrix-matrix product first repacks it. Which one runs is
-measured, not guessed: the first product of each (weight shape, layout, row bucket) runs a few times
-on both paths, alternating, inside the forward that needs it; it and every later product of the
-bucket take the faster (``product_choices`` shows the winners). BLAS is the reference and the default;
-``MINILLM_FAST_PRODUCTS=1`` or ``set_fast_products(True)`` turns the streaming path on. A weight kept
-in quantized blocks (chapter 13) brings its own product: packed kernels on NumPy, dequantize + matmul
-on a device.
+32 MB). After a model's load has freed temporaries of several MB, a prefill's blocks of a few hundred KB are cut
+from the heap instead, and the pages they leave free stay with the process. A load and a chat's reply therefore
+end by handing the heap's free pages back (``trim_heap``, glibc's ``malloc_trim``): on an AMD EPYC a chat with
+SmolLM2 then held 284 MB after its first answer, against 303-304 MB (docs/quantization.md, "Memory in the
+chat"). Fixing the threshold instead would keep the heap as small, but it made array code that frees large
+temporaries on every step (training) take 1.6-1.8 times as long. Elsewhere than glibc ``trim_heap`` is a no-op.
 """
 
 from __future__ import annotations
@@ -256,23 +244,12 @@ def runtime_summary() -> str:
     return line
 
 
-M_MMAP_THRESHOLD = -3  # mallopt's parameter number in glibc's <malloc.h>
-HEAP_MMAP_THRESHOLD = 512 << 10  # blocks from this size on get a mapping of their own, unmapped when freed
-
-
 def _glibc():
     """The C library when it is glibc (it has ``malloc_trim``), else None (macOS, Windows, musl)."""
     if not sys.platform.startswith("linux"):
         return None
     libc = ctypes.CDLL(None)
-    return libc if hasattr(libc, "malloc_trim") and hasattr(libc, "mallopt") else None
-
-
-def keep_heap_small() -> bool:
-    """Fix glibc's mmap threshold at ``HEAP_MMAP_THRESHOLD`` (the module docstring's memory policy); False
-    where the C library is not glibc."""
-    libc = _glibc()
-    return libc is not None and libc.mallopt(M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD) == 1
+    return libc if hasattr(libc, "malloc_trim") else None
 
 
 def trim_heap() -> bool:
@@ -286,7 +263,6 @@ try:
     apply_thread_policy()
 except BackendError as exc:
     _fail_at_import(exc)
-keep_heap_small()
 
 
 # ---- weight products: BLAS, or a streaming kernel where it measured faster --------------------

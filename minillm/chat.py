@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from .backend import xp
+from .backend import trim_heap, xp
 from .generate import GenerationStats, prefill
 from .kv_cache import CacheFullError, KVCache
 from .sampling import SamplingSettings
@@ -107,12 +107,14 @@ class Chat:
         settings = SamplingSettings(temperature, top_k, top_p)
         before = (self.cache.length, len(self.messages), self.cached_text, self.pending)
         try:
-            return self.reply(message, max_new_tokens, settings, on_text)
+            reply = self.reply(message, max_new_tokens, settings, on_text)
         except KeyboardInterrupt:
             self.cache.truncate(before[0])
             del self.messages[before[1] :]
             self.cached_text, self.pending = before[2:]
             raise
+        trim_heap()  # the reply's free heap pages go back to the system (backend's memory policy)
+        return reply
 
     def reply(self, message, max_new_tokens, settings: SamplingSettings, on_text) -> Reply:
         """The turn itself: prefill the new tokens, then ``decode`` the reply, streaming its text."""

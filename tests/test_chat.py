@@ -131,6 +131,17 @@ def test_multibyte_characters_stream_whole(model, tok, monkeypatch):
 
 
 @pytest.mark.uses_exercise("3.1")
+def test_a_reply_hands_its_free_heap_back(model, tok, monkeypatch):
+    """Each turn that replies ends with backend.trim_heap (the memory policy); an interrupted one does not reply."""
+    trims = []
+    monkeypatch.setattr(chat_module, "trim_heap", lambda: trims.append(1))
+    chat = Chat(model, tok, max_len=256)
+    chat.turn("One", max_new_tokens=3)
+    chat.turn("Two", max_new_tokens=3)
+    assert len(trims) == 2
+
+
+@pytest.mark.uses_exercise("3.1")
 def test_reset_starts_over(model, tok):
     rec = Recorder(model)
     chat = Chat(rec, tok, system="Be brief.", max_len=256)
