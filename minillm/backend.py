@@ -37,6 +37,7 @@ temporaries on every step (training) take 1.6-1.8 times as long. Elsewhere than 
 from __future__ import annotations
 
 import ctypes
+import functools
 import math
 import mmap
 import os
@@ -244,6 +245,7 @@ def runtime_summary() -> str:
     return line
 
 
+@functools.cache
 def _glibc():
     """The C library when it is glibc (it has ``malloc_trim``), else None (macOS, Windows, musl)."""
     if not sys.platform.startswith("linux"):
